@@ -1,0 +1,153 @@
+"""The channel between the notebook (driver) and its workers, whatever the backend.
+
+Workers connect back to a listener in the notebook process and send small messages: output lines,
+metrics, status, their result or their error. It is the standard library's authenticated
+``multiprocessing.connection`` (HMAC challenge with a per-run secret), so only this run's workers can
+talk to it. It listens on 127.0.0.1 unless a launcher asks for a cluster-reachable address.
+"""
+
+from __future__ import annotations
+
+import queue
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+# Message kinds (first element of each tuple a worker sends).
+HELLO = "hello"  # (HELLO, rank, {"pid":..., "host":...})
+OUTPUT = "out"  # (OUTPUT, rank, "stdout"|"stderr", text)
+METRIC = "metric"  # (METRIC, rank, step, {name: value}, timestamp_ms)
+STATUS = "status"  # (STATUS, rank, state, detail)
+RESULT = "result"  # (RESULT, rank, pickled_value)
+ERROR = "error"  # (ERROR, rank, summary, traceback_text, unix_time)
+TOTAL = "total"  # (TOTAL, rank, total_steps)
+
+
+@dataclass(frozen=True)
+class ChannelAddress:
+    """Where workers connect, and the secret that proves they belong to this run."""
+
+    host: str
+    port: int
+    authkey: bytes
+
+    def __repr__(self) -> str:  # never show the secret
+        return f"ChannelAddress({self.host}:{self.port})"
+
+
+class Channel:
+    """Driver side: accepts worker connections and funnels their messages into one queue."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self._authkey = secrets.token_bytes(32)
+        self._listener = Listener((host, 0), authkey=self._authkey)
+        bound_host, port = self._listener.address
+        self.address = ChannelAddress(host if host != "0.0.0.0" else bound_host, port, self._authkey)
+        self.messages: "queue.Queue[tuple]" = queue.Queue()
+        self._closed = threading.Event()
+        self._readers: list[threading.Thread] = []
+        self._connections: list[Connection] = []
+        self._lock = threading.Lock()
+        self._acceptor = threading.Thread(target=self._accept_loop, name="dtrain-channel-accept", daemon=True)
+        self._acceptor.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn = self._listener.accept()
+            except Exception:  # closed listener, or a client that failed authentication
+                if self._closed.is_set():
+                    return
+                continue
+            reader = threading.Thread(target=self._read_loop, args=(conn,), name="dtrain-channel-read", daemon=True)
+            with self._lock:
+                self._connections.append(conn)
+                self._readers.append(reader)
+            reader.start()
+
+    def _read_loop(self, conn: Connection) -> None:
+        try:
+            while True:
+                self.messages.put(conn.recv())
+        except (EOFError, OSError):
+            pass
+        except Exception as exc:  # unpicklable message: report rather than lose it silently
+            self.messages.put((ERROR, None, f"unreadable message from a worker: {exc!r}", "", time.time()))
+        finally:
+            conn.close()
+
+    def put(self, message: tuple) -> None:
+        """Inject a message from the driver side (a launcher's captured process output, say)."""
+        self.messages.put(message)
+
+    def get(self, timeout: float) -> tuple | None:
+        try:
+            return self.messages.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def wait_readers(self, timeout: float) -> None:
+        """Wait until every connected worker has closed its connection (its messages are all queued)."""
+        with self._lock:
+            readers = list(self._readers)
+        for reader in readers:
+            reader.join(timeout)
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        try:
+            # accept() does not return when the socket is closed from another thread: wake it with a
+            # connection of our own, whose failed authentication the accept loop ignores.
+            socket.create_connection((self.address.host, self.address.port), timeout=1).close()
+        except OSError:
+            pass
+        self._acceptor.join(2)
+        try:
+            self._listener.close()
+        except Exception:
+            pass
+        with self._lock:
+            for conn in self._connections:
+                try:
+                    conn.close()
+                except Exception:
+                    pass
+
+    def __enter__(self) -> "Channel":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class WorkerLink:
+    """Worker side: one connection back to the notebook; thread-safe ``send``."""
+
+    def __init__(self, address: ChannelAddress, rank: int):
+        self.rank = rank
+        self._conn = Client((address.host, address.port), authkey=address.authkey)
+        self._lock = threading.Lock()
+        self._broken = False
+
+    def send(self, message: tuple) -> None:
+        if self._broken:
+            return
+        with self._lock:
+            try:
+                self._conn.send(message)
+            except (OSError, EOFError):
+                # The notebook went away (run cancelled): keep training code from crashing on a log call.
+                self._broken = True
+
+    def close(self) -> None:
+        with self._lock:
+            try:
+                self._conn.close()
+            except Exception:
+                pass

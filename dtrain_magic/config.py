@@ -1,0 +1,249 @@
+"""`RunConfig`: the one validated, immutable description of a run.
+
+The magic's flags (see :mod:`dtrain_magic.flags`) and the panel both end here. Validation is pure
+logic, runs before anything is launched, and every error names the flag, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+from urllib.parse import urlsplit, urlunsplit
+
+from .errors import ConfigError
+
+BACKENDS = ("auto", "local", "spark", "ray")
+STRATEGIES = ("ddp", "fsdp", "deepspeed")
+PRECISIONS = ("fp32", "fp16", "bf16")
+ZERO_STAGES = (0, 1, 2, 3)
+DEFAULT_EXPERIMENT = "dtrain_magic"
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _choice(flag: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        shown = ", ".join(str(a) for a in allowed)
+        raise ConfigError(flag, f"got {value!r}; allowed: {shown}")
+
+
+def _positive_int(flag: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(flag, f"got {value!r}; must be an integer >= {minimum}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a run needs to know, validated on construction.
+
+    Field names are the flag names with dashes turned into underscores (``--grad-accum`` →
+    ``grad_accum``). Build one with keywords; invalid values raise :class:`ConfigError`.
+    """
+
+    backend: str = "local"
+    strategy: str = "ddp"
+    zero: int | None = None
+    precision: str = "fp32"
+    num_processes: int = 2
+    use_gpu: bool = False
+    grad_accum: int = 1
+    fn: str | None = None
+    result: str | None = None
+    experiment: str = DEFAULT_EXPERIMENT
+    tracking_uri: str | None = None
+    ui: bool = False
+    dry_run: bool = False
+    seed: int | None = None
+    timeout: float | None = None
+    # Spark (TorchDistributor)
+    local_mode: bool = True
+    spark_master: str | None = None
+    # Ray (TorchTrainer)
+    ray_address: str | None = None
+    max_restarts: int = 0
+    storage: str | None = None
+    # DeepSpeed / batch arithmetic
+    deepspeed_config: str | None = None
+    micro_batch: int | None = None
+    train_batch: int | None = None
+    # Extra options for strategies or backends, kept as sorted (key, value) pairs so the config stays hashable.
+    extra: tuple[tuple[str, Any], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        _choice("--backend", self.backend, BACKENDS)
+        _choice("--strategy", self.strategy, STRATEGIES)
+        _choice("--precision", self.precision, PRECISIONS)
+        if self.zero is not None:
+            _choice("--zero", self.zero, ZERO_STAGES)
+            if self.strategy != "deepspeed":
+                raise ConfigError(
+                    "--zero",
+                    f"ZeRO stage {self.zero} applies only to --strategy deepspeed, not --strategy {self.strategy}; "
+                    "drop --zero or use --strategy deepspeed",
+                )
+        _positive_int("--num-processes", self.num_processes)
+        _positive_int("--grad-accum", self.grad_accum)
+        _positive_int("--max-restarts", self.max_restarts, minimum=0)
+        if self.seed is not None:
+            _positive_int("--seed", self.seed, minimum=0)
+        for flag, value in (("--micro-batch", self.micro_batch), ("--train-batch", self.train_batch)):
+            if value is not None:
+                _positive_int(flag, value)
+        for flag, value in (("--fn", self.fn), ("--result", self.result)):
+            if value is not None and not _IDENTIFIER.match(value):
+                raise ConfigError(flag, f"got {value!r}; must be a Python identifier")
+        if not isinstance(self.experiment, str) or not self.experiment.strip():
+            raise ConfigError("--experiment", f"got {self.experiment!r}; must be a non-empty name")
+        if self.timeout is not None and (isinstance(self.timeout, bool) or not self.timeout > 0):
+            raise ConfigError("--timeout", f"got {self.timeout!r}; must be a number of seconds > 0")
+        if self.precision == "fp16" and not self.use_gpu:
+            raise ConfigError(
+                "--precision",
+                "fp16 needs a GPU (CPU kernels and loss scaling for fp16 are not supported); "
+                "use --precision bf16 on CPU, or --gpu on a machine with CUDA",
+            )
+        self._check_backend_flags()
+        self._check_batch_arithmetic()
+
+    def _check_backend_flags(self) -> None:
+        if not self.local_mode and self.backend not in ("spark", "auto"):
+            raise ConfigError("--cluster", f"applies only to --backend spark, not --backend {self.backend}")
+        only = {
+            "--spark-master": (self.spark_master, ("spark", "auto")),
+            "--ray-address": (self.ray_address, ("ray", "auto")),
+            "--storage": (self.storage, ("ray", "auto")),
+            "--deepspeed-config": (self.deepspeed_config, None),
+        }
+        for flag, (value, backends) in only.items():
+            if value is None:
+                continue
+            if backends is not None and self.backend not in backends:
+                raise ConfigError(flag, f"applies only to --backend {backends[0]}, not --backend {self.backend}")
+        if self.deepspeed_config is not None and self.strategy != "deepspeed":
+            raise ConfigError("--deepspeed-config", f"applies only to --strategy deepspeed, not {self.strategy}")
+        if self.max_restarts and self.backend == "spark":
+            raise ConfigError(
+                "--max-restarts",
+                "TorchDistributor does not restart failed workers; use --backend ray or local for restarts",
+            )
+
+    def _check_batch_arithmetic(self) -> None:
+        if self.micro_batch is None or self.train_batch is None:
+            return
+        expected = self.micro_batch * self.grad_accum * self.num_processes
+        if expected != self.train_batch:
+            raise ConfigError(
+                "--train-batch",
+                f"train_batch_size {self.train_batch} != micro_batch_per_gpu {self.micro_batch} "
+                f"x gradient_accumulation_steps {self.grad_accum} x world_size {self.num_processes} "
+                f"(= {expected}); set --train-batch {expected}, or change --micro-batch, --grad-accum "
+                "or --num-processes so the product matches",
+            )
+
+    @property
+    def zero_stage(self) -> int:
+        """ZeRO stage for DeepSpeed (0 when not given)."""
+        return 0 if self.zero is None else self.zero
+
+    @property
+    def extras(self) -> dict[str, Any]:
+        return dict(self.extra)
+
+    def replace(self, **changes: Any) -> "RunConfig":
+        """A copy with some fields changed, validated again."""
+        return dataclasses.replace(self, **changes)
+
+    def to_params(self) -> dict[str, str]:
+        """Every field as an MLflow parameter (strings), with credentials removed from URIs."""
+        params = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("tracking_uri", "ray_address", "spark_master") and isinstance(value, str):
+                value = redact_uri(value)
+            if f.name == "extra":
+                value = json.dumps(dict(value), sort_keys=True, default=str)
+            params[f.name] = str(value)
+        return params
+
+    def flag_line(self) -> str:
+        """The ``%%distribute`` line that reproduces this config."""
+        parts = [f"--backend {self.backend}", f"--strategy {self.strategy}"]
+        if self.zero is not None:
+            parts.append(f"--zero {self.zero}")
+        parts += [f"--precision {self.precision}", f"-n {self.num_processes}", "--gpu" if self.use_gpu else "--cpu"]
+        if self.grad_accum != 1:
+            parts.append(f"--grad-accum {self.grad_accum}")
+        optional = {
+            "--fn": self.fn, "--result": self.result, "--tracking-uri": self.tracking_uri, "--seed": self.seed,
+            "--timeout": self.timeout, "--spark-master": self.spark_master, "--ray-address": self.ray_address,
+            "--storage": self.storage, "--micro-batch": self.micro_batch, "--train-batch": self.train_batch,
+        }
+        parts += [f"{flag} {value}" for flag, value in optional.items() if value is not None]
+        if self.experiment != DEFAULT_EXPERIMENT:
+            parts.append(f"--experiment {self.experiment}")
+        if not self.local_mode:
+            parts.append("--cluster")
+        if self.max_restarts:
+            parts.append(f"--max-restarts {self.max_restarts}")
+        if self.deepspeed_config is not None:
+            parts.append(f"--deepspeed-config '{self.deepspeed_config}'")
+        parts.append("--ui" if self.ui else "--no-ui")
+        return "%%distribute " + " ".join(parts)
+
+
+def redact_uri(uri: str) -> str:
+    """Drop a ``user:password@`` part from a URI so it can be shown or logged."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return uri
+    if parts.username or parts.password:
+        host = parts.hostname or ""
+        if parts.port:
+            host += f":{parts.port}"
+        return urlunsplit((parts.scheme, "***@" + host, parts.path, parts.query, parts.fragment))
+    return uri
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # torch missing or broken CUDA runtime: treat as no GPU
+        return False
+
+
+def detect_backend(modules: Mapping[str, Any] | None = None) -> str:
+    """``--backend auto``: spark with an active SparkSession, ray when Ray is initialised, else local.
+
+    Only looks at libraries the notebook has already imported, so ``auto`` never pays their import time.
+    """
+    import sys
+
+    modules = sys.modules if modules is None else modules
+    if "pyspark.sql" in modules:
+        try:
+            if modules["pyspark.sql"].SparkSession.getActiveSession() is not None:
+                return "spark"
+        except Exception:
+            pass
+    if "ray" in modules:
+        try:
+            if modules["ray"].is_initialized():
+                return "ray"
+        except Exception:
+            pass
+    return "local"
+
+
+def default_tracking_uri(cwd: str | None = None) -> str:
+    """``MLFLOW_TRACKING_URI`` when set, else an SQLite file ``mlflow.db`` in the working directory."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    path = os.path.abspath(os.path.join(cwd or os.getcwd(), "mlflow.db"))
+    return f"sqlite:///{path}"

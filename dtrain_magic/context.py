@@ -1,0 +1,177 @@
+"""`TrainContext`: the ``ctx`` every worker's training function receives.
+
+It hides what differs between strategies (wrapping, backward, stepping, precision, checkpoints) and
+between backends (ranks, devices, where metrics go). Metrics and status go to the notebook over the
+run's channel; the notebook writes them to MLflow in the background, so ``ctx.log`` costs a socket
+write, not a database round-trip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+from .config import RunConfig
+from .strategies.base import Strategy
+
+
+class _ShardedLoader(DataLoader):
+    """A DataLoader over this rank's shard that advances the sampler's epoch on every pass (like Accelerate)."""
+
+    _epoch = 0
+
+    def __iter__(self):  # type: ignore[override]
+        if isinstance(self.sampler, DistributedSampler):
+            self.sampler.set_epoch(self._epoch)
+        self._epoch += 1
+        return super().__iter__()
+
+
+def shard_loader(loader: DataLoader, rank: int, world_size: int, seed: int = 0) -> DataLoader:
+    """Rebuild ``loader`` over a DistributedSampler shard, keeping its per-process batch size."""
+    if not isinstance(loader, DataLoader) or world_size <= 1:
+        return loader
+    if isinstance(loader.sampler, DistributedSampler) or loader.batch_size is None:
+        return loader  # already sharded by the user, or a custom batch sampler we must not second-guess
+    shuffle = isinstance(loader.sampler, RandomSampler)
+    sampler = DistributedSampler(
+        loader.dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=loader.drop_last
+    )
+    return _ShardedLoader(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
+    )
+
+
+class TrainContext:
+    """What the training function sees as ``ctx``.
+
+    Attributes: ``rank``, ``local_rank``, ``world_size``, ``is_main`` (rank 0), ``device``, ``config``
+    (the run's `RunConfig`), ``strategy`` (the `Strategy` in use).
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        strategy: Strategy,
+        rank: int,
+        local_rank: int,
+        world_size: int,
+        device: torch.device,
+        send: Callable[[tuple], None] | None = None,
+        checkpoint_store: Any = None,
+    ):
+        self.config = config
+        self.strategy = strategy
+        self.rank = rank
+        self.local_rank = local_rank
+        self.world_size = world_size
+        self.device = device
+        self._send = send or (lambda message: None)
+        self._log_calls = 0
+        self._checkpoints = checkpoint_store
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # -- model, optimizer, data ------------------------------------------------------------------
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *loaders: DataLoader):
+        """Wrap model and optimizer for the strategy, move them to ``device``, shard each loader.
+
+        Returns ``(model, optimizer, *loaders)``, or ``(model, optimizer)`` without loaders.
+        """
+        model, optimizer = self.strategy.wrap(model, optimizer)
+        seed = self.config.seed or 0
+        sharded = [shard_loader(loader, self.rank, self.world_size, seed) for loader in loaders]
+        return (model, optimizer, *sharded)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward pass through the strategy (loss scaling, accumulation, DeepSpeed's engine)."""
+        self.strategy.backward(loss)
+
+    def step(self) -> bool:
+        """Optimizer step and zero_grad at each ``--grad-accum`` boundary. True if the optimizer stepped."""
+        return self.strategy.step()
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Context manager for the forward pass in the run's ``--precision``."""
+        return self.strategy.autocast()
+
+    def barrier(self) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    # -- metrics and progress --------------------------------------------------------------------
+    def log(self, metrics: Mapping[str, Any] | None = None, step: int | None = None, **more: Any) -> None:
+        """Log metrics from rank 0 to the run (``ctx.log(loss=l)`` or ``ctx.log({"loss": l}, step=n)``).
+
+        Without ``step``, each call is the next step (0, 1, 2, ...). Tensors are turned into floats.
+        Other ranks' calls are ignored (MLflow records what rank 0 logs).
+        """
+        values = dict(metrics or {}, **more)
+        if step is None:
+            step = self._log_calls
+        self._log_calls += 1
+        if not self.is_main:
+            return
+        numbers = {}
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                value = value.detach().float().mean().item()
+            try:
+                numbers[str(key)] = float(value)
+            except (TypeError, ValueError):
+                raise TypeError(f"ctx.log: metric {key!r} must be a number, got {type(value).__name__}") from None
+        self._send(("metric", self.rank, int(step), numbers, int(time.time() * 1000)))
+
+    def set_total(self, steps: int) -> None:
+        """Declare how many steps the run will take, for the progress bar and its ETA."""
+        if self.is_main:
+            self._send(("total", self.rank, int(steps)))
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(self, directory: str | None = None, **client_state: Any) -> None:
+        """Save model, optimizer and ``client_state`` through the strategy (every rank must call it)."""
+        directory = self._checkpoint_dir(directory)
+        self.strategy.save_checkpoint(directory, client_state)
+        self.barrier()
+        if self._checkpoints is not None:
+            self._checkpoints.saved(directory)
+
+    def load_checkpoint(self, directory: str | None = None) -> dict | None:
+        """Restore the latest checkpoint into the prepared model/optimizer; returns its ``client_state``
+        (None when there is no checkpoint yet, so a fresh run starts from scratch)."""
+        if directory is None and self._checkpoints is not None:
+            directory = self._checkpoints.latest()
+        if directory is None or not os.path.isdir(directory):
+            return None
+        return self.strategy.load_checkpoint(directory)
+
+    def _checkpoint_dir(self, directory: str | None) -> str:
+        if directory is not None:
+            return directory
+        if self._checkpoints is not None:
+            return self._checkpoints.next_dir()
+        raise ValueError("ctx.save_checkpoint: give a directory")
+
+    def __repr__(self) -> str:
+        return (
+            f"TrainContext(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
+            f"strategy={self.strategy.name}, precision={self.config.precision})"
+        )
+

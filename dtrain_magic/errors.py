@@ -1,0 +1,74 @@
+"""User-facing errors.
+
+Every error the magic raises on purpose derives from :class:`DistributeError`. IPython calls
+``_render_traceback_`` when an exception defines it, so these errors show as a short paragraph in the
+cell instead of a long traceback through IPython, Spark or Ray internals, while the cell still fails
+(nbclient and "Run all" stop on it).
+"""
+
+from __future__ import annotations
+
+
+class DistributeError(Exception):
+    """Base class of the errors ``%%distribute`` shows to the user."""
+
+    title = "DistributeError"
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{self.title}: {line}" if i == 0 else line for i, line in enumerate(str(self).splitlines())]
+
+
+class ConfigError(DistributeError, ValueError):
+    """A flag or value is invalid. Raised before anything is launched."""
+
+    title = "ConfigError"
+
+    def __init__(self, flag: str, message: str):
+        self.flag = flag
+        super().__init__(f"{flag}: {message}")
+
+
+class CaptureError(DistributeError):
+    """The cell does not define a function that can be shipped to workers."""
+
+    title = "CaptureError"
+
+
+class MissingDependencyError(DistributeError):
+    """An optional dependency (pyspark, ray, deepspeed, Java) is not installed or too old."""
+
+    title = "MissingDependencyError"
+
+
+class LaunchError(DistributeError):
+    """The backend could not start or place the workers."""
+
+    title = "LaunchError"
+
+
+class WorkerError(DistributeError):
+    """A worker failed. Carries the failing rank and the worker's own (already shortened) traceback."""
+
+    title = "WorkerError"
+
+    def __init__(self, rank: int | None, summary: str, remote_traceback: str = ""):
+        self.rank = rank
+        self.summary = summary
+        self.remote_traceback = remote_traceback
+        who = "a worker" if rank is None else f"rank {rank}"
+        text = f"{who} failed: {summary}"
+        if remote_traceback:
+            text += "\n\n" + remote_traceback.rstrip()
+        super().__init__(text)
+
+
+class RunInterrupted(DistributeError):
+    """The run was interrupted from the notebook (kernel interrupt or the Stop button)."""
+
+    title = "RunInterrupted"
+
+
+class RunTimeout(DistributeError):
+    """The run exceeded ``--timeout``."""
+
+    title = "RunTimeout"

@@ -1,0 +1,70 @@
+"""The `Launcher` interface: how a backend starts N workers that each call ``run_worker``.
+
+A launcher knows nothing of strategies. It gets a `WorkerJob` (the pickled function, the config, the
+channel address) and must start ``config.num_processes`` workers that call
+``dtrain_magic.worker.run_worker(job, ranks)`` with torch.distributed rendezvous information in their
+environment (or a process group already joined). Results, errors, output and metrics come back over
+the channel, never through the backend's own return value, so every backend behaves the same.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
+
+from ..config import RunConfig
+from ..worker import WorkerJob
+
+# A launcher reports what only it can see (process output written below Python, exits) with this.
+Emit = Callable[[tuple], None]
+
+
+@dataclass
+class Failure:
+    """A worker that died without reporting an error itself (killed, crashed in C, backend error)."""
+
+    rank: int | None
+    reason: str
+    detail: str = ""
+
+
+@dataclass
+class LaunchState:
+    """What `RunningJob.poll` sees: finished or not, and failures the launcher observed."""
+
+    finished: bool
+    failures: list[Failure] = field(default_factory=list)
+
+
+class RunningJob(ABC):
+    """A started run: poll it until finished, cancel it on error, interrupt or timeout."""
+
+    @abstractmethod
+    def poll(self) -> LaunchState:
+        """Non-blocking: has every worker ended, and did any fail in a way only the launcher sees?"""
+
+    @abstractmethod
+    def cancel(self) -> None:
+        """Stop every worker now and release what the run holds (processes, jobs, ports). Idempotent."""
+
+
+class Launcher(ABC):
+    """One backend. Subclasses set ``name`` and are found through the registry."""
+
+    name: ClassVar[str]
+
+    def check(self, config: RunConfig) -> None:
+        """Validate in the notebook, before any MLflow run or process exists (deps, resources)."""
+
+    def channel_host(self, config: RunConfig) -> str:
+        """The address the notebook's channel listens on: loopback unless workers are on other hosts."""
+        return "127.0.0.1"
+
+    @abstractmethod
+    def start(self, job: WorkerJob, emit: Emit) -> RunningJob:
+        """Start the workers and return at once."""
+
+    def describe(self, config: RunConfig) -> str:
+        """One line for ``--dry-run`` and the panel: what would be started where."""
+        return f"{config.num_processes} worker(s) via {self.name}"

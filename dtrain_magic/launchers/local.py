@@ -1,0 +1,189 @@
+"""``--backend local``: N fresh Python processes on this machine (spawn semantics, never fork).
+
+Each worker is ``python -m dtrain_magic.worker JOB_FILE`` in its own process group, with torchrun's
+environment variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT).
+Output written below Python (C extensions, crashes) is read from the processes' pipes and shown with
+the rank prefix; Python-level output travels over the channel. Cancel = SIGTERM to every process
+group, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import cloudpickle
+
+from .. import channel as ch
+from ..config import RunConfig
+from ..errors import ConfigError, LaunchError
+from ..worker import WorkerJob
+from .base import Emit, Failure, Launcher, LaunchState, RunningJob
+
+_GRACE_S = 3.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS says is free right now on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def worker_environment(rank: int, world_size: int, port: int, threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        PYTHONUNBUFFERED="1",
+        # Same imports as the notebook: its sys.path (working directory, editable installs) first.
+        PYTHONPATH=os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p and os.path.isdir(p)),
+    )
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    env.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+    return env
+
+
+def _loopback_interface() -> str:
+    try:
+        return next(name for _, name in socket.if_nameindex() if name.startswith("lo"))
+    except (OSError, StopIteration):
+        return "lo"
+
+
+class LocalJob(RunningJob):
+    def __init__(self, job: WorkerJob, emit: Emit, run_dir: str):
+        self._emit = emit
+        self._run_dir = run_dir
+        self._cancelled = False
+        self._lock = threading.Lock()
+        config = job.config
+        job_file = os.path.join(run_dir, "job.pkl")
+        fd = os.open(job_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            cloudpickle.dump(job, handle)
+        port = free_port()
+        threads = max(1, (os.cpu_count() or 1) // config.num_processes)
+        self.processes: list[subprocess.Popen] = []
+        self._pumps: list[threading.Thread] = []
+        for rank in range(config.num_processes):
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "dtrain_magic.worker", job_file],
+                env=worker_environment(rank, config.num_processes, port, threads),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # its own process group, so cancel reaches its children too
+                cwd=os.getcwd(),
+            )
+            self.processes.append(proc)
+            for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
+                pump = threading.Thread(target=self._pump, args=(stream, rank, name), daemon=True)
+                pump.start()
+                self._pumps.append(pump)
+
+    def _pump(self, stream, rank: int, name: str) -> None:
+        for raw in iter(stream.readline, b""):
+            self._emit((ch.OUTPUT, rank, name, raw.decode("utf-8", "replace")))
+        stream.close()
+
+    def poll(self) -> LaunchState:
+        codes = [proc.poll() for proc in self.processes]
+        failures = [
+            Failure(rank, _describe_exit(code)) for rank, code in enumerate(codes) if code not in (None, 0)
+        ]
+        finished = all(code is not None for code in codes)
+        if finished:
+            for pump in self._pumps:
+                pump.join(2)
+            self._cleanup()
+        return LaunchState(finished, failures)
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self._cancelled:
+                return
+            self._cancelled = True
+        alive = [p for p in self.processes if p.poll() is None]
+        for proc in alive:
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + _GRACE_S
+        for proc in alive:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.processes:
+            _signal_group(proc, signal.SIGKILL)  # also reaches grandchildren left in the group
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        for pump in self._pumps:
+            pump.join(2)
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        shutil.rmtree(self._run_dir, ignore_errors=True)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"process was killed by {name}"
+    return f"process exited with code {code}"
+
+
+class LocalLauncher(Launcher):
+    """torch.distributed on this machine; needs neither Spark nor Ray."""
+
+    name = "local"
+
+    def check(self, config: RunConfig) -> None:
+        if config.use_gpu:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError("--gpu", "CUDA is not available on this machine; use --cpu")
+            if config.num_processes > torch.cuda.device_count():
+                raise ConfigError(
+                    "--num-processes",
+                    f"{config.num_processes} processes need {config.num_processes} GPUs; this machine has "
+                    f"{torch.cuda.device_count()}",
+                )
+        if config.max_restarts:
+            raise ConfigError("--max-restarts", "restarts on the local backend are not yet supported")
+
+    def start(self, job: WorkerJob, emit: Emit) -> RunningJob:
+        run_dir = tempfile.mkdtemp(prefix="dtrain_run_")  # mode 0700: the pickled job is private
+        try:
+            return LocalJob(job, emit, run_dir)
+        except OSError as exc:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise LaunchError(f"could not start local workers: {exc}") from None
+
+    def describe(self, config: RunConfig) -> str:
+        device = "GPU" if config.use_gpu else "CPU"
+        return f"{config.num_processes} local process(es) on this machine ({device}, gloo/nccl on 127.0.0.1)"

@@ -1,0 +1,53 @@
+"""The ``%%distribute`` cell magic: flags → `RunConfig` → the cell's function → a run → `RunResult`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from IPython.core.magic import Magics, cell_magic, magics_class
+
+from . import flags, runner
+from .capture import capture
+from .observer import RunObserver, TextObserver
+from .result import RunResult
+
+
+def _in_frontend(shell: Any) -> bool:
+    """True in a kernel that a notebook front-end (JupyterLab, VS Code, Databricks) talks to."""
+    return type(shell).__name__ == "ZMQInteractiveShell"
+
+
+def make_observer(config: Any) -> RunObserver:
+    """The live panel when ``--ui`` and widgets are available, else plain text."""
+    if config.ui:
+        try:
+            from .ui.monitor import MonitorObserver
+        except ImportError:
+            return TextObserver()
+        return MonitorObserver(config)
+    return TextObserver()
+
+
+@magics_class
+class DistributeMagics(Magics):
+    """IPython magics of dtrain_magic."""
+
+    @cell_magic
+    def distribute(self, line: str, cell: str) -> RunResult | None:
+        args = flags.parse_line(line)
+        config = flags.config_from_args(args, in_frontend=_in_frontend(self.shell))
+        if args.configure:
+            from .ui.panel import show_panel
+
+            return show_panel(config, cell, self.shell)
+        runner.check(config)  # bad input: a clear error before the cell runs or anything launches
+        payload, _ = capture(cell, self.shell.user_ns, config.fn, self.shell)
+        if config.dry_run:
+            print(runner.plan(config, payload))
+            return None
+        result = runner.execute(config, payload, make_observer(config))
+        if config.result:
+            self.shell.user_ns[config.result] = result
+        return result
+
+    distribute.__doc__ = flags.HELP

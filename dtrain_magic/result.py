@@ -1,0 +1,41 @@
+"""`RunResult`: what ``%%distribute`` returns to the cell."""
+
+from __future__ import annotations
+
+import reprlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import RunConfig
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """The outcome of one run.
+
+    ``value``: rank 0's return value. ``values``: every rank's, indexed by rank. ``run_id``: the MLflow
+    run. ``config``: the `RunConfig` used. ``wall_time_s``: launch to last result. ``metrics``: last
+    value of each metric rank 0 logged. ``time_to_first_step_s``: launch to the first ``ctx.log``.
+    """
+
+    value: Any
+    values: list[Any]
+    run_id: str | None
+    config: RunConfig
+    wall_time_s: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    time_to_first_step_s: float | None = None
+    tracking_uri: str | None = None
+
+    def __repr__(self) -> str:
+        short = reprlib.Repr()
+        short.maxstring, short.maxother, short.maxlist, short.maxdict = 80, 80, 4, 6
+        metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(self.metrics.items()))
+        return (
+            f"RunResult(backend={self.config.backend}, strategy={self.config.strategy}, "
+            f"world_size={self.config.num_processes}, wall_time_s={self.wall_time_s:.2f}, "
+            f"run_id={self.run_id!r}, metrics={{{metrics}}}, value={short.repr(self.value)})"
+        )
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(repr(self))

@@ -1,0 +1,182 @@
+"""The driver side of one run: check, open the MLflow run and the channel, launch, pump messages, end.
+
+This is the only place that sees a launcher, the channel and the tracker together. The loop runs in
+the calling thread (the cell's), so worker output printed here lands in the cell as it happens.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import cloudpickle
+
+from . import channel as ch
+from .capture import Payload
+from .channel import Channel
+from .config import RunConfig
+from .errors import DistributeError, LaunchError, RunInterrupted, RunTimeout, WorkerError
+from .launchers import get_launcher
+from .observer import RunObserver, TextObserver
+from .result import RunResult
+from .strategies import get_strategy
+from .tracking import RunTracker
+from .worker import WorkerJob
+
+_POLL_S = 0.05
+_ERROR_GRACE_S = 1.0  # after the first worker error, let the others report before stopping them
+
+
+def check(config: RunConfig) -> None:
+    """Everything that can be checked before launch; raises `DistributeError` subclasses."""
+    get_launcher(config.backend).check(config)
+    get_strategy(config.strategy).check(config)
+
+
+def execute(
+    config: RunConfig,
+    payload: Payload,
+    observer: RunObserver | None = None,
+    stop: threading.Event | None = None,
+) -> RunResult:
+    """Run ``payload`` under ``config`` and return its `RunResult`, or raise a short `DistributeError`."""
+    observer = observer or TextObserver()
+    launcher = get_launcher(config.backend)
+    check(config)
+    tracker = RunTracker.start(config)
+    observer.started(config, tracker.run_id, tracker.ui_link(), launcher.describe(config))
+    started = time.monotonic()
+    status, reason = "FAILED", None
+    try:
+        tracker.start_system_metrics()
+        with Channel(host=launcher.channel_host(config)) as channel:
+            job = WorkerJob(payload, config, channel.address, tracker.run_id)
+            outcome = _Pump(config, channel, tracker, observer, started)
+            running = launcher.start(job, channel.put)
+            try:
+                outcome.run(running, stop)
+            finally:
+                running.cancel()
+            outcome.drain()
+            values = outcome.collect()
+        result = RunResult(
+            value=values[0], values=values, run_id=tracker.run_id, config=config,
+            wall_time_s=time.monotonic() - started, metrics=dict(tracker.last_metrics),
+            time_to_first_step_s=outcome.first_metric_s, tracking_uri=tracker.tracking_uri,
+        )
+        tracker.log_result(result.value)
+        status = "FINISHED"
+        observer.finished(result, None)
+        return result
+    except (KeyboardInterrupt, RunInterrupted) as exc:
+        status, reason = "KILLED", "interrupted from the notebook"
+        error = exc if isinstance(exc, RunInterrupted) else RunInterrupted("the run was interrupted; every worker was stopped")
+        observer.finished(None, error)
+        raise error from None
+    except DistributeError as exc:
+        reason = str(exc).splitlines()[0]
+        observer.finished(None, exc)
+        raise
+    except Exception as exc:  # a backend's own exception: keep its message, drop its 40-line traceback
+        reason = f"{type(exc).__name__}: {exc}"
+        error = LaunchError(f"the {config.backend} backend failed: {reason}")
+        observer.finished(None, error)
+        raise error from None
+    finally:
+        tracker.set_tags({"dtrain_magic.wall_time_s": f"{time.monotonic() - started:.3f}"})
+        tracker.finish(status, reason)
+
+
+class _Pump:
+    """Moves channel messages to the observer and the tracker until the launcher says the run ended."""
+
+    def __init__(self, config: RunConfig, channel: Channel, tracker: RunTracker, observer: RunObserver, t0: float):
+        self.config, self.channel, self.tracker, self.observer, self.t0 = config, channel, tracker, observer, t0
+        self.results: dict[int, bytes] = {}
+        self.errors: list[tuple[float, int | None, str, str]] = []
+        self.failures: list = []
+        self.first_metric_s: float | None = None
+
+    def run(self, running: Any, stop: threading.Event | None) -> None:
+        first_error_at = None
+        while True:
+            message = self.channel.get(timeout=_POLL_S)
+            while message is not None:
+                self.handle(message)
+                message = self.channel.get(timeout=0) if not self.channel.messages.empty() else None
+            state = running.poll()
+            if state.finished:
+                self.failures = state.failures
+                return
+            now = time.monotonic()
+            if (self.errors or state.failures) and first_error_at is None:
+                first_error_at = now
+                self.failures = state.failures
+            if first_error_at is not None and now - first_error_at > _ERROR_GRACE_S:
+                self.failures = state.failures or self.failures
+                return  # the caller cancels the remaining workers
+            if stop is not None and stop.is_set():
+                raise RunInterrupted("the run was stopped from the panel; every worker was stopped")
+            if self.config.timeout and now - self.t0 > self.config.timeout:
+                raise RunTimeout(
+                    f"--timeout {self.config.timeout:g}: the run took longer than {self.config.timeout:g} s; "
+                    "every worker was stopped"
+                )
+
+    def drain(self) -> None:
+        self.channel.wait_readers(timeout=2.0)
+        while (message := self.channel.get(timeout=0.01)) is not None:
+            self.handle(message)
+
+    def handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == ch.OUTPUT:
+            self.observer.output(message[1], message[2], message[3])
+        elif kind == ch.METRIC:
+            _, rank, step, metrics, stamp = message
+            if self.first_metric_s is None:
+                self.first_metric_s = time.monotonic() - self.t0
+            self.tracker.log_metrics(step, metrics, stamp)
+            self.observer.metric(step, metrics)
+        elif kind == ch.RESULT:
+            self.results[message[1]] = message[2]
+        elif kind == ch.ERROR:
+            self.errors.append((message[4], message[1], message[2], message[3]))
+        elif kind == ch.STATUS:
+            self.observer.status(message[1], message[2], message[3])
+        elif kind == ch.TOTAL:
+            self.observer.total(message[2])
+        elif kind == ch.HELLO:
+            self.observer.status(message[1], "starting", message[2].get("host", ""))
+
+    def collect(self) -> list[Any]:
+        """Every rank's value, or the error that explains why not."""
+        reported = {rank for _, rank, _, _ in self.errors}
+        silent = [f for f in self.failures if f.rank not in reported]
+        if silent:  # killed or crashed below Python: that is the root cause, the rest are consequences
+            first = silent[0]
+            raise WorkerError(first.rank, first.reason, first.detail)
+        if self.errors:
+            # The earliest error is the cause; later ones are peers noticing (connection reset by peer).
+            _, rank, summary, remote = min(self.errors, key=lambda e: e[0])
+            raise WorkerError(rank, summary, remote)
+        world = self.config.num_processes
+        missing = [rank for rank in range(world) if rank not in self.results]
+        if missing:
+            raise WorkerError(missing[0], "the worker ended without returning a result (see its output above)")
+        return [cloudpickle.loads(self.results[rank]) for rank in range(world)]
+
+
+def plan(config: RunConfig, payload: Payload) -> str:
+    """What ``--dry-run`` prints: the validated config and what would be launched."""
+    launcher = get_launcher(config.backend)
+    call = f"{payload.name}(ctx)" if payload.takes_ctx else f"{payload.name}()"
+    lines = [
+        "dtrain_magic dry run: nothing launched.",
+        f"  would run {call} on {launcher.describe(config)}",
+        f"  strategy {config.strategy}" + (f" (ZeRO {config.zero_stage})" if config.strategy == "deepspeed" else "")
+        + f", precision {config.precision}, grad accumulation {config.grad_accum}",
+        f"  equivalent: {config.flag_line()}",
+    ]
+    return "\n".join(lines)

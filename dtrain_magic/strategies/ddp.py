@@ -1,0 +1,28 @@
+"""``--strategy ddp``: torch DistributedDataParallel."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from .base import TorchStrategy
+
+
+class DDPStrategy(TorchStrategy):
+    name = "ddp"
+
+    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Any, Any]:
+        model = model.to(self.device)
+        if self.world_size > 1:
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            model = DistributedDataParallel(model, device_ids=device_ids)
+        self.model, self.optimizer = model, optimizer
+        return model, optimizer
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        if isinstance(self.model, DistributedDataParallel):
+            return self.model.no_sync()
+        return contextlib.nullcontext()

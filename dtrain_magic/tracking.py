@@ -1,0 +1,142 @@
+"""MLflow: one run per ``%%distribute``, through ``MlflowClient`` (no global active run in the kernel).
+
+Params are the `RunConfig` fields; metrics are what rank 0 logs, written with MLflow's asynchronous
+``log_batch`` so the notebook's message loop never waits on the store; system metrics come from
+MLflow's own ``SystemMetricsMonitor`` (CPU, memory, and GPU through nvidia-ml-py where present).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, Mapping
+
+from .config import RunConfig, default_tracking_uri, redact_uri
+
+SYSTEM_METRICS_INTERVAL_S = 1.0
+
+
+def resolve_tracking_uri(config: RunConfig) -> str:
+    """``--tracking-uri``, else ``MLFLOW_TRACKING_URI``, else ``sqlite:///./mlflow.db``."""
+    return config.tracking_uri or default_tracking_uri()
+
+
+def gpu_metrics_note(use_gpu: bool) -> str | None:
+    """Why GPU metrics will be missing, if they will (MLflow skips them silently)."""
+    if not use_gpu:
+        return None
+    try:
+        import pynvml  # noqa: F401  (nvidia-ml-py)
+    except ImportError:
+        return "GPU metrics are off: install nvidia-ml-py to record GPU utilisation and memory"
+    return None
+
+
+class RunTracker:
+    """The MLflow run of one ``%%distribute``."""
+
+    def __init__(self, client: Any, run_id: str, experiment_id: str, tracking_uri: str):
+        self.client = client
+        self.run_id = run_id
+        self.experiment_id = experiment_id
+        self.tracking_uri = tracking_uri
+        self._monitors: list[Any] = []
+        self._metrics_logged = 0
+        self.last_metrics: dict[str, float] = {}
+
+    @classmethod
+    def start(cls, config: RunConfig, tags: Mapping[str, str] | None = None) -> "RunTracker":
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+
+        _quiet_mlflow()
+        uri = resolve_tracking_uri(config)
+        client = MlflowClient(tracking_uri=uri)
+        experiment = client.get_experiment_by_name(config.experiment)
+        experiment_id = experiment.experiment_id if experiment else client.create_experiment(config.experiment)
+        run_tags = {"dtrain_magic.backend": config.backend, "dtrain_magic.strategy": config.strategy}
+        run_tags.update(tags or {})
+        run = client.create_run(experiment_id, tags=run_tags)
+        params = [Param(key, value[:6000]) for key, value in config.to_params().items()]
+        client.log_batch(run.info.run_id, params=params)
+        return cls(client, run.info.run_id, experiment_id, uri)
+
+    # -- during the run ---------------------------------------------------------------------------
+    def log_metrics(self, step: int, metrics: Mapping[str, float], timestamp_ms: int | None = None) -> None:
+        from mlflow.entities import Metric
+
+        stamp = timestamp_ms or int(time.time() * 1000)
+        batch = [Metric(key, float(value), stamp, int(step)) for key, value in metrics.items()]
+        self.last_metrics.update({key: float(value) for key, value in metrics.items()})
+        self._metrics_logged += len(batch)
+        self.client.log_batch(self.run_id, metrics=batch, synchronous=False)
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        for key, value in tags.items():
+            self.client.set_tag(self.run_id, key, str(value)[:5000])
+
+    def start_system_metrics(self, node_id: str | None = None, interval_s: float = SYSTEM_METRICS_INTERVAL_S) -> None:
+        """Sample CPU/memory (and GPU) of this machine into the run every ``interval_s`` seconds."""
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(
+            self.run_id, sampling_interval=interval_s, samples_before_logging=1,
+            node_id=node_id, tracking_uri=self.tracking_uri,
+        )
+        monitor.start()
+        self._monitors.append(monitor)
+
+    def log_result(self, value: Any) -> None:
+        """The run's result as an artifact: ``result.json`` when it is JSON data, else ``result.txt``."""
+        try:
+            text = json.dumps(value, indent=2, default=_json_default)
+            self.client.log_text(self.run_id, text, "result.json")
+        except (TypeError, ValueError):
+            self.client.log_text(self.run_id, repr(value)[:100_000], "result.txt")
+
+    # -- at the end ------------------------------------------------------------------------------
+    def flush(self) -> None:
+        import mlflow
+
+        try:
+            mlflow.flush_async_logging()
+        except Exception:
+            logging.getLogger(__name__).warning("could not flush MLflow's async logging", exc_info=True)
+
+    def finish(self, status: str, reason: str | None = None) -> None:
+        """Stop system metrics, flush every queued metric, set the status (FINISHED, FAILED, KILLED)."""
+        for monitor in self._monitors:
+            try:
+                monitor.finish()
+            except Exception:
+                pass
+        self._monitors.clear()
+        self.flush()
+        if reason:
+            self.set_tags({"dtrain_magic.failure": reason})
+        self.client.set_terminated(self.run_id, status=status)
+
+    def ui_link(self) -> str:
+        """Where to see the run: an http(s) tracking server's page, else the store's location."""
+        base = redact_uri(self.tracking_uri)
+        if base.startswith("http"):
+            return f"{base.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
+        return f"{base} (run {self.run_id}; view with `mlflow ui --backend-store-uri {base}`)"
+
+
+def _json_default(value: Any) -> Any:
+    try:
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            return value.tolist()
+    except ImportError:
+        pass
+    raise TypeError(type(value).__name__)
+
+
+def _quiet_mlflow() -> None:
+    # MLflow prints alembic migration chatter and system-metrics start/stop lines into the cell.
+    for name in ("alembic", "mlflow.store.db.utils", "mlflow.system_metrics", "mlflow.tracking"):
+        logging.getLogger(name).setLevel(logging.WARNING)

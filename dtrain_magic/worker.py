@@ -1,0 +1,208 @@
+"""What runs in every worker process, whichever backend started it.
+
+``run_worker`` connects to the notebook's channel, sends its Python-level output there line by line,
+joins (or reuses) the torch.distributed process group, builds the strategy and the `TrainContext`,
+calls the user's function and sends back its result or its error (with a traceback trimmed to the
+user's frames and labelled with the notebook's cell numbers). Run as ``python -m dtrain_magic.worker
+JOB_FILE`` by the local launcher; called directly by the Spark and Ray launchers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import random
+import socket
+import time
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+
+from . import channel as ch
+from .capture import Payload
+from .channel import ChannelAddress, WorkerLink
+from .config import RunConfig
+from .tracebacks import short_traceback, summary
+
+@dataclass(frozen=True)
+class WorkerJob:
+    """Everything one run's workers need; pickled once and handed to every worker by the launcher."""
+
+    payload: Payload
+    config: RunConfig
+    channel: ChannelAddress
+    run_id: str | None = None
+    checkpoint_root: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int = 1
+
+
+def rank_from_env() -> RankInfo:
+    """Ranks as set by torchrun, TorchDistributor or the local launcher."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return RankInfo(
+        rank=int(os.environ.get("RANK", "0")),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        world_size=world,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))),
+    )
+
+
+class _ChannelStream(io.TextIOBase):
+    """A text stream that sends each complete line to the notebook, tagged with rank and stream name."""
+
+    def __init__(self, link: WorkerLink, rank: int, name: str):
+        self._link, self._rank, self._name, self._buffer = link, rank, name, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self._buffer += text
+        if "\n" in self._buffer:
+            complete, _, self._buffer = self._buffer.rpartition("\n")
+            self._link.send((ch.OUTPUT, self._rank, self._name, complete + "\n"))
+        return len(text)
+
+    def flush(self) -> None:
+        if self._buffer:
+            self._link.send((ch.OUTPUT, self._rank, self._name, self._buffer))
+            self._buffer = ""
+
+    def isatty(self) -> bool:
+        return False
+
+
+def _seed_everything(seed: int) -> None:
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy
+
+        numpy.random.seed(seed)
+    except ImportError:
+        pass
+
+
+def _device(config: RunConfig, local_rank: int):
+    import torch
+
+    if config.use_gpu:
+        if not torch.cuda.is_available():
+            raise RuntimeError("--gpu was given but CUDA is not available on this worker; use --cpu")
+        index = local_rank % max(1, torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def _ensure_process_group(config: RunConfig, ranks: RankInfo) -> bool:
+    """Join the process group unless the backend (Ray Train) already did. True if we created it."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if config.use_gpu else "gloo"
+    kwargs: dict[str, Any] = {}
+    if config.timeout:
+        kwargs["timeout"] = datetime.timedelta(seconds=max(config.timeout, 30))
+    dist.init_process_group(backend, init_method="env://", rank=ranks.rank, world_size=ranks.world_size, **kwargs)
+    return True
+
+
+def run_worker(job: WorkerJob, ranks: RankInfo | None = None) -> Any:
+    """Run the user's function on this rank; returns its value, raises its exception after reporting it."""
+    import torch.distributed as dist
+
+    from .context import TrainContext
+    from .strategies import get_strategy
+
+    ranks = ranks or rank_from_env()
+    for key, value in job.env.items():
+        os.environ.setdefault(key, value)
+    link = WorkerLink(job.channel, ranks.rank)
+    link.send((ch.HELLO, ranks.rank, {"pid": os.getpid(), "host": socket.gethostname()}))
+    streams = sys.stdout, sys.stderr
+    sys.stdout = _ChannelStream(link, ranks.rank, "stdout")
+    sys.stderr = _ChannelStream(link, ranks.rank, "stderr")
+    strategy = None
+    owns_group = False
+    try:
+        owns_group = _ensure_process_group(job.config, ranks)
+        device = _device(job.config, ranks.local_rank)
+        if job.config.seed is not None:
+            _seed_everything(job.config.seed)
+        strategy = get_strategy(job.config.strategy)(
+            job.config, ranks.rank, ranks.local_rank, ranks.world_size, device
+        )
+        from .checkpoints import checkpoint_store
+
+        ctx = TrainContext(
+            job.config, strategy, ranks.rank, ranks.local_rank, ranks.world_size, device,
+            send=link.send, checkpoint_store=checkpoint_store(job.checkpoint_root),
+        )
+        fn = job.payload.load()
+        link.send((ch.STATUS, ranks.rank, "running", ""))
+        value = fn(ctx) if job.payload.takes_ctx else fn()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            data = cloudpickle.dumps(value)
+        except Exception as exc:
+            raise TypeError(
+                f"the function's return value ({type(value).__name__}) cannot be pickled to send it back: {exc}. "
+                "Return plain Python data (lists, dicts, numbers) or tensors"
+            ) from None
+        link.send((ch.RESULT, ranks.rank, data))
+        link.send((ch.STATUS, ranks.rank, "done", ""))
+        return value
+    except BaseException as exc:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        link.send((ch.ERROR, ranks.rank, summary(exc), short_traceback(exc, job.payload.labels), time.time()))
+        link.send((ch.STATUS, ranks.rank, "failed", summary(exc)))
+        raise
+    finally:
+        sys.stdout, sys.stderr = streams
+        if strategy is not None:
+            try:
+                strategy.teardown()
+            except Exception:
+                pass
+        if owns_group and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        link.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of a local worker process: ``python -m dtrain_magic.worker JOB_FILE``."""
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0], "rb") as handle:
+        job: WorkerJob = cloudpickle.load(handle)
+    try:
+        run_worker(job)
+    except BaseException:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
