@@ -29,6 +29,11 @@ def load_ipython_extension(ipython: Any) -> None:
     from .magic import DistributeMagics
 
     ipython.register_magics(DistributeMagics)
+    try:  # %distribute_show and friends, when the UI extras (ipywidgets, plotly) are installed
+        from .ui.magics import UIMagics
+    except ImportError:
+        return
+    ipython.register_magics(UIMagics)
 
 
 def __getattr__(name: str) -> Any:
