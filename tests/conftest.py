@@ -1,0 +1,69 @@
+"""Shared fixtures: a real IPython shell with the extension loaded, and a private MLflow store."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture
+def tracking_uri(tmp_path) -> str:
+    """A fresh SQLite MLflow store for one test."""
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+@pytest.fixture
+def shell(tmp_path, monkeypatch, tracking_uri):
+    """A real IPython InteractiveShell with ``%load_ext dtrain_magic``, working in ``tmp_path``.
+
+    ``shell.run(cell)`` runs a cell and returns IPython's ExecutionResult (``.result``, ``.error_in_exec``).
+    """
+    from IPython.core.interactiveshell import InteractiveShell
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
+    shell = InteractiveShell.instance()
+    shell.run_cell("%load_ext dtrain_magic", store_history=False)
+
+    def run(cell: str):
+        return shell.run_cell(cell, store_history=True)
+
+    shell.run = run
+    yield shell
+    shell.user_ns.clear()
+    shell.init_user_ns()
+
+
+def mlflow_client(uri: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+@pytest.fixture
+def mlflow(tracking_uri):
+    """An MlflowClient on the test's store."""
+    return mlflow_client(tracking_uri)
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu = False
+    try:
+        import torch
+
+        gpu = torch.cuda.is_available()
+    except Exception:
+        pass
+    for item in items:
+        if "gpu" in item.keywords and not gpu:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA; this machine has none"))
+
+
+sys.dont_write_bytecode = True
