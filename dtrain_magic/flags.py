@@ -103,9 +103,19 @@ def distribute(line: str, cell: str | None = None) -> None:  # pragma: no cover 
 HELP: str = distribute.__doc__ or ""
 
 
+def _unquote(value: Any) -> Any:
+    # IPython splits magic lines without POSIX quote removal: `--experiment 'my exp'` keeps its quotes.
+    if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return value[1:-1]
+    return value
+
+
 def parse_line(line: str) -> argparse.Namespace:
     """Parse the magic's line; argparse errors become IPython ``UsageError`` naming the flag."""
-    return parse_argstring(distribute, line)
+    args = parse_argstring(distribute, line)
+    for key, value in vars(args).items():
+        setattr(args, key, _unquote(value))
+    return args
 
 
 def config_from_args(

@@ -57,7 +57,7 @@ class TextObserver(RunObserver):
         return self._err or sys.stderr
 
     def started(self, config: RunConfig, run_id: str, link: str, plan: str) -> None:
-        self._t0 = time.monotonic()
+        self._t0 = self._last_progress = time.monotonic()
         print(f"dtrain_magic: {plan}; strategy {config.strategy}, {config.precision}; MLflow run {run_id}", file=self.out)
 
     def output(self, rank: int, stream: str, text: str) -> None:

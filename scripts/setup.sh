@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Create or update .venv in the repo root with the whole tested stack. Idempotent: a second run with
+# unchanged requirements only checks the stamp and returns in about a second.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
+"$PYTHON" - <<'PY' || { echo "setup: Python >= 3.10 is needed (found $("$PYTHON" --version 2>&1))" >&2; exit 1; }
+import sys
+sys.exit(0 if sys.version_info >= (3, 10) else 1)
+PY
+
+if [ ! -x .venv/bin/python ]; then
+    echo "setup: creating .venv with $("$PYTHON" --version)"
+    "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+stamp=".venv/.dtrain_magic-installed"
+want="$(cat requirements.txt requirements-test.txt constraints.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import dtrain_magic, torch, deepspeed, ray, pyspark, mlflow" 2>/dev/null; then
+    echo "setup: .venv is up to date"
+    exit 0
+fi
+
+start=$(date +%s)
+# torch first, pinned, so that no other package's dependency pulls a (several GB) CUDA build.
+echo "setup: installing torch (pinned)"
+"${PIP[@]}" install "$(grep -E '^torch==' requirements.txt)"
+echo "setup: installing the stack (deepspeed, ray, pyspark, mlflow, widgets, test tools)"
+"${PIP[@]}" install -r requirements.txt -r requirements-test.txt -c constraints.txt
+# The editable build's setuptools warnings are noise here; show them only if it fails.
+"${PIP[@]}" install --no-deps -e . > .venv/editable-install.log 2>&1 || { cat .venv/editable-install.log >&2; exit 1; }
+echo "$want" > "$stamp"
+echo "setup: done in $(( $(date +%s) - start )) s"
