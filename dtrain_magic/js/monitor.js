@@ -1,0 +1,151 @@
+// The run monitor of dtrain_magic: an anywidget ESM module (no build step).
+// Python side: dtrain_magic/ui/monitor.py (MonitorWidget). Synced traits:
+//   state ("starting" | "running" | "finished" | "failed" | "stopped"), plan, run_id, link,
+//   ranks (list of {rank, state, detail}), step, total (0 = unknown), rate (steps/s), eta (s, -1 = unknown),
+//   elapsed (s), metrics ({name: value}), log (list of recent output lines), message (error or note).
+// The pure helpers are exported for the unit tests (js/monitor.test.js, `node --test js/`).
+
+export const RANK_STATES = ["starting", "running", "done", "failed"];
+
+export function formatSeconds(s) {
+  if (s === null || s === undefined || !Number.isFinite(s) || s < 0) return "–";
+  if (s < 60) return `${s.toFixed(1)} s`;
+  const m = Math.floor(s / 60);
+  const rest = Math.round(s - 60 * m);
+  if (m < 60) return `${m} min ${rest} s`;
+  return `${Math.floor(m / 60)} h ${m % 60} min`;
+}
+
+export function progressFraction(step, total) {
+  if (!total || total <= 0) return null;
+  return Math.max(0, Math.min(1, step / total));
+}
+
+export function progressText({ step = 0, total = 0, rate = 0, eta = -1 } = {}) {
+  const speed = `${(rate || 0).toFixed(1)} steps/s`;
+  if (total && total > 0) {
+    const pct = Math.round(100 * progressFraction(step, total));
+    return `step ${step}/${total} (${pct}%) · ${speed} · ETA ${formatSeconds(eta)}`;
+  }
+  return `step ${step} · ${speed}`;
+}
+
+export function metricsText(metrics) {
+  const keys = Object.keys(metrics || {}).sort();
+  return keys
+    .map((k) => {
+      const v = metrics[k];
+      return `${k}=${typeof v === "number" ? Number(v.toPrecision(4)) : v}`;
+    })
+    .join("  ");
+}
+
+export function tail(lines, n) {
+  const list = Array.isArray(lines) ? lines : [];
+  return n > 0 && list.length > n ? list.slice(list.length - n) : list.slice();
+}
+
+export function statusRows(ranks) {
+  return [...(ranks || [])]
+    .sort((a, b) => a.rank - b.rank)
+    .map((r) => ({
+      rank: String(r.rank),
+      state: RANK_STATES.includes(r.state) ? r.state : String(r.state || "unknown"),
+      detail: r.detail || "",
+    }));
+}
+
+export function runSummary(model) {
+  const state = model.get("state") || "starting";
+  const runId = model.get("run_id");
+  return runId ? `${state} · MLflow run ${runId}` : state;
+}
+
+function h(doc, tag, className, text) {
+  const node = doc.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+const STYLE = `
+.dtm-monitor { font-family: var(--jp-ui-font-family, sans-serif); font-size: 12px; border: 1px solid #ccc;
+  border-radius: 4px; padding: 6px 8px; max-width: 980px; }
+.dtm-header { font-weight: 600; margin-bottom: 4px; }
+.dtm-state-finished { color: #1a7f37; } .dtm-state-failed, .dtm-state-stopped { color: #cf222e; }
+.dtm-table { border-collapse: collapse; margin: 4px 0; }
+.dtm-table td, .dtm-table th { padding: 1px 10px 1px 0; text-align: left; }
+.dtm-rank-done { color: #1a7f37; } .dtm-rank-failed { color: #cf222e; } .dtm-rank-running { color: #0969da; }
+.dtm-bar { height: 8px; background: #eee; border-radius: 4px; overflow: hidden; margin: 4px 0; max-width: 600px; }
+.dtm-bar-fill { height: 100%; background: #0969da; width: 0%; }
+.dtm-log { font-family: var(--jp-code-font-family, monospace); white-space: pre; max-height: 160px; overflow: auto;
+  background: #f6f8fa; padding: 4px; margin-top: 4px; }
+.dtm-link, .dtm-message { margin-top: 2px; } .dtm-message { color: #cf222e; white-space: pre-wrap; }
+`;
+
+export const LOG_LINES = 40;
+
+export function render({ model, el }) {
+  const doc = el.ownerDocument || globalThis.document;
+  const root = h(doc, "div", "dtm-monitor");
+  const style = h(doc, "style", "", STYLE);
+  const header = h(doc, "div", "dtm-header");
+  const plan = h(doc, "div", "dtm-plan");
+  const link = h(doc, "div", "dtm-link");
+  const table = h(doc, "table", "dtm-table");
+  const bar = h(doc, "div", "dtm-bar");
+  const fill = h(doc, "div", "dtm-bar-fill");
+  bar.appendChild(fill);
+  const progress = h(doc, "div", "dtm-progress");
+  const metrics = h(doc, "div", "dtm-metrics");
+  const message = h(doc, "div", "dtm-message");
+  const log = h(doc, "div", "dtm-log");
+  for (const node of [style, header, plan, link, table, bar, progress, metrics, message, log]) root.appendChild(node);
+  el.appendChild(root);
+
+  const update = () => {
+    const state = model.get("state") || "starting";
+    header.textContent = `dtrain_magic · ${runSummary(model)}`;
+    header.className = `dtm-header dtm-state-${state}`;
+    root.setAttribute("data-state", state);
+    plan.textContent = model.get("plan") || "";
+    link.textContent = model.get("link") ? `MLflow: ${model.get("link")}` : "";
+
+    table.textContent = "";
+    const head = h(doc, "tr");
+    for (const t of ["rank", "status", ""]) head.appendChild(h(doc, "th", "", t));
+    table.appendChild(head);
+    for (const row of statusRows(model.get("ranks"))) {
+      const tr = h(doc, "tr", `dtm-rank-${row.state}`);
+      tr.appendChild(h(doc, "td", "", row.rank));
+      tr.appendChild(h(doc, "td", "dtm-rank-state", row.state));
+      tr.appendChild(h(doc, "td", "", row.detail));
+      table.appendChild(tr);
+    }
+
+    const step = model.get("step") || 0;
+    const total = model.get("total") || 0;
+    const frac = progressFraction(step, total);
+    bar.style.display = frac === null ? "none" : "block";
+    fill.style.width = `${frac === null ? 0 : Math.round(frac * 1000) / 10}%`;
+    progress.textContent = progressText({ step, total, rate: model.get("rate"), eta: model.get("eta") })
+      + ` · elapsed ${formatSeconds(model.get("elapsed"))}`;
+    metrics.textContent = metricsText(model.get("metrics"));
+    message.textContent = model.get("message") || "";
+
+    const lines = tail(model.get("log"), LOG_LINES);
+    const atBottom = log.scrollHeight - log.scrollTop - log.clientHeight < 20;
+    log.textContent = lines.join("\n");
+    log.style.display = lines.length ? "block" : "none";
+    if (atBottom) log.scrollTop = log.scrollHeight;
+  };
+
+  const traits = ["state", "plan", "run_id", "link", "ranks", "step", "total", "rate", "eta", "elapsed", "metrics", "log", "message"];
+  for (const t of traits) model.on(`change:${t}`, update);
+  update();
+  return () => {
+    for (const t of traits) model.off(`change:${t}`, update);
+  };
+}
+
+export default { render };

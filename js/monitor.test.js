@@ -1,0 +1,134 @@
+// Unit tests of the monitor widget's front-end: `node --test js/` (no dependencies, no browser).
+import { test } from "node:test";
+import assert from "node:assert/strict";
+import { readFileSync } from "node:fs";
+import { fileURLToPath } from "node:url";
+import path from "node:path";
+
+import monitor, { formatSeconds, progressFraction, progressText, metricsText, tail, statusRows, render, LOG_LINES } from "./monitor.js";
+
+// A minimal DOM: just what monitor.js uses.
+class FakeNode {
+  constructor(tag) {
+    this.tagName = tag.toUpperCase();
+    this.children = [];
+    this.className = "";
+    this.style = {};
+    this.attributes = {};
+    this._text = "";
+    this.scrollTop = 0; this.scrollHeight = 0; this.clientHeight = 0;
+  }
+  appendChild(child) { this.children.push(child); return child; }
+  setAttribute(k, v) { this.attributes[k] = String(v); }
+  getAttribute(k) { return this.attributes[k]; }
+  set textContent(v) { this.children = []; this._text = String(v); }
+  get textContent() { return this._text + this.children.map((c) => c.textContent).join(""); }
+  findAll(pred, out = []) { if (pred(this)) out.push(this); for (const c of this.children) c.findAll(pred, out); return out; }
+  byClass(name) { return this.findAll((n) => n.className.split(" ").includes(name)); }
+}
+const fakeDocument = { createElement: (tag) => new FakeNode(tag) };
+
+class FakeModel {
+  constructor(values) { this.values = { ...values }; this.handlers = {}; }
+  get(k) { return this.values[k]; }
+  set(k, v) { this.values[k] = v; for (const cb of this.handlers[`change:${k}`] || []) cb(); }
+  on(ev, cb) { (this.handlers[ev] ||= []).push(cb); }
+  off(ev, cb) { this.handlers[ev] = (this.handlers[ev] || []).filter((f) => f !== cb); }
+  listenerCount() { return Object.values(this.handlers).reduce((n, l) => n + l.length, 0); }
+}
+
+function mount(values) {
+  const el = new FakeNode("div");
+  el.ownerDocument = fakeDocument;
+  const model = new FakeModel(values);
+  const cleanup = render({ model, el });
+  return { el, model, cleanup };
+}
+
+test("formatSeconds handles unknown, seconds, minutes and hours", () => {
+  assert.equal(formatSeconds(-1), "–");
+  assert.equal(formatSeconds(NaN), "–");
+  assert.equal(formatSeconds(undefined), "–");
+  assert.equal(formatSeconds(4.94), "4.9 s");
+  assert.equal(formatSeconds(125), "2 min 5 s");
+  assert.equal(formatSeconds(3 * 3600 + 120), "3 h 2 min");
+});
+
+test("progress text with and without a declared total", () => {
+  assert.equal(progressFraction(5, 0), null);
+  assert.equal(progressFraction(150, 100), 1);
+  assert.equal(progressText({ step: 40, total: 100, rate: 12.34, eta: 4.9 }), "step 40/100 (40%) · 12.3 steps/s · ETA 4.9 s");
+  assert.equal(progressText({ step: 7, total: 0, rate: 2 }), "step 7 · 2.0 steps/s");
+});
+
+test("metricsText sorts names and rounds values", () => {
+  assert.equal(metricsText({ loss: 0.123456, acc: 0.5 }), "acc=0.5  loss=0.1235");
+  assert.equal(metricsText(undefined), "");
+});
+
+test("tail keeps the last n lines without mutating its input", () => {
+  const lines = ["a", "b", "c", "d"];
+  assert.deepEqual(tail(lines, 2), ["c", "d"]);
+  assert.deepEqual(lines, ["a", "b", "c", "d"]);
+  assert.deepEqual(tail(null, 3), []);
+});
+
+test("statusRows orders ranks and keeps known states", () => {
+  const rows = statusRows([{ rank: 1, state: "failed", detail: "ValueError: x" }, { rank: 0, state: "done" }]);
+  assert.deepEqual(rows, [
+    { rank: "0", state: "done", detail: "" },
+    { rank: "1", state: "failed", detail: "ValueError: x" },
+  ]);
+});
+
+test("render draws the status table, progress bar and log tail, and follows model changes", () => {
+  const { el, model, cleanup } = mount({
+    state: "running", run_id: "abc123", link: "sqlite:///x.db", plan: "2 local processes",
+    ranks: [{ rank: 0, state: "running", detail: "" }, { rank: 1, state: "starting", detail: "host" }],
+    step: 25, total: 100, rate: 10, eta: 7.5, elapsed: 2.5, metrics: { loss: 0.5 }, log: ["[rank 0] hello"], message: "",
+  });
+  const root = el.byClass("dtm-monitor")[0];
+  assert.equal(root.getAttribute("data-state"), "running");
+  assert.match(el.byClass("dtm-header")[0].textContent, /running · MLflow run abc123/);
+  assert.equal(el.findAll((n) => n.tagName === "TR").length, 3); // header + 2 ranks
+  assert.equal(el.byClass("dtm-bar-fill")[0].style.width, "25%");
+  assert.match(el.byClass("dtm-progress")[0].textContent, /step 25\/100 \(25%\) · 10.0 steps\/s · ETA 7.5 s/);
+  assert.equal(el.byClass("dtm-log")[0].textContent, "[rank 0] hello");
+
+  model.set("ranks", [{ rank: 0, state: "done" }, { rank: 1, state: "done" }]);
+  model.set("step", 100);
+  model.set("state", "finished");
+  model.set("log", Array.from({ length: LOG_LINES + 10 }, (_, i) => `line ${i}`));
+  assert.deepEqual(el.byClass("dtm-rank-state").map((n) => n.textContent), ["done", "done"]);
+  assert.equal(el.byClass("dtm-bar-fill")[0].style.width, "100%");
+  assert.equal(root.getAttribute("data-state"), "finished");
+  const shown = el.byClass("dtm-log")[0].textContent.split("\n");
+  assert.equal(shown.length, LOG_LINES);
+  assert.equal(shown.at(-1), `line ${LOG_LINES + 9}`);
+
+  cleanup();
+  assert.equal(model.listenerCount(), 0);
+});
+
+test("without a total the bar is hidden and the step count still shows", () => {
+  const { el } = mount({ state: "running", ranks: [], step: 3, total: 0, rate: 1.5, eta: -1, log: [] });
+  assert.equal(el.byClass("dtm-bar")[0].style.display, "none");
+  assert.match(el.byClass("dtm-progress")[0].textContent, /^step 3 · 1.5 steps\/s/);
+  assert.equal(el.byClass("dtm-log")[0].style.display, "none");
+});
+
+test("failure message is shown", () => {
+  const { el } = mount({ state: "failed", ranks: [{ rank: 1, state: "failed", detail: "boom" }], message: "rank 1 failed: boom" });
+  assert.equal(el.byClass("dtm-message")[0].textContent, "rank 1 failed: boom");
+});
+
+test("the default export is an anywidget module", () => {
+  assert.equal(typeof monitor.render, "function");
+});
+
+test("the copy shipped in the Python package is identical to js/monitor.js", () => {
+  const here = path.dirname(fileURLToPath(import.meta.url));
+  const source = readFileSync(path.join(here, "monitor.js"), "utf8");
+  const shipped = readFileSync(path.join(here, "..", "dtrain_magic", "js", "monitor.js"), "utf8");
+  assert.equal(shipped, source, "run: cp js/monitor.js dtrain_magic/js/monitor.js");
+});
