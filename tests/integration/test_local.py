@@ -1,0 +1,263 @@
+"""The local backend, really started: N spawned worker processes, gloo, a real MLflow store."""
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from dtrain_magic.errors import CaptureError, ConfigError, RunInterrupted, RunTimeout, WorkerError
+
+pytestmark = pytest.mark.slow
+
+TRAIN_HELPERS = """
+import torch
+
+def make_data(n=64, features=8):
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(n, features, generator=g)
+    return torch.utils.data.TensorDataset(X, X.sum(1, keepdim=True) + 0.1)
+"""
+
+# Global batch 16; each rank gets 16 / world_size samples of every global batch (DistributedSampler).
+TRAIN_CELL = """%%distribute --backend local -n {n} --no-ui --experiment correctness
+def train(ctx):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    loader = torch.utils.data.DataLoader(make_data(), batch_size=16 // ctx.world_size)
+    model, opt, loader = ctx.prepare(model, opt, loader)
+    for epoch in range(3):
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            ctx.backward(loss)
+            ctx.step()
+            ctx.log(loss=loss.item())
+    plain = getattr(model, "module", model)
+    return {{k: v.detach().clone() for k, v in plain.state_dict().items()}}
+"""
+
+
+def worker_children():
+    """Worker processes started by this test process that are still alive."""
+    alive = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
+                alive.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def assert_nothing_left(timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while worker_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert worker_children() == []
+
+
+def test_two_process_ddp_matches_one_process_within_1e_5(shell, mlflow):
+    shell.run(TRAIN_HELPERS)
+    one = shell.run(TRAIN_CELL.format(n=1))
+    two = shell.run(TRAIN_CELL.format(n=2))
+    assert one.error_in_exec is None and two.error_in_exec is None, (one.error_in_exec, two.error_in_exec)
+    single, ddp = one.result.value, two.result.value
+    assert set(single) == set(ddp)
+    for name in single:
+        diff = (single[name] - ddp[name]).abs().max().item()
+        assert diff <= 1e-5, f"{name}: max |1-process - 2-process DDP| = {diff}"
+    # both ranks of the DDP run hold the same weights
+    for name, value in two.result.values[1].items():
+        assert (value - ddp[name]).abs().max().item() == 0.0
+    assert_nothing_left()
+
+
+def test_run_is_recorded_in_mlflow(shell, mlflow, tracking_uri):
+    shell.run(TRAIN_HELPERS)
+    result = shell.run(TRAIN_CELL.format(n=2)).result
+    run = mlflow.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    assert mlflow.get_experiment(run.info.experiment_id).name == "correctness"
+    import dataclasses
+
+    from dtrain_magic.config import RunConfig
+
+    assert {f.name for f in dataclasses.fields(RunConfig)} <= set(run.data.params)
+    assert run.data.params["num_processes"] == "2" and run.data.params["strategy"] == "ddp"
+    history = mlflow.get_metric_history(result.run_id, "loss")
+    assert [m.step for m in history] == list(range(12))  # 3 epochs x 4 global batches, logged by rank 0
+    assert result.metrics["loss"] == pytest.approx(history[-1].value)
+    assert result.wall_time_s > 0 and result.time_to_first_step_s is not None
+    assert any(key.startswith("system/") for key in run.data.metrics), "system metrics were not recorded"
+    artifacts = [a.path for a in mlflow.list_artifacts(result.run_id)]
+    assert "result.json" in artifacts or "result.txt" in artifacts
+
+
+def test_functions_classes_and_globals_from_earlier_cells_work(shell):
+    shell.run("OFFSET = 10\nclass Scaler:\n    def __init__(self, k): self.k = k\n    def __call__(self, v): return v * self.k\n")
+    shell.run("def helper(rank):\n    return Scaler(2)(rank) + OFFSET\n")
+    result = shell.run("%%distribute --backend local -n 2 --no-ui --result out\ndef train(ctx):\n    return helper(ctx.rank)\n")
+    assert result.error_in_exec is None, result.error_in_exec
+    assert result.result.values == [10, 12]
+    assert shell.user_ns["out"] is result.result
+
+
+def test_function_without_ctx_and_fn_flag(shell):
+    shell.run("def earlier():\n    import os\n    return int(os.environ['RANK'])\n")
+    result = shell.run("%%distribute --backend local -n 2 --no-ui --fn earlier\nx = 1\n")
+    assert result.error_in_exec is None, result.error_in_exec
+    assert result.result.values == [0, 1]
+
+
+def test_worker_exception_names_rank_and_cell_line(shell, mlflow, capsys):
+    result = shell.run(
+        "%%distribute --backend local -n 2 --no-ui\n"
+        "def train(ctx):\n"
+        "    print('before the crash', flush=True)\n"
+        "    if ctx.rank == 1:\n"
+        "        raise ValueError('boom on rank one')\n"
+        "    ctx.barrier()\n"
+    )
+    error = result.error_in_exec
+    assert isinstance(error, WorkerError) and error.rank == 1
+    assert "ValueError: boom on rank one" in str(error)
+    assert "line 5, in train" in error.remote_traceback  # the cell's own line number of the raise
+    assert "raise ValueError('boom on rank one')" in error.remote_traceback
+    assert "Cell In[" in error.remote_traceback
+    rendered = "\n".join(error._render_traceback_())
+    assert len(rendered.splitlines()) < 15, rendered  # short: no IPython or torch internals
+    out = capsys.readouterr()
+    assert "[rank 1] before the crash" in out.out  # output printed before the crash reaches the cell
+    runs = mlflow.search_runs(experiment_ids=[mlflow.get_experiment_by_name("dtrain_magic").experiment_id])
+    assert runs[0].info.status == "FAILED"
+    assert "rank 1" in runs[0].data.tags["dtrain_magic.failure"]
+    assert_nothing_left()
+
+
+def test_killed_worker_gives_short_error_and_stops_the_others(shell, mlflow):
+    started = time.monotonic()
+    result = shell.run(
+        "%%distribute --backend local -n 2 --no-ui\n"
+        "import os, signal, time\n"
+        "def train(ctx):\n"
+        "    ctx.log(loss=1.0)\n"
+        "    if ctx.rank == 1:\n"
+        "        time.sleep(0.5)\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    ctx.barrier()\n"
+    )
+    error = result.error_in_exec
+    assert isinstance(error, WorkerError) and error.rank == 1
+    assert "SIGKILL" in str(error)
+    assert time.monotonic() - started < 30
+    assert_nothing_left()
+    run = mlflow.search_runs(experiment_ids=[mlflow.get_experiment_by_name("dtrain_magic").experiment_id])[0]
+    assert run.info.status == "FAILED"
+    assert [m.value for m in mlflow.get_metric_history(run.info.run_id, "loss")] == [1.0]  # nothing lost
+
+
+def test_timeout_stops_every_worker(shell, mlflow):
+    started = time.monotonic()
+    result = shell.run(
+        "%%distribute --backend local -n 2 --no-ui --timeout 4\nimport time\ndef train(ctx):\n    time.sleep(120)\n"
+    )
+    assert isinstance(result.error_in_exec, RunTimeout)
+    assert "--timeout 4" in str(result.error_in_exec)
+    assert time.monotonic() - started < 20
+    assert_nothing_left()
+    run = mlflow.search_runs(experiment_ids=[mlflow.get_experiment_by_name("dtrain_magic").experiment_id])[0]
+    assert run.info.status == "FAILED" and "timeout" in run.data.tags["dtrain_magic.failure"]
+
+
+def test_kernel_interrupt_stops_workers_within_10_s(shell, mlflow):
+    timer = threading.Timer(4.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    started = time.monotonic()
+    try:
+        result = shell.run(
+            "%%distribute --backend local -n 2 --no-ui\nimport time\ndef train(ctx):\n    time.sleep(120)\n"
+        )
+    finally:
+        timer.cancel()
+    elapsed = time.monotonic() - started
+    assert isinstance(result.error_in_exec, RunInterrupted), result.error_in_exec
+    assert elapsed < 4.0 + 10.0
+    assert_nothing_left(timeout=1.0)
+    run = mlflow.search_runs(experiment_ids=[mlflow.get_experiment_by_name("dtrain_magic").experiment_id])[0]
+    assert run.info.status == "KILLED"
+
+
+def test_bad_input_launches_nothing_and_creates_no_run(shell, mlflow):
+    for cell, error in [
+        ("%%distribute --backend local --strategy ddp --zero 2\ndef train(ctx): pass\n", ConfigError),
+        ("%%distribute --backend local -n 0\ndef train(ctx): pass\n", ConfigError),
+        ("%%distribute --backend local --no-ui\nx = 1\n", CaptureError),
+        ("%%distribute --backend local --no-ui --fn missing\ndef train(ctx): pass\n", CaptureError),
+        ("%%distribute --backend local --no-ui\ndef train(a, b): pass\n", CaptureError),
+    ]:
+        result = shell.run(cell)
+        assert isinstance(result.error_in_exec, error), (cell, result.error_in_exec)
+    assert mlflow.get_experiment_by_name("dtrain_magic") is None
+    assert worker_children() == []
+    assert shell.run("1 + 1").result == 2  # the kernel is still usable
+
+
+def test_bad_flag_is_refused_before_the_cell_runs(shell):
+    result = shell.run("%%distribute --strategy ddp --zero 1\nSIDE_EFFECT = 1\ndef train(ctx): pass\n")
+    assert isinstance(result.error_in_exec, ConfigError)
+    assert "SIDE_EFFECT" not in shell.user_ns
+
+
+def test_dry_run_shows_plan_and_launches_nothing(shell, mlflow, capsys):
+    result = shell.run("%%distribute --backend local -n 3 --dry-run\ndef train(ctx): pass\n")
+    assert result.error_in_exec is None and result.result is None
+    out = capsys.readouterr().out
+    assert "nothing launched" in out and "train(ctx)" in out and "3 local process" in out
+    assert mlflow.get_experiment_by_name("dtrain_magic") is None
+
+
+def test_worker_output_streams_while_the_run_is_going(tmp_path, tracking_uri):
+    """Lines reach the notebook as they are printed, not at the end."""
+    from dtrain_magic import runner
+    from dtrain_magic.capture import capture
+    from dtrain_magic.config import RunConfig
+    from dtrain_magic.observer import RunObserver
+
+    class Recorder(RunObserver):
+        def __init__(self):
+            self.lines, self.finished_at = [], None
+
+        def output(self, rank, stream, text):
+            self.lines.append((time.monotonic(), rank, text))
+
+        def finished(self, result, error):
+            self.finished_at = time.monotonic()
+
+    ns = {}
+    payload, _ = capture("import time\ndef train(ctx):\n    print('first', flush=True)\n    time.sleep(3)\n    print('last')\n", ns)
+    recorder = Recorder()
+    runner.execute(RunConfig(num_processes=2, tracking_uri=tracking_uri), payload, recorder)
+    firsts = [t for t, _, text in recorder.lines if text.strip() == "first"]
+    assert len(firsts) == 2 and {r for _, r, _ in recorder.lines} == {0, 1}
+    assert recorder.finished_at - max(firsts) > 2.0
+
+
+def test_secrets_in_the_environment_are_not_logged(shell, mlflow, monkeypatch):
+    monkeypatch.setenv("MY_API_TOKEN", "tok-planted-secret-123")
+    result = shell.run("%%distribute --backend local -n 2 --no-ui\nimport os\ndef train(ctx):\n    return len(os.environ)\n")
+    assert result.error_in_exec is None
+    run = mlflow.get_run(result.result.run_id)
+    everything = repr(run.data.params) + repr(run.data.tags)
+    for artifact in mlflow.list_artifacts(result.result.run_id):
+        everything += open(mlflow.download_artifacts(result.result.run_id, artifact.path)).read()
+    assert "tok-planted-secret-123" not in everything
+
+
+def test_result_that_cannot_be_pickled_is_a_clear_error(shell):
+    result = shell.run("%%distribute --backend local -n 2 --no-ui\nimport threading\ndef train(ctx):\n    return threading.Lock()\n")
+    error = result.error_in_exec
+    assert isinstance(error, WorkerError) and "cannot be pickled" in str(error)
+    assert_nothing_left()
