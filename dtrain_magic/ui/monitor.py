@@ -1,0 +1,234 @@
+"""The live panel of a ``--ui`` run: `MonitorObserver` (a `RunObserver`) and `MonitorWidget` (anywidget).
+
+What it shows: the plan and the MLflow run id and link, per-rank status (starting, running, done,
+failed), a progress bar with step, steps/s and ETA once the function calls ``ctx.set_total(steps)``,
+the latest metrics, a tail of the workers' output, a Stop button, and the two live charts
+(`charts.RunCharts`, read from MLflow by a background poller).
+
+Headless kernels: nbclient (and any ZMQ kernel without a widget manager) gets ``config.ui = True`` too,
+and nothing tells the kernel whether a front-end will render widgets. So the observer does both: it
+displays the panel *and* forwards everything to a plain `TextObserver`, which prints the rank-prefixed
+worker output and a progress line every few seconds into the cell's output, exactly as ``--no-ui``
+does. Without a front-end nothing waits on the widgets (they only send messages), and the text is there.
+
+Threads: the observer's callbacks run in the driver loop (the cell's thread, or the panel's background
+thread); they only update Python-side state. A small flusher thread pushes that state to the widget at
+most every ``flush_s`` (0.2 s), so a chatty run does not flood the front-end with comm messages.
+
+Stop: ``stop_event`` is the `threading.Event` given to ``runner.execute(..., stop=...)``; the driver loop
+checks it every 50 ms, cancels every worker and raises ``RunInterrupted``. While a cell blocks the
+kernel, the button's messages are routed to a kernel subshell thread (see `_kernel`) so the click is
+seen during the run.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any, TextIO
+
+import anywidget
+import ipywidgets as w
+import traitlets
+
+from ..config import RunConfig
+from ..observer import RunObserver, TextObserver, prefix_lines
+from . import _kernel
+
+LOG_TAIL = 200
+
+
+def esm_source() -> str:
+    """The widget's front-end, ``dtrain_magic/js/monitor.js`` (a copy of the repo's ``js/monitor.js``)."""
+    from importlib.resources import files
+
+    return (files("dtrain_magic") / "js" / "monitor.js").read_text(encoding="utf-8")
+
+
+class MonitorWidget(anywidget.AnyWidget):
+    """Status table, progress bar and log tail; drawn by ``js/monitor.js``."""
+
+    _esm = traitlets.Unicode(esm_source()).tag(sync=True)
+    state = traitlets.Unicode("starting").tag(sync=True)
+    plan = traitlets.Unicode("").tag(sync=True)
+    run_id = traitlets.Unicode("").tag(sync=True)
+    link = traitlets.Unicode("").tag(sync=True)
+    ranks = traitlets.List(traitlets.Dict()).tag(sync=True)
+    step = traitlets.Int(0).tag(sync=True)
+    total = traitlets.Int(0).tag(sync=True)
+    rate = traitlets.Float(0.0).tag(sync=True)
+    eta = traitlets.Float(-1.0).tag(sync=True)
+    elapsed = traitlets.Float(0.0).tag(sync=True)
+    metrics = traitlets.Dict().tag(sync=True)
+    log = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    message = traitlets.Unicode("").tag(sync=True)
+
+
+class MonitorObserver(RunObserver):
+    """Panel + plain text for one run. ``text_out``: where the plain text goes (default: the cell's stdout)."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        text_out: TextIO | None = None,
+        display: bool = True,
+        charts: bool = True,
+        flush_s: float = 0.2,
+        poll_s: float = 0.25,
+    ):
+        self.config = config
+        self.stop_event = threading.Event()
+        self.text = TextObserver(out=text_out, err=text_out)
+        self.widget = MonitorWidget(ranks=[{"rank": r, "state": "starting", "detail": ""} for r in range(config.num_processes)])
+        self.widget.add_class("dtm-monitor-widget")
+        self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger",
+                                    tooltip="Stop every worker (the cell raises RunInterrupted)")
+        self.stop_button.add_class("dtm-stop")
+        self.stop_button.on_click(lambda _: self.request_stop())
+        self.link_html = w.HTML("")
+        self.charts: Any = None
+        self._want_charts, self._poll_s = charts, poll_s
+        self._charts_box = w.Box([])
+        self.container = w.VBox([self.widget, w.HBox([self.stop_button, self.link_html]), self._charts_box])
+        self.container.add_class("dtm-monitor-panel")
+        self._lock = threading.Lock()
+        self._state: dict[str, Any] = {"state": "starting", "ranks": {r: ("starting", "") for r in range(config.num_processes)},
+                                       "step": 0, "total": 0, "metrics": {}, "message": ""}
+        self._log: deque[str] = deque(maxlen=LOG_TAIL)
+        self._pending: dict[tuple[int, str], str] = {}
+        self._t0 = time.monotonic()
+        self._dirty = threading.Event()
+        self._closed = threading.Event()
+        self._flush_s = flush_s
+        self._flusher = threading.Thread(target=self._flush_loop, name="dtrain-monitor-flush", daemon=True)
+        self._flusher.start()
+        self.routed = _kernel.route_to_subshell(self.stop_button)
+        if display:
+            from IPython.display import display as show
+
+            show(self.container)
+
+    # -- RunObserver -----------------------------------------------------------------------------
+    def started(self, config: RunConfig, run_id: str, link: str, plan: str) -> None:
+        self.text.started(config, run_id, link, plan)
+        self._t0 = time.monotonic()
+        with self._lock:
+            self._state.update(state="running", run_id=run_id, link=link, plan=plan)
+        self.link_html.value = f"<code>MLflow run {run_id}</code>"
+        if self._want_charts:
+            self._start_charts(config, run_id)
+        self._dirty.set()
+
+    def output(self, rank: int, stream: str, text: str) -> None:
+        self.text.output(rank, stream, text)
+        with self._lock:
+            key = (rank, stream)
+            lines, self._pending[key] = prefix_lines(rank, text, self._pending.get(key, ""))
+            if lines:
+                self._log.extend(lines.rstrip("\n").split("\n"))
+                self._dirty.set()
+
+    def metric(self, step: int, metrics: dict[str, float]) -> None:
+        self.text.metric(step, metrics)
+        with self._lock:
+            self._state["step"] = max(self._state["step"], step + 1)
+            self._state["metrics"] = {**self._state["metrics"], **metrics}
+        self._dirty.set()
+
+    def status(self, rank: int, state: str, detail: str) -> None:
+        self.text.status(rank, state, detail)
+        with self._lock:
+            self._state["ranks"][rank] = (state, detail)
+        self._dirty.set()
+
+    def total(self, steps: int) -> None:
+        self.text.total(steps)
+        with self._lock:
+            self._state["total"] = int(steps)
+        self._dirty.set()
+
+    def finished(self, result: Any, error: BaseException | None) -> None:
+        self.text.finished(result, error)
+        with self._lock:
+            for (rank, _), rest in self._pending.items():
+                if rest:
+                    self._log.append(f"[rank {rank}] {rest}")
+            self._pending.clear()
+            if error is None:
+                self._state["state"] = "finished"
+                ranks = self._state["ranks"]
+                for rank, (state, detail) in list(ranks.items()):
+                    if state in ("starting", "running"):
+                        ranks[rank] = ("done", detail)
+            else:
+                stopped = self.stop_event.is_set() or type(error).__name__ == "RunInterrupted"
+                self._state["state"] = "stopped" if stopped else "failed"
+                self._state["message"] = str(error).splitlines()[0] if str(error) else type(error).__name__
+            self._state["elapsed"] = time.monotonic() - self._t0
+        self.stop_button.disabled = True
+        self.stop_button.description = "Stopped" if self.stop_event.is_set() else "Done"
+        self._closed.set()
+        self._dirty.set()
+        self._flush()
+        if self.charts is not None:
+            self.charts.run_ended()
+
+    # -- Stop --------------------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """What the Stop button does: ask the driver loop to cancel every worker."""
+        self.stop_event.set()
+        with self._lock:
+            self._state["message"] = "stopping: cancelling every worker…"
+        self._dirty.set()
+
+    # -- internals -------------------------------------------------------------------------------
+    def _start_charts(self, config: RunConfig, run_id: str) -> None:
+        try:
+            from mlflow import MlflowClient
+
+            from ..tracking import resolve_tracking_uri
+            from .charts import RunCharts
+
+            self.charts = RunCharts(MlflowClient(tracking_uri=resolve_tracking_uri(config)), run_id, interval_s=self._poll_s)
+            self._charts_box.children = (self.charts.widget,)
+            self.charts.start()
+        except Exception as exc:  # charts are a bonus: the run goes on without them
+            self.charts = None
+            self._charts_box.children = (w.HTML(f"<i>live charts unavailable: {type(exc).__name__}: {exc}</i>"),)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The state the widget shows, as plain data (used by the flusher and by tests)."""
+        with self._lock:
+            s = self._state
+            elapsed = s.get("elapsed", time.monotonic() - self._t0) if s["state"] != "running" else time.monotonic() - self._t0
+            step, total = s["step"], s["total"]
+            rate = step / elapsed if elapsed > 0 and step else 0.0
+            eta = (total - step) / rate if total and rate > 0 and step < total else (0.0 if total and step >= total else -1.0)
+            return dict(
+                state=s["state"], plan=s.get("plan", ""), run_id=s.get("run_id", ""), link=s.get("link", ""),
+                ranks=[{"rank": r, "state": st, "detail": d} for r, (st, d) in sorted(s["ranks"].items())],
+                step=step, total=total, rate=rate, eta=eta, elapsed=elapsed, metrics=dict(s["metrics"]),
+                log=list(self._log), message=s["message"],
+            )
+
+    def _flush(self) -> None:
+        snap = self.snapshot()
+        with self.widget.hold_sync():
+            for key, value in snap.items():
+                if getattr(self.widget, key) != value:
+                    setattr(self.widget, key, value)
+
+    def _flush_loop(self) -> None:
+        while True:
+            self._dirty.wait(timeout=1.0)  # at least once a second: elapsed time and ETA move on
+            if self._closed.is_set() and not self._dirty.is_set():
+                return
+            self._dirty.clear()
+            try:
+                self._flush()
+            except Exception:
+                pass
+            if self._closed.is_set():
+                return
+            time.sleep(self._flush_s)
