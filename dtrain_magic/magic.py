@@ -45,7 +45,8 @@ class DistributeMagics(Magics):
         if config.dry_run:
             print(runner.plan(config, payload))
             return None
-        result = runner.execute(config, payload, make_observer(config))
+        observer = make_observer(config)
+        result = runner.execute(config, payload, observer, stop=getattr(observer, "stop_event", None))
         if config.result:
             self.shell.user_ns[config.result] = result
         return result
