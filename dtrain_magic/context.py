@@ -95,6 +95,7 @@ class TrainContext:
 
         Returns ``(model, optimizer, *loaders)``, or ``(model, optimizer)`` without loaders.
         """
+        self.strategy.set_loaders(loaders)
         model, optimizer = self.strategy.wrap(model, optimizer)
         seed = self.config.seed or 0
         sharded = [shard_loader(loader, self.rank, self.world_size, seed) for loader in loaders]
@@ -161,6 +162,11 @@ class TrainContext:
         if directory is None or not os.path.isdir(directory):
             return None
         return self.strategy.load_checkpoint(directory)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's full-precision state dict (ZeRO-3/FSDP shards gathered), loadable into the plain
+        model; every rank must call it (it is a collective), save it on rank 0."""
+        return self.strategy.full_state_dict()
 
     def _checkpoint_dir(self, directory: str | None) -> str:
         if directory is not None:

@@ -31,10 +31,29 @@ class Strategy(ABC):
         self.device = device
         self.model: Any = None
         self.optimizer: Any = None
+        self.loaders: tuple = ()
 
     @classmethod
     def check(cls, config: RunConfig) -> None:
         """Validate ``config`` for this strategy in the notebook, before launch (raise ConfigError)."""
+
+    def set_loaders(self, loaders: tuple) -> None:
+        """Called by ``ctx.prepare`` before `wrap` with the loaders it was given (DeepSpeed takes its
+        ``train_micro_batch_size_per_gpu`` from the first one's batch size)."""
+        self.loaders = tuple(loaders)
+
+    def report_memory(self, model: torch.nn.Module) -> None:
+        """Print (rank 0) the per-process memory estimate for ``model`` under this run's settings."""
+        if self.rank != 0:
+            return
+        try:
+            from ..memory import report
+
+            per_device = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world_size))) if self.device.type != "cuda" else 1
+            print(report(model, self.config.strategy, self.config.zero, self.config.precision, self.world_size,
+                         self.device, per_device), flush=True)
+        except Exception as exc:  # an estimate must never break a run
+            print(f"memory estimate unavailable: {exc}", flush=True)
 
     @abstractmethod
     def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Any, Any]:

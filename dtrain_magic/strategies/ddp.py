@@ -15,6 +15,7 @@ class DDPStrategy(TorchStrategy):
     name = "ddp"
 
     def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Any, Any]:
+        self.report_memory(model)
         model = model.to(self.device)
         if self.world_size > 1:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
