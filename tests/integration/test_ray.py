@@ -1,0 +1,277 @@
+"""``--backend ray``: real Ray Train on loopback (one embedded instance for the module), a real
+``ray start --head`` cluster, real SIGKILLs and a real kernel interrupt."""
+
+from __future__ import annotations
+
+import _thread
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+ray = pytest.importorskip("ray")
+
+STEPS, EVERY, KILL_AT = 12, 4, 6
+
+# One training function for every backend: checkpoints every EVERY steps (on Ray), resumes from the
+# latest one, and rank 1 SIGKILLs itself once at KILL_AT when KILL is set (a marker file makes it once).
+CELL = """%%distribute --backend {backend} -n 2 --no-ui --seed 0 {flags}
+import os, signal, torch
+STEPS, EVERY, KILL_AT, KILL, SAVE = {steps}, {every}, {kill_at}, {kill}, {save}
+def train(ctx):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model, opt = ctx.prepare(model, opt)
+    data = torch.randn(STEPS, 2, 4, 8, generator=torch.Generator().manual_seed(1))  # step, rank, batch, x
+    target = data.sum(-1, keepdim=True)
+    open(f"pid_{{ctx.rank}}", "a").write(f"{{os.getpid()}}\\n")
+    state = ctx.load_checkpoint()
+    start = 0 if state is None else state["step"] + 1
+    if state is not None:
+        print(f"resumed at step {{start}}")
+    for step in range(start, STEPS):
+        if KILL and step == KILL_AT and ctx.rank == 1 and not os.path.exists("killed"):
+            open("killed", "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss = (model(data[step, ctx.rank]) - target[step, ctx.rank]).pow(2).mean()
+        ctx.backward(loss)
+        ctx.step()
+        ctx.log({{"loss": loss.item()}}, step=step)
+        if SAVE and step % EVERY == EVERY - 1:
+            ctx.save_checkpoint(step=step)
+    return {{k: v.detach().clone() for k, v in ctx.strategy.full_state_dict().items()}}
+"""
+
+
+def cell(backend="ray", flags="", kill=False, save=True, steps=STEPS):
+    return CELL.format(backend=backend, flags=flags, steps=steps, every=EVERY, kill_at=KILL_AT, kill=kill, save=save)
+
+
+def pids(directory) -> list[int]:
+    found = []
+    for rank in (0, 1):
+        path = os.path.join(directory, f"pid_{rank}")
+        if os.path.exists(path):
+            found += [int(line) for line in open(path).read().split()]
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_dead(pid_list, within: float) -> list[int]:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        left = [pid for pid in pid_list if alive(pid)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return [pid for pid in pid_list if alive(pid)]
+
+
+def same_weights(a: dict, b: dict, atol: float) -> bool:
+    return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=atol, rtol=0) for k in a)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_instance():
+    """One embedded Ray instance for the module (what a notebook gets), shut down at the end."""
+    from dtrain_magic.config import RunConfig
+    from dtrain_magic.launchers import ray as ray_launcher
+
+    assert not ray.is_initialized(), "another test left Ray running in this process"
+    os.environ.pop("RAY_ADDRESS", None)
+    assert ray_launcher.connect(RunConfig(backend="ray")) == "embedded"
+    temp_dir = ray_launcher._Embedded.temp_dir
+    yield
+    ray_launcher._shutdown_embedded()
+    if ray.is_initialized():
+        ray.shutdown()
+    assert not os.path.exists(temp_dir)
+
+
+_reference: dict = {}
+
+
+@pytest.fixture
+def reference_weights(shell):
+    """Final weights of an uninterrupted run of the same function on the local backend (fp32, seed 0)."""
+    if "weights" not in _reference:
+        result = shell.run(cell(backend="local", save=False))
+        assert result.error_in_exec is None, result.error_in_exec
+        _reference["weights"] = result.result.value
+    return _reference["weights"]
+
+
+def test_two_workers_match_the_local_backend(shell, mlflow, reference_weights, tmp_path):
+    result = shell.run(cell())
+    assert result.error_in_exec is None, result.error_in_exec
+    run = result.result
+    assert run.config.backend == "ray" and len(run.values) == 2
+    assert same_weights(run.value, reference_weights, atol=1e-5)
+    assert same_weights(run.values[1], run.value, atol=0)  # DDP kept the replicas identical
+    # ctx.log reached MLflow through the channel, every step, like on every backend
+    assert [m.step for m in mlflow.get_metric_history(run.run_id, "loss")] == list(range(STEPS))
+    assert mlflow.get_run(run.run_id).info.status == "FINISHED"
+    # checkpoints went to Ray Train's storage under ./dtrain_runs/<run>
+    run_dir = tmp_path / "dtrain_runs" / f"dtrain_{run.run_id}"
+    assert sorted(p.name for p in run_dir.glob("checkpoint_*/checkpoint.pt")), list(run_dir.rglob("*"))
+    assert wait_dead(pids(tmp_path), 15) == []
+
+
+def test_sigkill_with_max_restarts_resumes_from_checkpoint(shell, mlflow, reference_weights, tmp_path, capsys):
+    result = shell.run(cell(flags="--max-restarts 1", kill=True))
+    assert result.error_in_exec is None, result.error_in_exec
+    assert (tmp_path / "killed").exists()
+    out = capsys.readouterr().out
+    assert f"resumed at step {EVERY}" in out  # the last checkpoint before KILL_AT was after step EVERY-1
+    assert len(pids(tmp_path)) == 4  # two attempts of two workers
+    assert same_weights(result.result.value, reference_weights, atol=1e-6)
+    assert mlflow.get_run(result.result.run_id).info.status == "FINISHED"
+    assert wait_dead(pids(tmp_path), 15) == []
+
+
+def test_sigkill_without_restarts_fails_short_and_leaves_no_worker(shell, mlflow, tmp_path):
+    from dtrain_magic.errors import WorkerError
+
+    started = time.monotonic()
+    result = shell.run(cell(kill=True))
+    error = result.error_in_exec
+    assert isinstance(error, WorkerError), error
+    assert error.rank == 1 and "SIGKILL" in str(error), str(error)
+    assert len(str(error).splitlines()) <= 3, str(error)
+    assert time.monotonic() - started < 90
+    assert wait_dead(pids(tmp_path), 10) == []
+
+
+def test_kernel_interrupt_stops_workers_within_10s_and_ray_stays_usable(shell, tmp_path):
+    from dtrain_magic.errors import RunInterrupted
+
+    long_cell = """%%distribute --backend ray -n 2 --no-ui
+import os, time
+def train(ctx):
+    open(f"pid_{ctx.rank}", "a").write(f"{os.getpid()}\\n")
+    for step in range(100000):
+        time.sleep(0.05)
+        ctx.log(step=step, x=step)
+"""
+    stopped = {}
+
+    def interrupt_when_running():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(pids(tmp_path)) < 2:
+            time.sleep(0.1)
+        time.sleep(1.0)
+        stopped["pids"] = pids(tmp_path)
+        stopped["at"] = time.monotonic()
+        _thread.interrupt_main()  # what the kernel's interrupt does: KeyboardInterrupt in the cell's thread
+
+    threading.Thread(target=interrupt_when_running, daemon=True).start()
+    result = shell.run(long_cell)
+    assert isinstance(result.error_in_exec, RunInterrupted), result.error_in_exec
+    assert len(stopped["pids"]) == 2
+    left = wait_dead(stopped["pids"], max(0.0, 10 - (time.monotonic() - stopped["at"])))
+    assert left == [], f"workers still alive 10 s after the interrupt: {left}"
+    # the same Ray instance runs the next cell
+    again = shell.run(cell(steps=2, save=False))
+    assert again.error_in_exec is None, again.error_in_exec
+
+
+# -- a real cluster: `ray start --head` on 127.0.0.1 in a subprocess (runs last: it replaces the embedded Ray)
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _processes_under(marker: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                    if marker.encode() in handle.read():
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.fixture
+def head_node():
+    from dtrain_magic.launchers import ray as ray_launcher
+
+    ray_launcher._shutdown_embedded()  # a kernel joins one cluster at a time
+    port = _free_port()
+    temp_dir = tempfile.mkdtemp(prefix="dtr_head_", dir="/tmp")
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen(
+        [ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
+         "--num-cpus", "3", "--include-dashboard", "false", "--temp-dir", temp_dir, "--disable-usage-stats"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"ray start exited with {proc.returncode}")
+            if os.path.exists(os.path.join(temp_dir, "ray_current_cluster")) or any(
+                "raylet" in open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")
+                for p in _processes_under(temp_dir) if os.path.exists(f"/proc/{p}/cmdline")
+            ):
+                break
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}"
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)  # `ray start --block` stops its processes on SIGTERM
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + 10
+        while _processes_under(temp_dir) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in _processes_under(temp_dir):  # anything of this cluster that outlived it
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_existing_cluster_with_ray_address(shell, head_node, reference_weights, tmp_path):
+    result = shell.run(cell(flags=f"--ray-address {head_node}"))
+    assert result.error_in_exec is None, result.error_in_exec
+    assert ray.get_runtime_context().gcs_address == head_node
+    assert same_weights(result.result.value, reference_weights, atol=1e-5)
