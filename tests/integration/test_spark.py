@@ -1,0 +1,231 @@
+"""The Spark backend, really started: TorchDistributor on a real local SparkSession, then on a real
+``local-cluster[2,1,1024]`` (two executor JVMs on loopback) with barrier tasks.
+
+One SparkSession is shared by the module (the launcher's own, reused run after run) and stopped at the
+end; the cluster test, last, restarts it against the local-cluster master.
+Measured times to first step are printed (``pytest -s``) and kept in ``TIMES``.
+"""
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from dtrain_magic.errors import ConfigError, RunInterrupted, WorkerError
+from dtrain_magic.launchers import get_launcher
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+CLUSTER_MASTER = "local-cluster[2,1,1024]"
+TIMES: dict[str, float] = {}
+
+TRAIN_HELPERS = """
+import torch
+
+def make_data(n=64, features=8):
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(n, features, generator=g)
+    return torch.utils.data.TensorDataset(X, X.sum(1, keepdim=True) + 0.1)
+"""
+
+TRAIN_CELL = """%%distribute --backend {backend} -n 2 --no-ui --seed 0 {extra}
+def train(ctx):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    loader = torch.utils.data.DataLoader(make_data(), batch_size=16 // ctx.world_size)
+    model, opt, loader = ctx.prepare(model, opt, loader)
+    for epoch in range(3):
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            ctx.backward(loss)
+            ctx.step()
+            ctx.log(loss=loss.item())
+    plain = getattr(model, "module", model)
+    return {{k: v.detach().clone() for k, v in plain.state_dict().items()}}
+"""
+
+
+EXECUTOR_HELPER = """
+import os, time, psutil
+
+def executor_pid():
+    \"\"\"The pid of the executor JVM this worker runs under (the one whose command is the executor backend).\"\"\"
+    time.sleep(1.5)  # long enough for one system-metrics sample on each node
+    proc = psutil.Process()
+    while proc is not None:
+        if "CoarseGrainedExecutorBackend" in " ".join(proc.cmdline()):
+            return proc.pid
+        proc = proc.parent()
+    return None
+"""
+
+
+@pytest.fixture(scope="module")
+def spark_launcher():
+    """The cached SparkLauncher (its SparkSession lives across the module's tests), stopped at the end."""
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    launcher = get_launcher("spark")
+    yield launcher
+    launcher.shutdown()
+
+
+def torchrun_processes():
+    """torchrun trees (TorchDistributor's wrapper, torchrun, its workers) still alive below this process."""
+    alive = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            cmdline = " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+        if "torch_run_process_wrapper" in cmdline or "torch.distributed.run" in cmdline or cmdline.endswith("train.py"):
+            alive.append(proc)
+    return alive
+
+
+def assert_no_torchrun_left(timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while torchrun_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert torchrun_processes() == []
+
+
+def assert_no_spark_job_running(launcher):
+    sc = launcher._session.sparkContext
+    tracker = sc.statusTracker()
+    assert tracker.getActiveJobsIds() == [] and tracker.getActiveStageIds() == []
+
+
+def last_run(mlflow, experiment="dtrain_magic"):
+    return mlflow.search_runs(experiment_ids=[mlflow.get_experiment_by_name(experiment).experiment_id])[0]
+
+
+def test_local_mode_trains_and_matches_the_local_backend(spark_launcher, shell, mlflow):
+    assert shell.run(TRAIN_HELPERS).error_in_exec is None
+    started = time.monotonic()
+    spark = shell.run(TRAIN_CELL.format(backend="spark", extra=""))
+    assert spark.error_in_exec is None, spark.error_in_exec
+    cold = spark.result
+    TIMES["cold_session_start_s"] = spark_launcher.session_start_s
+    TIMES["cold_total_s"] = time.monotonic() - started
+    TIMES["cold_first_step_s"] = cold.time_to_first_step_s
+    local = shell.run(TRAIN_CELL.format(backend="local", extra=""))
+    assert local.error_in_exec is None, local.error_in_exec
+    assert cold.config.backend == "spark" and cold.config.local_mode
+    assert len(cold.values) == 2
+    for name, weight in local.result.value.items():
+        assert (cold.value[name] - weight).abs().max().item() < 1e-5, name
+        assert (cold.values[1][name] - weight).abs().max().item() < 1e-5, name  # every rank's value comes back
+    run = mlflow.get_run(cold.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["local_mode"] == "True" and run.data.tags["dtrain_magic.backend"] == "spark"
+    assert len(mlflow.get_metric_history(cold.run_id, "loss")) == 12
+    assert any(key.startswith("system/node0/") for key in run.data.metrics), sorted(run.data.metrics)
+    assert_no_torchrun_left()
+
+
+def test_second_run_reuses_the_session_and_is_faster(spark_launcher, shell, capsys):
+    session = spark_launcher._session
+    assert session is not None
+    shell.run(TRAIN_HELPERS)
+    started = time.monotonic()
+    result = shell.run(TRAIN_CELL.format(backend="spark", extra=""))
+    assert result.error_in_exec is None, result.error_in_exec
+    TIMES["warm_total_s"] = time.monotonic() - started
+    TIMES["warm_first_step_s"] = result.result.time_to_first_step_s
+    assert spark_launcher._session is session and spark_launcher.session_start_s == 0.0
+    out = capsys.readouterr().out
+    assert "reused" in out  # the plan line says the session was reused
+    with capsys.disabled():
+        print(f"\nspark local mode: cold {TIMES.get('cold_total_s', float('nan')):.1f} s total, first step "
+              f"{TIMES.get('cold_first_step_s') or float('nan'):.1f} s (session start "
+              f"{TIMES.get('cold_session_start_s') or 0:.1f} s); warm {TIMES['warm_total_s']:.1f} s total, "
+              f"first step {TIMES['warm_first_step_s']:.1f} s")
+    if "cold_total_s" in TIMES and TIMES.get("cold_session_start_s"):
+        assert TIMES["warm_total_s"] < TIMES["cold_total_s"]
+
+
+def test_worker_failure_is_short_and_leaves_nothing_running(spark_launcher, shell, mlflow, capsys):
+    started = time.monotonic()
+    result = shell.run(
+        "%%distribute --backend spark -n 2 --no-ui\n"
+        "def train(ctx):\n"
+        "    print('before the crash', flush=True)\n"
+        "    if ctx.rank == 1:\n"
+        "        raise ValueError('boom on rank one')\n"
+        "    ctx.barrier()\n"
+    )
+    error = result.error_in_exec
+    assert isinstance(error, WorkerError) and error.rank == 1, error
+    assert "ValueError: boom on rank one" in str(error)
+    assert "line 5, in train" in error.remote_traceback and "Cell In[" in error.remote_traceback
+    rendered = "\n".join(error._render_traceback_())
+    assert len(rendered.splitlines()) < 15 and "py4j" not in rendered and "Spark" not in rendered, rendered
+    assert "[rank 1] before the crash" in capsys.readouterr().out
+    run = last_run(mlflow)
+    assert run.info.status == "FAILED" and "rank 1" in run.data.tags["dtrain_magic.failure"]
+    assert time.monotonic() - started < 60
+    assert_no_torchrun_left()
+    assert_no_spark_job_running(spark_launcher)
+
+
+def test_gpu_setting_problems_are_clear_errors(spark_launcher, shell, mlflow):
+    result = shell.run("%%distribute --backend spark --cluster --gpu -n 2 --no-ui\ndef train(ctx): pass\n")
+    error = result.error_in_exec
+    assert isinstance(error, ConfigError), error
+    assert "spark.task.resource.gpu.amount" in str(error) and "Traceback" not in str(error)
+    result = shell.run("%%distribute --backend spark --local-mode --gpu -n 2 --no-ui\ndef train(ctx): pass\n")
+    assert isinstance(result.error_in_exec, ConfigError) and "spark.driver.resource.gpu.amount" in str(result.error_in_exec)
+    assert mlflow.get_experiment_by_name("dtrain_magic") is None  # nothing launched, no run
+
+
+def test_kernel_interrupt_stops_every_torchrun_process_within_10_s(spark_launcher, shell, mlflow, tmp_path):
+    marker = tmp_path / "running"
+
+    def interrupt_when_running():
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=interrupt_when_running, daemon=True)
+    thread.start()
+    result = shell.run(
+        "%%distribute --backend spark -n 2 --no-ui\nimport time, pathlib\ndef train(ctx):\n"
+        f"    pathlib.Path({str(marker)!r}).write_text('x')\n    time.sleep(300)\n"
+    )
+    interrupted_at = time.monotonic()
+    thread.join(5)
+    assert isinstance(result.error_in_exec, RunInterrupted), result.error_in_exec
+    assert_no_torchrun_left(timeout=max(0.5, 10.0 - (time.monotonic() - interrupted_at)))
+    assert_no_spark_job_running(spark_launcher)
+    assert last_run(mlflow).info.status == "KILLED"
+
+
+def test_cluster_mode_trains_on_two_executors(spark_launcher, shell, mlflow):
+    shell.run(TRAIN_HELPERS)
+    cell = TRAIN_CELL.format(backend="spark", extra=f"--cluster --spark-master {CLUSTER_MASTER}").replace(
+        "    return {", "    return executor_pid(), {"
+    )
+    shell.run(EXECUTOR_HELPER)
+    result = shell.run(cell)
+    assert result.error_in_exec is None, result.error_in_exec
+    run_result = result.result
+    assert spark_launcher._session.sparkContext.master == CLUSTER_MASTER
+    executors = [value[0] for value in run_result.values]
+    assert None not in executors and len(set(executors)) == 2, executors  # one barrier task per executor
+    assert run_result.values[0][1].keys() == run_result.values[1][1].keys()
+    for name, weight in run_result.values[0][1].items():
+        assert (run_result.values[1][1][name] - weight).abs().max().item() == 0  # DDP replicas agree
+    run = mlflow.get_run(run_result.run_id)
+    assert run.info.status == "FINISHED" and run.data.params["local_mode"] == "False"
+    for node in ("node0", "node1"):  # system metrics from each node's first local rank
+        assert any(key.startswith(f"system/{node}/") for key in run.data.metrics), sorted(run.data.metrics)
+    assert_no_torchrun_left()
+    assert_no_spark_job_running(spark_launcher)
