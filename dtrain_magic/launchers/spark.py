@@ -399,7 +399,8 @@ class SparkLauncher(Launcher):
     def __init__(self) -> None:
         self._session: Any = None  # a session this launcher started (and may stop)
         self._lock = threading.Lock()
-        self.session_start_s: float | None = None  # how long the last session start took (0 when reused)
+        self.session_start_s: float | None = None  # how long this launcher's last session start took
+        self.session_starts = 0  # how many sessions this launcher started (a warm run starts none)
 
     # -- the session ---------------------------------------------------------------------------------
     @staticmethod
@@ -421,18 +422,17 @@ class SparkLauncher(Launcher):
         with self._lock:
             active = self._active_session()
             if active is not None and active is not self._session:
-                self.session_start_s = 0.0
                 return active  # Databricks, or the user's own session: never reconfigured or stopped by us
             if self._session is not None and self._alive(self._session):
                 wanted = config.spark_master
                 if wanted is None or self._session.sparkContext.master == wanted:
-                    self.session_start_s = 0.0
                     return self._session
                 self._stop_own()  # --spark-master changed: our own session is restarted against it
             check_java()
             t0 = time.monotonic()
             self._session = self._build(config.spark_master or "local[*]")
             self.session_start_s = time.monotonic() - t0
+            self.session_starts += 1
             return self._session
 
     @staticmethod

@@ -107,13 +107,16 @@ def last_run(mlflow, experiment="dtrain_magic"):
 
 def test_local_mode_trains_and_matches_the_local_backend(spark_launcher, shell, mlflow):
     assert shell.run(TRAIN_HELPERS).error_in_exec is None
+    starts = spark_launcher.session_starts
     started = time.monotonic()
     spark = shell.run(TRAIN_CELL.format(backend="spark", extra=""))
     assert spark.error_in_exec is None, spark.error_in_exec
     cold = spark.result
-    TIMES["cold_session_start_s"] = spark_launcher.session_start_s
     TIMES["cold_total_s"] = time.monotonic() - started
-    TIMES["cold_first_step_s"] = cold.time_to_first_step_s
+    if spark_launcher.session_starts > starts:  # this run started the session (it is the module's first)
+        TIMES["cold_session_start_s"] = spark_launcher.session_start_s
+    # From the cell's start (session start, checks and MLflow run included) to rank 0's first ctx.log.
+    TIMES["cold_first_step_s"] = TIMES["cold_total_s"] - cold.wall_time_s + cold.time_to_first_step_s
     local = shell.run(TRAIN_CELL.format(backend="local", extra=""))
     assert local.error_in_exec is None, local.error_in_exec
     assert cold.config.backend == "spark" and cold.config.local_mode
@@ -129,16 +132,16 @@ def test_local_mode_trains_and_matches_the_local_backend(spark_launcher, shell, 
     assert_no_torchrun_left()
 
 
-def test_second_run_reuses_the_session_and_is_faster(spark_launcher, shell, capsys):
-    session = spark_launcher._session
+def test_second_run_reuses_the_session(spark_launcher, shell, capsys):
+    session, starts = spark_launcher._session, spark_launcher.session_starts
     assert session is not None
     shell.run(TRAIN_HELPERS)
     started = time.monotonic()
     result = shell.run(TRAIN_CELL.format(backend="spark", extra=""))
     assert result.error_in_exec is None, result.error_in_exec
     TIMES["warm_total_s"] = time.monotonic() - started
-    TIMES["warm_first_step_s"] = result.result.time_to_first_step_s
-    assert spark_launcher._session is session and spark_launcher.session_start_s == 0.0
+    TIMES["warm_first_step_s"] = TIMES["warm_total_s"] - result.result.wall_time_s + result.result.time_to_first_step_s
+    assert spark_launcher._session is session and spark_launcher.session_starts == starts
     out = capsys.readouterr().out
     assert "reused" in out  # the plan line says the session was reused
     with capsys.disabled():
@@ -146,8 +149,6 @@ def test_second_run_reuses_the_session_and_is_faster(spark_launcher, shell, caps
               f"{TIMES.get('cold_first_step_s') or float('nan'):.1f} s (session start "
               f"{TIMES.get('cold_session_start_s') or 0:.1f} s); warm {TIMES['warm_total_s']:.1f} s total, "
               f"first step {TIMES['warm_first_step_s']:.1f} s")
-    if "cold_total_s" in TIMES and TIMES.get("cold_session_start_s"):
-        assert TIMES["warm_total_s"] < TIMES["cold_total_s"]
 
 
 def test_worker_failure_is_short_and_leaves_nothing_running(spark_launcher, shell, mlflow, capsys):
