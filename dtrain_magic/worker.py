@@ -118,12 +118,19 @@ def _ensure_process_group(config: RunConfig, ranks: RankInfo) -> bool:
     kwargs: dict[str, Any] = {}
     if config.timeout:
         kwargs["timeout"] = datetime.timedelta(seconds=max(config.timeout, 30))
-    dist.init_process_group(backend, init_method="env://", rank=ranks.rank, world_size=ranks.world_size, **kwargs)
+    # The local launcher rendezvouses through a file in its private run directory (no TCPStore, which
+    # listens on every interface); torchrun-based backends use the env:// variables they set.
+    init_method = os.environ.get("DTRAIN_INIT_METHOD", "env://")
+    dist.init_process_group(backend, init_method=init_method, rank=ranks.rank, world_size=ranks.world_size, **kwargs)
     return True
 
 
-def run_worker(job: WorkerJob, ranks: RankInfo | None = None) -> Any:
-    """Run the user's function on this rank; returns its value, raises its exception after reporting it."""
+def run_worker(job: WorkerJob, ranks: RankInfo | None = None, checkpoints: Any = None) -> Any:
+    """Run the user's function on this rank; returns its value, raises its exception after reporting it.
+
+    ``checkpoints``: a backend's own checkpoint store for ``ctx`` (Ray Train's); default: plain files
+    under ``job.checkpoint_root``.
+    """
     import torch.distributed as dist
 
     from .context import TrainContext
@@ -151,7 +158,8 @@ def run_worker(job: WorkerJob, ranks: RankInfo | None = None) -> Any:
 
         ctx = TrainContext(
             job.config, strategy, ranks.rank, ranks.local_rank, ranks.world_size, device,
-            send=link.send, checkpoint_store=checkpoint_store(job.checkpoint_root),
+            send=link.send,
+            checkpoint_store=checkpoints if checkpoints is not None else checkpoint_store(job.checkpoint_root),
         )
         fn = job.payload.load()
         link.send((ch.STATUS, ranks.rank, "running", ""))
@@ -192,10 +200,36 @@ def run_worker(job: WorkerJob, ranks: RankInfo | None = None) -> Any:
         link.close()
 
 
+def _wait_for_job() -> str | None:
+    """Warm-pool mode: import the heavy modules now, then wait for one job line on stdin.
+
+    The line is JSON ``{"job": path, "env": {...}}``; the environment replaces ours so the worker sees
+    the notebook's environment as it is at launch time. EOF (the notebook went away) ends the process.
+    """
+    import json
+
+    import torch  # noqa: F401  (the point of the pool: pay this import before the run)
+    import torch.distributed  # noqa: F401
+
+    from . import context  # noqa: F401
+    from .strategies import ddp  # noqa: F401
+
+    line = sys.stdin.readline()
+    if not line.strip():
+        return None
+    request = json.loads(line)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    return request["job"]
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of a local worker process: ``python -m dtrain_magic.worker JOB_FILE``."""
+    """Entry point of a local worker: ``python -m dtrain_magic.worker JOB_FILE`` or ``--pool``."""
     argv = sys.argv[1:] if argv is None else argv
-    with open(argv[0], "rb") as handle:
+    path = _wait_for_job() if argv[0] == "--pool" else argv[0]
+    if path is None:
+        return 0
+    with open(path, "rb") as handle:
         job: WorkerJob = cloudpickle.load(handle)
     try:
         run_worker(job)

@@ -1,14 +1,24 @@
 """``--backend local``: N fresh Python processes on this machine (spawn semantics, never fork).
 
-Each worker is ``python -m dtrain_magic.worker JOB_FILE`` in its own process group, with torchrun's
-environment variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT).
+Each worker is ``python -m dtrain_magic.worker`` in its own process group, with torchrun's
+environment variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT). The
+process group rendezvous goes through a file in the run's private directory (a FileStore: no port
+listening on every interface, no port race); gloo/nccl sockets are bound to the loopback interface.
 Output written below Python (C extensions, crashes) is read from the processes' pipes and shown with
 the rank prefix; Python-level output travels over the channel. Cancel = SIGTERM to every process
 group, then SIGKILL after a grace period.
+
+Warm pool: after a run, N fresh interpreters are started in the background that import torch and
+wait for the next job on stdin, so a re-run does not pay interpreter start-up and ``import torch``
+again (the same idea as a spawn-safe worker pool; every run still gets new processes, so no state
+leaks between runs). Idle pool processes exit when the notebook goes away (stdin closes).
+``DTRAIN_MAGIC_WARM_POOL=0`` turns the pool off.
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import shutil
 import signal
@@ -37,8 +47,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def worker_environment(rank: int, world_size: int, port: int, threads: int) -> dict[str, str]:
+def base_environment(threads: int) -> dict[str, str]:
+    """The notebook's environment plus what every local worker needs, whatever its rank."""
     env = dict(os.environ)
+    env.update(
+        PYTHONUNBUFFERED="1",
+        # Same imports as the notebook: its sys.path (working directory, editable installs) first.
+        PYTHONPATH=os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p and os.path.isdir(p)),
+    )
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    env.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+    env.setdefault("NCCL_SOCKET_IFNAME", _loopback_interface())
+    return env
+
+
+def worker_environment(rank: int, world_size: int, port: int, threads: int, store_file: str = "") -> dict[str, str]:
+    env = base_environment(threads)
     env.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -47,12 +71,9 @@ def worker_environment(rank: int, world_size: int, port: int, threads: int) -> d
         GROUP_RANK="0",
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
-        PYTHONUNBUFFERED="1",
-        # Same imports as the notebook: its sys.path (working directory, editable installs) first.
-        PYTHONPATH=os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p and os.path.isdir(p)),
     )
-    env.setdefault("OMP_NUM_THREADS", str(threads))
-    env.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+    if store_file:
+        env["DTRAIN_INIT_METHOD"] = f"file://{store_file}"
     return env
 
 
@@ -61,6 +82,91 @@ def _loopback_interface() -> str:
         return next(name for _, name in socket.if_nameindex() if name.startswith("lo"))
     except (OSError, StopIteration):
         return "lo"
+
+
+def _threads(num_processes: int) -> int:
+    return max(1, (os.cpu_count() or 1) // num_processes)
+
+
+def _spawn(args: list[str], env: dict[str, str], stdin: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "dtrain_magic.worker", *args],
+        env=env,
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its own process group, so cancel reaches its children too
+        cwd=os.getcwd(),
+    )
+
+
+class WarmPool:
+    """Idle worker interpreters (torch already imported), keyed by what they were started with."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple, list[subprocess.Popen]] = {}
+        self._lock = threading.Lock()
+        atexit.register(self.shutdown)
+
+    @staticmethod
+    def enabled() -> bool:
+        return os.environ.get("DTRAIN_MAGIC_WARM_POOL", "1") not in ("0", "false", "no")
+
+    @staticmethod
+    def key(num_processes: int) -> tuple:
+        return (num_processes, sys.executable, os.getcwd(), tuple(sys.path), os.environ.get("OMP_NUM_THREADS"))
+
+    def take(self, num_processes: int) -> list[subprocess.Popen] | None:
+        with self._lock:
+            procs = self._idle.pop(self.key(num_processes), None)
+        if procs and all(p.poll() is None for p in procs):
+            return procs
+        for proc in procs or []:
+            _stop(proc)
+        return None
+
+    def refill(self, num_processes: int) -> None:
+        """Start the next run's interpreters now, in the background; at most one idle set is kept."""
+        if not self.enabled():
+            return
+        key = self.key(num_processes)
+        env = base_environment(_threads(num_processes))
+        with self._lock:
+            if key in self._idle:
+                return
+            stale = [p for procs in self._idle.values() for p in procs]
+            self._idle.clear()
+            self._idle[key] = [_spawn(["--pool"], env, subprocess.PIPE) for _ in range(num_processes)]
+        for proc in stale:
+            _stop(proc)
+
+    def idle_pids(self) -> set[int]:
+        with self._lock:
+            return {p.pid for procs in self._idle.values() for p in procs}
+
+    def shutdown(self) -> None:
+        with self._lock:
+            procs = [p for group in self._idle.values() for p in group]
+            self._idle.clear()
+        for proc in procs:
+            _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        try:
+            if stream:
+                stream.close()
+        except OSError:
+            pass
+    _signal_group(proc, signal.SIGKILL)
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+POOL = WarmPool()
 
 
 class LocalJob(RunningJob):
@@ -74,21 +180,28 @@ class LocalJob(RunningJob):
         fd = os.open(job_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as handle:
             cloudpickle.dump(job, handle)
+        self._num_processes = n = config.num_processes
         port = free_port()
-        threads = max(1, (os.cpu_count() or 1) // config.num_processes)
+        store_file = os.path.join(run_dir, "rendezvous")
+        envs = [worker_environment(rank, n, port, _threads(n), store_file) for rank in range(n)]
         self.processes: list[subprocess.Popen] = []
         self._pumps: list[threading.Thread] = []
-        for rank in range(config.num_processes):
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "dtrain_magic.worker", job_file],
-                env=worker_environment(rank, config.num_processes, port, threads),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,  # its own process group, so cancel reaches its children too
-                cwd=os.getcwd(),
-            )
-            self.processes.append(proc)
+        warm = POOL.take(n) if POOL.enabled() else None
+        self.warm = warm is not None
+        try:
+            if warm is not None:
+                for proc, env in zip(warm, envs):
+                    proc.stdin.write((json.dumps({"job": job_file, "env": env}) + "\n").encode())
+                    proc.stdin.close()
+                self.processes = warm
+            else:
+                for env in envs:
+                    self.processes.append(_spawn([job_file], env, subprocess.DEVNULL))
+        except BaseException:
+            for proc in [*(warm or []), *self.processes]:
+                _stop(proc)
+            raise
+        for rank, proc in enumerate(self.processes):
             for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
                 pump = threading.Thread(target=self._pump, args=(stream, rank, name), daemon=True)
                 pump.start()
@@ -136,7 +249,9 @@ class LocalJob(RunningJob):
         self._cleanup()
 
     def _cleanup(self) -> None:
-        shutil.rmtree(self._run_dir, ignore_errors=True)
+        if os.path.isdir(self._run_dir):
+            shutil.rmtree(self._run_dir, ignore_errors=True)
+            POOL.refill(self._num_processes)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

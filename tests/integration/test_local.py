@@ -41,9 +41,14 @@ def train(ctx):
 
 
 def worker_children():
-    """Worker processes started by this test process that are still alive."""
+    """Processes started by this test process that are still alive, other than the idle warm pool."""
+    from dtrain_magic.launchers.local import POOL
+
+    idle = POOL.idle_pids()
     alive = []
     for child in psutil.Process().children(recursive=True):
+        if child.pid in idle:
+            continue
         try:
             if child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
                 alive.append(child)
@@ -261,3 +266,85 @@ def test_result_that_cannot_be_pickled_is_a_clear_error(shell):
     error = result.error_in_exec
     assert isinstance(error, WorkerError) and "cannot be pickled" in str(error)
     assert_nothing_left()
+
+
+def test_rerun_uses_the_warm_pool_of_fresh_interpreters(shell):
+    from dtrain_magic.launchers.local import POOL
+
+    cell = "%%distribute --backend local -n 2 --no-ui\nimport os\ndef train(ctx):\n    return os.getpid()\n"
+    first = shell.run(cell).result
+    idle = POOL.idle_pids()
+    assert len(idle) == 2 and not idle & set(first.values)  # new interpreters, not the ones that ran
+    second = shell.run(cell).result
+    assert set(second.values) == idle
+
+
+def test_idle_pool_exits_when_the_notebook_process_dies(tmp_path):
+    import subprocess
+    import sys
+
+    script = (
+        "import os, sys\n"
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "sh = InteractiveShell.instance()\n"
+        "sh.run_cell('%load_ext dtrain_magic')\n"
+        "r = sh.run_cell('%%distribute --backend local -n 2 --no-ui\\ndef train(ctx):\\n    return 1\\n')\n"
+        "assert r.error_in_exec is None, r.error_in_exec\n"
+        "from dtrain_magic.launchers.local import POOL\n"
+        "print(' '.join(map(str, POOL.idle_pids())), flush=True)\n"
+        "os._exit(0)  # no atexit: like a kernel that is killed\n"
+    )
+    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'm.db'}")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    pids = [int(p) for p in proc.stdout.strip().splitlines()[-1].split()]
+    assert len(pids) == 2, proc.stdout + proc.stderr
+    deadline = time.monotonic() + 60  # they may still be importing torch when their stdin closes
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        assert time.monotonic() < deadline, "idle pool processes outlived the notebook"
+        time.sleep(0.2)
+
+
+def test_processes_bind_only_to_loopback(shell):
+    cell = (
+        "%%distribute --backend local -n 2 --no-ui\n"
+        "import psutil\n"
+        "def train(ctx):\n"
+        "    ctx.prepare(__import__('torch').nn.Linear(2, 2), None)\n"
+        "    ctx.barrier()\n"
+        "    return sorted({c.laddr.ip for c in psutil.Process().net_connections('inet') if c.status == 'LISTEN'})\n"
+    )
+    result = shell.run(cell)
+    assert result.error_in_exec is None, result.error_in_exec
+    for addresses in result.result.values:
+        assert set(addresses) <= {"127.0.0.1", "::1"}, addresses
+
+
+def test_two_runs_at_once_use_separate_channels_and_mlflow_runs(tracking_uri):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dtrain_magic import runner
+    from dtrain_magic.capture import capture
+    from dtrain_magic.config import RunConfig
+    from dtrain_magic.observer import RunObserver
+
+    payload, _ = capture("import time\ndef train(ctx):\n    time.sleep(1)\n    return ctx.rank\n", {})
+    config = RunConfig(num_processes=2, tracking_uri=tracking_uri)
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(runner.execute, config, payload, RunObserver()) for _ in range(2)]
+        results = [f.result(timeout=240) for f in futures]
+    assert [r.values for r in results] == [[0, 1], [0, 1]]
+    assert results[0].run_id != results[1].run_id
+    assert_nothing_left()
+
+
+def test_run_directory_is_private(shell):
+    cell = (
+        "%%distribute --backend local -n 1 --no-ui\n"
+        "import os, stat\n"
+        "def train(ctx):\n"
+        "    d = os.path.dirname(os.environ['DTRAIN_INIT_METHOD'][len('file://'):])\n"
+        "    return oct(stat.S_IMODE(os.stat(d).st_mode)), oct(stat.S_IMODE(os.stat(os.path.join(d, 'job.pkl')).st_mode))\n"
+    )
+    result = shell.run(cell)
+    assert result.error_in_exec is None, result.error_in_exec
+    assert result.result.value == ("0o700", "0o600")
