@@ -15,6 +15,10 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+pip_install() {  # pip, minus the "Location ... is ignored" lines this machine's pip config prints
+    "${PIP[@]}" install "$@" 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }
+    return "${PIPESTATUS[0]}"
+}
 stamp=".venv/.dtrain_magic-installed"
 want="$(cat requirements.txt requirements-test.txt constraints.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import dtrain_magic, torch, deepspeed, ray, pyspark, mlflow" 2>/dev/null; then
@@ -25,9 +29,9 @@ fi
 start=$(date +%s)
 # torch first, pinned, so that no other package's dependency pulls a (several GB) CUDA build.
 echo "setup: installing torch (pinned)"
-"${PIP[@]}" install "$(grep -E '^torch==' requirements.txt)"
+pip_install "$(grep -E '^torch==' requirements.txt)"
 echo "setup: installing the stack (deepspeed, ray, pyspark, mlflow, widgets, test tools)"
-"${PIP[@]}" install -r requirements.txt -r requirements-test.txt -c constraints.txt
+pip_install -r requirements.txt -r requirements-test.txt -c constraints.txt
 # The editable build's setuptools warnings are noise here; show them only if it fails.
 "${PIP[@]}" install --no-deps -e . > .venv/editable-install.log 2>&1 || { cat .venv/editable-install.log >&2; exit 1; }
 echo "$want" > "$stamp"
