@@ -103,7 +103,7 @@ def estimate(num_params: int, strategy: str = "ddp", zero: int | None = None, pr
     grads = g * psi / (n if stage >= 2 else 1)
     optimizer = kk * psi / (n if stage >= 1 else 1)
     optimizer_moments = moments * psi / (n if stage >= 1 else 1)
-    return MemoryEstimate(strategy, zero if strategy == "deepspeed" else None, precision, world_size,
+    return MemoryEstimate(strategy, stage if strategy == "deepspeed" else None, precision, world_size,
                           int(num_params), params, grads, optimizer, optimizer_moments)
 
 
