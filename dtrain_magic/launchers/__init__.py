@@ -6,9 +6,7 @@ lazily so ``import dtrain_magic`` never pays for pyspark or ray.
 
 from __future__ import annotations
 
-import importlib
-
-from ..errors import ConfigError
+from ..registry import load_class
 from .base import Failure, Launcher, LaunchState, RunningJob
 
 _REGISTRY: dict[str, str] = {
@@ -24,16 +22,7 @@ def available() -> tuple[str, ...]:
 
 def get_launcher(name: str) -> Launcher:
     """A `Launcher` instance for ``name`` (cached per class so sessions and pools are reused)."""
-    if name not in _REGISTRY:
-        raise ConfigError("--backend", f"got {name!r}; allowed: auto, {', '.join(_REGISTRY)}")
-    module_name, _, class_name = _REGISTRY[name].partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name == module_name:
-            raise ConfigError("--backend", f"{name} is not yet supported in this version of dtrain_magic") from None
-        raise
-    cls = getattr(module, class_name)
+    cls = load_class(_REGISTRY, name, "--backend", extra_allowed=("auto",))
     if name not in _INSTANCES or type(_INSTANCES[name]) is not cls:
         _INSTANCES[name] = cls()
     return _INSTANCES[name]

@@ -6,9 +6,7 @@ lazily so ``import dtrain_magic`` never pays for DeepSpeed.
 
 from __future__ import annotations
 
-import importlib
-
-from ..errors import ConfigError
+from ..registry import load_class
 from .base import Strategy
 
 _REGISTRY: dict[str, str] = {
@@ -24,16 +22,7 @@ def available() -> tuple[str, ...]:
 
 def get_strategy(name: str) -> type[Strategy]:
     """The `Strategy` class for ``name``; a clear error when unknown or not implemented yet."""
-    if name not in _REGISTRY:
-        raise ConfigError("--strategy", f"got {name!r}; allowed: {', '.join(_REGISTRY)}")
-    module_name, _, class_name = _REGISTRY[name].partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name == module_name:
-            raise ConfigError("--strategy", f"{name} is not yet supported in this version of dtrain_magic") from None
-        raise
-    return getattr(module, class_name)
+    return load_class(_REGISTRY, name, "--strategy")
 
 
 __all__ = ["Strategy", "available", "get_strategy"]
