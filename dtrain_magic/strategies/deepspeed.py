@@ -188,6 +188,8 @@ class DeepSpeedStrategy(Strategy):
         super().__init__(*args, **kwargs)
         if not self.config.use_gpu:
             os.environ["DS_ACCELERATOR"] = "cpu"  # before deepspeed is imported in this process
+        elif os.environ.get("DS_ACCELERATOR") == "cpu":
+            os.environ["DS_ACCELERATOR"] = "cuda"  # a CPU setting inherited from the notebook (tests set it)
         # DeepSpeed 0.19 calls collectives torch 2.13 deprecated; one warning per call floods the cell
         warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+ is deprecated", category=FutureWarning)
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
