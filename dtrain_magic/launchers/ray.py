@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import logging
 import os
 import shutil
 import sys
@@ -64,6 +65,10 @@ class RayCheckpointStore:
             has_files = os.path.isdir(directory) and any(os.scandir(directory))
             checkpoint = ray.train.Checkpoint.from_directory(directory) if has_files else None
             ray.train.report({}, checkpoint=checkpoint)
+            # Ray registers a reported checkpoint only when its controller next polls the workers (every
+            # ~2 s): if a worker died before that, a restart would not see it. Wait until it is committed,
+            # on every rank, so no rank runs ahead of a checkpoint Ray does not yet know about.
+            ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
         finally:
             if directory in self._created:
                 self._created.discard(directory)
@@ -118,11 +123,15 @@ def _train_loop(config: dict) -> None:
     )
     store = RayCheckpointStore()
     printer = builtins.print
+    train_logger = logging.getLogger("ray.train")
+    level = train_logger.level
+    train_logger.setLevel(logging.WARNING)  # not "Reporting training result ..." on every checkpoint
     builtins.print = _unpatched_print()  # Ray Train tees print() into its logger too: each line came twice
     try:
         run_worker(config["job"], ranks, checkpoints=store)
     finally:
         builtins.print = printer
+        train_logger.setLevel(level)
         store.cleanup()
 
 
@@ -158,7 +167,17 @@ def _shutdown_embedded() -> None:
         _Embedded.num_cpus = 0
 
 
-def _start_embedded(num_cpus: int) -> None:
+def _start_embedded(num_cpus: int, attempts: int = 2) -> None:
+    """Start the local instance; one more try when a loaded machine makes Ray's 30 s raylet wait time out."""
+    for attempt in range(attempts):
+        try:
+            return _start_embedded_once(num_cpus)
+        except LaunchError as exc:
+            if attempt == attempts - 1 or "timed out during startup" not in str(exc):
+                raise
+
+
+def _start_embedded_once(num_cpus: int) -> None:
     import ray
 
     temp_dir = tempfile.mkdtemp(prefix="dtr_ray_", dir="/tmp" if os.path.isdir("/tmp") else None)  # short: unix sockets
@@ -171,8 +190,13 @@ def _start_embedded(num_cpus: int) -> None:
             _node_ip_address="127.0.0.1",
             _temp_dir=temp_dir,
         )
-    except BaseException:
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    except BaseException as exc:
+        try:
+            ray.shutdown()  # whatever half-started
+        finally:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        if isinstance(exc, Exception):
+            raise LaunchError(f"could not start a local Ray instance: {_one_line(exc)}") from None
         raise
     _Embedded.temp_dir, _Embedded.num_cpus = temp_dir, num_cpus
     if not _Embedded.registered:
