@@ -16,8 +16,9 @@ rank 0's).
   trees this run started on this machine (local mode: they are children of the notebook). Every worker
   also watches the channel: when the notebook closes it (run over, cancelled, kernel died), a worker
   still running exits by itself, which is what stops workers on remote executors promptly.
-- Each node's first local rank runs MLflow's ``SystemMetricsMonitor`` with ``node_id="node<N>"`` so a
-  cluster run shows per-node CPU/memory (and GPU with nvidia-ml-py) use under ``system/node<N>/...``.
+- In cluster mode each node's first local rank runs MLflow's ``SystemMetricsMonitor`` with
+  ``node_id="node<N>"`` so the run shows per-node CPU/memory (and GPU with nvidia-ml-py) use under
+  ``system/node<N>/...``. In local mode the notebook's own monitor (``system/...``) covers the one node.
 """
 
 from __future__ import annotations
@@ -168,7 +169,11 @@ def _spark_train_fn(job: WorkerJob, tracking_uri: str | None = None) -> None:
     if os.environ.get("MASTER_ADDR", "").startswith("127.") or os.environ.get("MASTER_ADDR") == "localhost":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
     _start_watchdog(job)  # raises (→ Spark error → Failure) when the notebook cannot be reached at all
-    monitor = _start_node_metrics(job, tracking_uri) if os.environ.get("LOCAL_RANK", "0") == "0" else None
+    # Per-node system metrics in cluster mode; in local mode the workers run on the driver, whose own
+    # monitor (started by the notebook) already samples this machine, and importing MLflow here would
+    # only delay the first step.
+    per_node = not job.config.local_mode and os.environ.get("LOCAL_RANK", "0") == "0"
+    monitor = _start_node_metrics(job, tracking_uri) if per_node else None
     try:
         run_worker(job)
     except BaseException:

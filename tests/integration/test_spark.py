@@ -17,7 +17,7 @@ import pytest
 from dtrain_magic.errors import ConfigError, RunInterrupted, WorkerError
 from dtrain_magic.launchers import get_launcher
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 CLUSTER_MASTER = "local-cluster[2,1,1024]"
 TIMES: dict[str, float] = {}
@@ -128,7 +128,7 @@ def test_local_mode_trains_and_matches_the_local_backend(spark_launcher, shell, 
     assert run.info.status == "FINISHED"
     assert run.data.params["local_mode"] == "True" and run.data.tags["dtrain_magic.backend"] == "spark"
     assert len(mlflow.get_metric_history(cold.run_id, "loss")) == 12
-    assert any(key.startswith("system/node0/") for key in run.data.metrics), sorted(run.data.metrics)
+    assert "system/cpu_utilization_percentage" in run.data.metrics  # the driver is the one node here
     assert_no_torchrun_left()
 
 
