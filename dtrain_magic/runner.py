@@ -54,10 +54,11 @@ def execute(
             job = WorkerJob(payload, config, channel.address, tracker.run_id)
             outcome = _Pump(config, channel, tracker, observer, started)
             running = launcher.start(job, channel.put)
+            released = False
             try:
-                outcome.run(running, stop)
+                released = outcome.run(running, stop)
             finally:
-                running.cancel()
+                running.release() if released else running.cancel()
             outcome.drain()
             values = outcome.collect()
         result = RunResult(
@@ -96,9 +97,11 @@ class _Pump:
         self.results: dict[int, bytes] = {}
         self.errors: list[tuple[float, int | None, str, str]] = []
         self.failures: list = []
+        self.hellos: set = set()
         self.first_metric_s: float | None = None
 
-    def run(self, running: Any, stop: threading.Event | None) -> None:
+    def run(self, running: Any, stop: threading.Event | None) -> bool:
+        """Pump until the run ends; True if it returned early with every rank's result in hand."""
         first_error_at = None
         while True:
             message = self.channel.get(timeout=_POLL_S)
@@ -108,14 +111,16 @@ class _Pump:
             state = running.poll()
             if state.finished:
                 self.failures = state.failures
-                return
+                return False
+            if running.early_release and not self.errors and not state.failures and self._all_results():
+                return True
             now = time.monotonic()
-            if (self.errors or state.failures) and first_error_at is None:
+            if (self.errors or state.failures) and first_error_at is None and state.errors_final:
                 first_error_at = now
                 self.failures = state.failures
             if first_error_at is not None and now - first_error_at > _ERROR_GRACE_S:
                 self.failures = state.failures or self.failures
-                return  # the caller cancels the remaining workers
+                return False  # the caller cancels the remaining workers
             if stop is not None and stop.is_set():
                 raise RunInterrupted("the run was stopped from the panel; every worker was stopped")
             if self.config.timeout and now - self.t0 > self.config.timeout:
@@ -123,6 +128,9 @@ class _Pump:
                     f"--timeout {self.config.timeout:g}: the run took longer than {self.config.timeout:g} s; "
                     "every worker was stopped"
                 )
+
+    def _all_results(self) -> bool:
+        return len(self.results) == self.config.num_processes
 
     def drain(self) -> None:
         self.channel.wait_readers(timeout=2.0)
@@ -148,6 +156,11 @@ class _Pump:
         elif kind == ch.TOTAL:
             self.observer.total(message[2])
         elif kind == ch.HELLO:
+            if message[1] in self.hellos:  # a second HELLO from a rank: the backend restarted the workers
+                self.hellos.clear()
+                self.results.clear()
+                self.errors.clear()  # the earlier attempt's errors were retried, not final
+            self.hellos.add(message[1])
             self.observer.status(message[1], "starting", message[2].get("host", ""))
 
     def collect(self) -> list[Any]:

@@ -35,10 +35,21 @@ class LaunchState:
 
     finished: bool
     failures: list[Failure] = field(default_factory=list)
+    # False while the backend may still restart failed workers (Ray's FailureConfig, torch elastic): the
+    # runner then waits for ``finished`` instead of cancelling the run after the first worker error.
+    errors_final: bool = True
 
 
 class RunningJob(ABC):
     """A started run: poll it until finished, cancel it on error, interrupt or timeout."""
+
+    #: True if the run may return as soon as every rank has sent its result, before the worker
+    #: processes have exited (their interpreter teardown is seconds); `release` then reaps them.
+    early_release: bool = False
+
+    def release(self) -> None:
+        """After an early return: make sure every worker ends and nothing is left. Default: cancel."""
+        self.cancel()
 
     @abstractmethod
     def poll(self) -> LaunchState:

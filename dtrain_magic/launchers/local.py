@@ -212,6 +212,23 @@ class LocalJob(RunningJob):
             self._emit((ch.OUTPUT, rank, name, raw.decode("utf-8", "replace")))
         stream.close()
 
+    early_release = True
+
+    def release(self) -> None:
+        """Every rank sent its result: let the interpreters finish tearing down in the background,
+        then reap them (SIGKILL after a grace period) and clean up, off the cell's critical path."""
+        POOL.refill(self._num_processes)  # the next run's interpreters start importing torch now
+        threading.Thread(target=self._reap, name="dtrain-local-reaper", daemon=True).start()
+
+    def _reap(self) -> None:
+        deadline = time.monotonic() + 10.0
+        for proc in self.processes:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self.cancel()
+
     def poll(self) -> LaunchState:
         codes = [proc.poll() for proc in self.processes]
         failures = [

@@ -3,6 +3,7 @@
 import gc
 import os
 import threading
+import time
 
 import psutil
 import pytest
@@ -22,13 +23,27 @@ def train(ctx):
 """
 
 
-def snapshot():
+def busy_children():
     from dtrain_magic.launchers.local import POOL
 
+    idle = POOL.idle_pids()
+    alive = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.pid not in idle and child.status() != psutil.STATUS_ZOMBIE:
+                alive.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def snapshot():
+    deadline = time.monotonic() + 15  # the last run's workers are reaped in the background
+    while busy_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
     gc.collect()
     me = psutil.Process()
-    idle = POOL.idle_pids()
-    children = [c for c in me.children(recursive=True) if c.pid not in idle and c.status() != psutil.STATUS_ZOMBIE]
+    children = busy_children()
     return {
         "children": len(children),
         "fds": me.num_fds(),
