@@ -129,8 +129,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("name,flags,accum", CASES, ids=[c[0] for c in CASES])
-def test_fp32_matches_one_process_and_resumes(shell, tmp_path, name, flags, accum):
+def test_fp32_matches_one_process_and_resumes(shell, tmp_path, capsys, name, flags, accum):
     run = run_strategy(shell, tmp_path, flags)
+    label = f"deepspeed ZeRO-{name[-1]}" if "zero" in name else name
+    # rank 0's wrap() printed the estimate for the real model before training (it reached the cell)
+    assert f"[rank 0] memory estimate ({label}, fp32, 2 processes, {N_PARAMS:,} parameters)" in capsys.readouterr().out
     out = run.value
     ref = reference_weights(micro=4, accum=accum)
     worst = assert_close(out["final"], ref, ATOL, RTOL)
@@ -146,13 +149,16 @@ def test_fp32_matches_one_process_and_resumes(shell, tmp_path, name, flags, accu
     strategy = "deepspeed" if "zero" in name else name
     est = estimate(N_PARAMS, strategy, int(name[-1]) if "zero" in name else None, "fp32", WORLD)
     full = estimate(N_PARAMS, "ddp", None, "fp32", WORLD).optimizer_moments
-    for rank, value in enumerate(run.values):
-        measured = value["opt_bytes"]
+    # (FSDP2 shards every parameter along dim 0: the 1x64 output layer lives on rank 0 only, so its two
+    # ranks differ by that layer; the mean over ranks is what the estimate predicts)
+    sharded = name not in ("ddp", "zero0")
+    per_rank = [value["opt_bytes"] for value in run.values]
+    for rank, measured in enumerate(per_rank):
         print(f"  rank {rank}: optimizer state {measured} B, estimate {est.optimizer_moments:.0f} B, "
               f"ratio to DDP {measured / full:.3f}")
-        assert abs(measured - est.optimizer_moments) <= 0.02 * est.optimizer_moments + 64, (measured, est)
-        sharded = name not in ("ddp", "zero0")
-        assert (measured / full < 0.55) if sharded else (measured == full)
+        assert (measured / full < 0.6) if sharded else (measured == full)
+    mean = sum(per_rank) / len(per_rank)
+    assert abs(mean - est.optimizer_moments) <= 0.02 * est.optimizer_moments + 64, (per_rank, est)
 
 
 BF16_CELL = '''
