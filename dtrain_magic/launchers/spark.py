@@ -136,6 +136,23 @@ def gpu_setting_error(message: str, local_mode: bool) -> str | None:
 _ERROR_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b:?.*)$")
 
 
+def torchrun_root_cause(text: str) -> tuple[int, str] | None:
+    """(rank, what happened) from torchrun's ChildFailedError report ("Root Cause" section), if present."""
+    section = text.split("Root Cause", 1)[1] if "Root Cause" in text else ""
+    rank = re.search(r"rank\s*:\s*(\d+)", section)
+    code = re.search(r"exitcode\s*:\s*(-?\d+)", section)
+    if not (rank and code):
+        return None
+    exit_code = int(code.group(1))
+    if exit_code < 0:
+        try:
+            name = signal.Signals(-exit_code).name
+        except ValueError:
+            name = f"signal {-exit_code}"
+        return int(rank.group(1)), f"process was killed by {name}"
+    return int(rank.group(1)), f"process exited with code {exit_code}"
+
+
 def one_line_reason(exc: BaseException) -> str:
     """A one-line account of a TorchDistributor/Spark exception that no worker reported itself."""
     text = str(exc)
@@ -273,7 +290,8 @@ class SparkJob(RunningJob):
         self._config = job.config
         self.group = f"dtrain_magic-{job.run_id or uuid.uuid4().hex}"
         self._lock = threading.Lock()
-        self._cancelled = False
+        self._cancel_called = False
+        self._cancelled = False  # cancelled while TorchDistributor.run was still going
         self._error: BaseException | None = None
         self._started_at = time.time()
         self._known_children = _child_pids()
@@ -300,7 +318,11 @@ class SparkJob(RunningJob):
             return LaunchState(False)
         failures = []
         if self._error is not None and not self._cancelled:
-            failures.append(Failure(None, one_line_reason(self._error)))
+            cause = torchrun_root_cause(str(self._error))
+            if cause is not None:  # a worker died below Python (killed, crashed): name its rank
+                failures.append(Failure(cause[0], cause[1]))
+            else:
+                failures.append(Failure(None, one_line_reason(self._error)))
         return LaunchState(True, failures)
 
     def active_jobs(self) -> list[int]:
@@ -319,8 +341,9 @@ class SparkJob(RunningJob):
 
     def cancel(self) -> None:
         with self._lock:
-            if self._cancelled:
+            if self._cancel_called:
                 return
+            self._cancel_called = True
             self._cancelled = self._thread.is_alive()
         deadline = time.monotonic() + 10.0
         if self._thread.is_alive() or self.active_jobs():

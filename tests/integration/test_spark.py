@@ -175,6 +175,25 @@ def test_worker_failure_is_short_and_leaves_nothing_running(spark_launcher, shel
     assert_no_spark_job_running(spark_launcher)
 
 
+def test_killed_worker_names_its_rank_and_signal(spark_launcher, shell, mlflow):
+    result = shell.run(
+        "%%distribute --backend spark -n 2 --no-ui\n"
+        "import os, signal, time\n"
+        "def train(ctx):\n"
+        "    ctx.log(loss=1.0)\n"
+        "    if ctx.rank == 1:\n"
+        "        time.sleep(0.5)\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    ctx.barrier()\n"
+    )
+    error = result.error_in_exec
+    assert isinstance(error, WorkerError) and error.rank == 1, error
+    assert "SIGKILL" in str(error) and "Traceback" not in str(error)
+    assert last_run(mlflow).info.status == "FAILED"
+    assert_no_torchrun_left()
+    assert_no_spark_job_running(spark_launcher)
+
+
 def test_gpu_setting_problems_are_clear_errors(spark_launcher, shell, mlflow):
     result = shell.run("%%distribute --backend spark --cluster --gpu -n 2 --no-ui\ndef train(ctx): pass\n")
     error = result.error_in_exec

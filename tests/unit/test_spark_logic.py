@@ -100,3 +100,29 @@ def test_describe_names_the_torchdistributor_parameters():
     text = launcher.describe(RunConfig(backend="spark", num_processes=4, local_mode=False))
     assert "TorchDistributor(num_processes=4, local_mode=False, use_gpu=False)" in text
     assert "barrier tasks" in text
+
+
+CHILD_FAILED = """Command [...] failed with return code 1. The task output is included below:
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+train.py FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-02_14:00:00
+  host      : box
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 4242)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 4242
+============================================================
+"""
+
+
+def test_torchrun_root_cause_names_the_rank_and_the_signal():
+    assert spark.torchrun_root_cause(CHILD_FAILED) == (1, "process was killed by SIGKILL")
+    assert spark.torchrun_root_cause(CHILD_FAILED.replace("-9 (pid", "2 (pid")) == (1, "process exited with code 2")
+    assert spark.torchrun_root_cause("no report here") is None
