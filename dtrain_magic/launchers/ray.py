@@ -123,15 +123,20 @@ def _train_loop(config: dict) -> None:
     )
     store = RayCheckpointStore()
     printer = builtins.print
-    train_logger = logging.getLogger("ray.train")
-    level = train_logger.level
-    train_logger.setLevel(logging.WARNING)  # not "Reporting training result ..." on every checkpoint
+    # Ray Train's worker logging reaches the root logger's console handler (which writes to our stream):
+    # keep INFO chatter ("Reporting training result ...") out of the cell; as on --backend local, the
+    # user's function sees WARNING and above unless it configures logging itself.
+    quiet = [logging.getLogger(), logging.getLogger("ray.train")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.WARNING)
     builtins.print = _unpatched_print()  # Ray Train tees print() into its logger too: each line came twice
     try:
         run_worker(config["job"], ranks, checkpoints=store)
     finally:
         builtins.print = printer
-        train_logger.setLevel(level)
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
         store.cleanup()
 
 
@@ -150,6 +155,8 @@ class _Embedded:
 
     temp_dir: str | None = None
     num_cpus: int = 0
+    joined: str | None = None  # the --ray-address / $RAY_ADDRESS this kernel joined, as given
+    joined_gcs: str | None = None  # ... and the GCS address Ray reported for it
     registered = False
 
 
@@ -228,19 +235,28 @@ def connect(config: RunConfig) -> str:
     address = config.ray_address or os.environ.get("RAY_ADDRESS") or None
     if ray.is_initialized():
         current = _current_address()
-        if not address or address == "auto" or (current and _host_port(address) == _host_port(current)):
-            return "embedded" if _Embedded.temp_dir else "running"
-        if _Embedded.temp_dir is None:
+        if _Embedded.joined and current != _Embedded.joined_gcs:  # someone re-initialised Ray since
+            _Embedded.joined = _Embedded.joined_gcs = None
+        if not address or address == "auto" or address == _Embedded.joined or (
+            current and _host_port(address) == _host_port(current)
+        ):
+            return "embedded" if _Embedded.temp_dir else ("joined" if _Embedded.joined else "running")
+        if _Embedded.joined:  # a cluster this launcher joined: leave it for the requested one
+            ray.shutdown()
+        elif _Embedded.temp_dir is None:
             raise LaunchError(
                 f"this kernel is already connected to Ray at {current}; call ray.shutdown() before using "
                 f"--ray-address {address}, or drop --ray-address to use the connected cluster"
             )
         _shutdown_embedded()  # ours: switch to the requested cluster
+    _Embedded.joined = _Embedded.joined_gcs = None
     if address:
         try:
             ray.init(address=address, log_to_driver=False, configure_logging=False)
         except Exception as exc:
             raise LaunchError(f"could not join the Ray cluster at {address}: {_one_line(exc)}") from None
+        _Embedded.joined = address  # Ray reports a loopback address under the node's IP: remember ours
+        _Embedded.joined_gcs = _current_address()
         return "joined"
     _start_embedded(max(4, config.num_processes + 1))
     return "embedded"
@@ -371,7 +387,7 @@ def failures_from(error: BaseException) -> list[Failure]:
     worker_failures = getattr(error, "worker_failures", None)
     if isinstance(worker_failures, dict) and worker_failures:
         for rank in sorted(worker_failures):
-            failures.append(Failure(rank, _worker_reason(worker_failures[rank]), _one_line(worker_failures[rank], 2000)))
+            failures.append(Failure(rank, _worker_reason(worker_failures[rank])))
         return failures
     cause = getattr(error, "controller_failure", None) or error
     return [Failure(None, f"Ray Train failed: {_one_line(cause)}")]
@@ -380,14 +396,19 @@ def failures_from(error: BaseException) -> list[Failure]:
 def _worker_reason(exc: BaseException) -> str:
     import ray.exceptions
 
+    inner = getattr(exc, "health_check_failure", None)  # Ray Train's WorkerHealthCheckFailedError
+    if isinstance(inner, BaseException):
+        if not isinstance(inner, ray.exceptions.RayActorError):
+            return f"the Ray worker stopped answering Ray Train's health checks: {_one_line(inner)}"
+        exc = inner
+    if isinstance(exc, ray.exceptions.OutOfMemoryError):
+        return "the Ray worker process was killed by Ray's memory monitor (out of memory)"
     if isinstance(exc, ray.exceptions.RayActorError):
-        text = str(exc)
-        for signal_name in ("SIGKILL", "SIGSEGV", "SIGTERM", "SIGABRT"):
-            if signal_name in text:
-                return f"the Ray worker process was killed by {signal_name}"
-        if "OutOfMemory" in text or "out of memory" in text.lower():
-            return "the Ray worker process was killed: out of memory"
-        return "the Ray worker process died unexpectedly (killed or crashed)"
+        # Ray cannot tell which signal it was (its message lists OOM, ray stop and SIGSEGV as guesses).
+        return (
+            "the Ray worker process died without reporting an error "
+            "(killed, e.g. by SIGKILL or the OOM killer, or crashed in native code)"
+        )
     return _one_line(exc)
 
 
@@ -437,7 +458,7 @@ class RayLauncher(Launcher):
         import ray
 
         connect(config)
-        current = _current_address()
+        current = _Embedded.joined if ray.is_initialized() and _Embedded.joined else _current_address()
         if current is None or _host_port(current)[0] in _LOOPBACK:
             return "127.0.0.1"
         return ray.util.get_node_ip_address()

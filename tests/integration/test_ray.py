@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # generous: a loaded 2-core machine is slow
 
 ray = pytest.importorskip("ray")
 
@@ -158,7 +158,7 @@ def test_sigkill_without_restarts_fails_short_and_leaves_no_worker(shell, mlflow
     result = shell.run(cell(kill=True))
     error = result.error_in_exec
     assert isinstance(error, WorkerError), error
-    assert error.rank == 1 and "SIGKILL" in str(error), str(error)
+    assert error.rank == 1 and "died without reporting an error" in str(error), str(error)
     assert len(str(error).splitlines()) <= 3, str(error)
     assert time.monotonic() - started < 90
     assert wait_dead(pids(tmp_path), 10) == []
@@ -230,19 +230,24 @@ def head_node():
     proc = subprocess.Popen(
         [ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
          "--num-cpus", "3", "--include-dashboard", "false", "--temp-dir", temp_dir, "--disable-usage-stats"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env,
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        env=env, text=True,
     )
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read_output():
+        for line in proc.stdout:
+            lines.append(line)
+            if "block forever" in line:  # printed once the head node is up
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read_output, daemon=True).start()
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"ray start exited with {proc.returncode}")
-            if os.path.exists(os.path.join(temp_dir, "ray_current_cluster")) or any(
-                "raylet" in open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")
-                for p in _processes_under(temp_dir) if os.path.exists(f"/proc/{p}/cmdline")
-            ):
-                break
-            time.sleep(0.2)
+        ready.wait(180)
+        if proc.poll() is not None or not any("block forever" in line for line in lines):
+            pytest.fail("ray start --head did not come up:\n" + "".join(lines[-30:]))
         yield f"127.0.0.1:{port}"
     finally:
         if ray.is_initialized():
@@ -273,5 +278,7 @@ def head_node():
 def test_existing_cluster_with_ray_address(shell, head_node, reference_weights, tmp_path):
     result = shell.run(cell(flags=f"--ray-address {head_node}"))
     assert result.error_in_exec is None, result.error_in_exec
-    assert ray.get_runtime_context().gcs_address == head_node
+    from dtrain_magic.launchers import ray as ray_launcher
+
+    assert ray_launcher._Embedded.joined == head_node and ray_launcher._Embedded.temp_dir is None
     assert same_weights(result.result.value, reference_weights, atol=1e-5)
