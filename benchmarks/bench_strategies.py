@@ -7,6 +7,9 @@ step time after ``--warmup`` steps and its memory:
 
 * CPU: peak RSS (``ru_maxrss``) minus the RSS before the model was built (torch and DeepSpeed already
   imported), i.e. what the model, gradients, optimizer states and communication buffers added;
+  also the peak live heap (glibc ``mallinfo2``: bytes allocated and not yet freed, sampled after the
+  forward, the backward and the step of every step, above the value before the model was built), which
+  shows what the strategy keeps alive better than RSS (freed memory stays in RSS);
 * GPU (``--gpu``, see bench_strategies_gpu.py): ``torch.cuda.max_memory_allocated``.
 
 It also prints the ZeRO-paper estimate (dtrain_magic.memory) and the measured optimizer-state bytes.
@@ -37,6 +40,23 @@ def bench(ctx):
     if ctx.config.strategy == "deepspeed":
         import deepspeed  # so its import is part of the baseline, not of the measurement
     gpu = ctx.device.type == "cuda"
+    import ctypes
+
+    class _Mallinfo2(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_size_t) for f in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    try:
+        _libc = ctypes.CDLL("libc.so.6")
+        _libc.mallinfo2.restype = _Mallinfo2
+        def heap():  # bytes malloc has handed out and not yet had back (arena + mmapped chunks)
+            info = _libc.mallinfo2()
+            return info.uordblks + info.hblkhd
+    except (OSError, AttributeError):
+        heap = lambda: 0
+    heap_base, heap_peak = heap(), 0
+    def sample():
+        nonlocal heap_peak
+        heap_peak = max(heap_peak, heap() - heap_base)
     torch.manual_seed(0)
     layers = []
     for _ in range({layers}):
@@ -60,15 +80,18 @@ def bench(ctx):
         start = time.perf_counter()
         with ctx.autocast():
             loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        sample()
         ctx.backward(loss)
+        sample()
         ctx.step()
         if gpu: torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        sample()
     if gpu:
         peak = torch.cuda.max_memory_allocated() - base
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    return dict(step_s=statistics.median(times[{warmup}:]), peak=peak, opt_bytes=optimizer_state_bytes(opt),
+    return dict(step_s=statistics.median(times[{warmup}:]), peak=peak, heap=heap_peak, opt_bytes=optimizer_state_bytes(opt),
                 params=n_params, loss=loss.item())
 '''
 
@@ -123,6 +146,7 @@ def run(argv: list[str] | None = None, gpu: bool = False) -> list[dict]:
         est = estimate(values[0]["params"], strategy, zero, args.precision, args.num_processes)
         rows.append(dict(
             name=name, step_s=max(v["step_s"] for v in values), peak=max(v["peak"] for v in values),
+            heap=max(v["heap"] for v in values),
             opt_bytes=max(v["opt_bytes"] for v in values), est_total=est.total, est_opt=est.optimizer,
             est_moments=est.optimizer_moments, params=values[0]["params"], wall_s=time.monotonic() - started,
         ))
@@ -130,7 +154,7 @@ def run(argv: list[str] | None = None, gpu: bool = False) -> list[dict]:
     kind = "GPU max_memory_allocated" if gpu else "CPU peak RSS above baseline"
     print(f"\n{rows[0].get('params', 0):,} parameters, {args.num_processes} processes, {args.precision}, "
           f"micro batch {args.micro}, {args.steps} steps/process; memory = {kind}")
-    header = (f"{'strategy':<8}{'step ms':>9}{'x DDP':>7}{'peak mem':>12}{'x DDP':>7}{'opt state':>12}"
+    header = (f"{'strategy':<8}{'step ms':>9}{'x DDP':>7}{'peak mem':>12}{'x DDP':>7}{'live heap':>12}{'x DDP':>7}{'opt state':>12}"
               f"{'x DDP':>7}{'estimate':>12}{'x DDP':>7}{'run s':>7}")
     print(header)
     for r in rows:
@@ -139,6 +163,7 @@ def run(argv: list[str] | None = None, gpu: bool = False) -> list[dict]:
             continue
         rel = (lambda key: f"{r[key] / base[key]:.2f}" if base and base[key] else "-")
         print(f"{r['name']:<8}{r['step_s'] * 1000:>9.1f}{rel('step_s'):>7}{format_bytes(r['peak']):>12}{rel('peak'):>7}"
+              f"{format_bytes(r['heap']):>12}{rel('heap'):>7}"
               f"{format_bytes(r['opt_bytes']):>12}{rel('opt_bytes'):>7}{format_bytes(r['est_total']):>12}"
               f"{rel('est_total'):>7}{r['wall_s']:>7.1f}")
     if args.json:
