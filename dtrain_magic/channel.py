@@ -47,7 +47,12 @@ class Channel:
         self._listener = Listener((host, 0), authkey=self._authkey)
         bound_host, port = self._listener.address
         self.address = ChannelAddress(host if host != "0.0.0.0" else bound_host, port, self._authkey)
-        self.messages: "queue.Queue[tuple]" = queue.Queue()
+        # (connection serial or None for the driver's own messages, message)
+        self.messages: "queue.Queue[tuple[int | None, tuple]]" = queue.Queue()
+        self._serials = 0
+        self._delivered: set[int] = set()  # connections get() has returned a message from
+        self._retired: set[int] = set()
+        self.last_serial: int | None = None
         self._closed = threading.Event()
         self._readers: list[threading.Thread] = []
         self._connections: list[Connection] = []
@@ -63,32 +68,58 @@ class Channel:
                 if self._closed.is_set():
                     return
                 continue
-            reader = threading.Thread(target=self._read_loop, args=(conn,), name="dtrain-channel-read", daemon=True)
+            with self._lock:
+                self._serials += 1
+                serial = self._serials
+            reader = threading.Thread(
+                target=self._read_loop, args=(conn, serial), name="dtrain-channel-read", daemon=True
+            )
             with self._lock:
                 self._connections.append(conn)
                 self._readers.append(reader)
             reader.start()
 
-    def _read_loop(self, conn: Connection) -> None:
+    def _read_loop(self, conn: Connection, serial: int) -> None:
         try:
             while True:
-                self.messages.put(conn.recv())
+                self.messages.put((serial, conn.recv()))
         except (EOFError, OSError):
             pass
         except Exception as exc:  # unpicklable message: report rather than lose it silently
-            self.messages.put((ERROR, None, f"unreadable message from a worker: {exc!r}", "", time.time()))
+            self.messages.put((serial, (ERROR, None, f"unreadable message from a worker: {exc!r}", "", time.time())))
         finally:
             conn.close()
 
     def put(self, message: tuple) -> None:
         """Inject a message from the driver side (a launcher's captured process output, say)."""
-        self.messages.put(message)
+        self.messages.put((None, message))
 
     def get(self, timeout: float) -> tuple | None:
-        try:
-            return self.messages.get(timeout=timeout)
-        except queue.Empty:
-            return None
+        """The next message (None after ``timeout``), skipping those of retired connections."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                serial, message = self.messages.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if serial in self._retired:
+                continue
+            if serial is not None:
+                self._delivered.add(serial)
+            self.last_serial = serial
+            return message
+
+    def pending(self) -> bool:
+        return not self.messages.empty()
+
+    def retire_earlier_connections(self, keep_last: bool = True) -> None:
+        """Ignore from now on every connection that delivered a message so far (but the last one's,
+        with ``keep_last``).
+
+        Called when workers restart: what the previous attempt's workers still send (a peer's
+        "connection reset" error, say) must not count against the new attempt.
+        """
+        self._retired |= self._delivered - ({self.last_serial} if keep_last else set())
 
     def wait_readers(self, timeout: float) -> None:
         """Wait until every connected worker has closed its connection (its messages are all queued)."""

@@ -107,8 +107,11 @@ class _Pump:
             message = self.channel.get(timeout=_POLL_S)
             while message is not None:
                 self.handle(message)
-                message = self.channel.get(timeout=0) if not self.channel.messages.empty() else None
+                message = self.channel.get(timeout=0) if self.channel.pending() else None
             state = running.poll()
+            if state.restarted:
+                self._forget_attempt(keep_last=False)
+                first_error_at = None
             if state.finished:
                 self.failures = state.failures
                 return False
@@ -128,6 +131,13 @@ class _Pump:
                     f"--timeout {self.config.timeout:g}: the run took longer than {self.config.timeout:g} s; "
                     "every worker was stopped"
                 )
+
+    def _forget_attempt(self, keep_last: bool) -> None:
+        """The workers were restarted: the earlier attempt's results and errors no longer count."""
+        self.hellos.clear()
+        self.results.clear()
+        self.errors.clear()
+        self.channel.retire_earlier_connections(keep_last=keep_last)
 
     def _all_results(self) -> bool:
         return len(self.results) == self.config.num_processes
@@ -157,9 +167,7 @@ class _Pump:
             self.observer.total(message[2])
         elif kind == ch.HELLO:
             if message[1] in self.hellos:  # a second HELLO from a rank: the backend restarted the workers
-                self.hellos.clear()
-                self.results.clear()
-                self.errors.clear()  # the earlier attempt's errors were retried, not final
+                self._forget_attempt(keep_last=True)
             self.hellos.add(message[1])
             self.observer.status(message[1], "starting", message[2].get("host", ""))
 

@@ -38,6 +38,9 @@ class LaunchState:
     # False while the backend may still restart failed workers (Ray's FailureConfig, torch elastic): the
     # runner then waits for ``finished`` instead of cancelling the run after the first worker error.
     errors_final: bool = True
+    # True once, on the poll right after the launcher restarted every worker itself (local --max-restarts):
+    # the runner forgets the failed attempt's results and errors.
+    restarted: bool = False
 
 
 class RunningJob(ABC):

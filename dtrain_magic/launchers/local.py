@@ -18,6 +18,7 @@ leaks between runs). Idle pool processes exit when the notebook goes away (stdin
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import shutil
@@ -38,6 +39,7 @@ from ..worker import WorkerJob
 from .base import Emit, Failure, Launcher, LaunchState, RunningJob
 
 _GRACE_S = 3.0
+_MAX_PROCESSES_PER_CORE = 4
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -170,38 +172,52 @@ POOL = WarmPool()
 
 
 class LocalJob(RunningJob):
+    """The N processes of one run. With ``--max-restarts N``, a failed group is stopped and started
+    again up to N times (as torch elastic's agent does: every rank restarts, from the last checkpoint
+    the function saved with ``ctx.save_checkpoint()``)."""
+
+    early_release = True
+
     def __init__(self, job: WorkerJob, emit: Emit, run_dir: str):
         self._emit = emit
         self._run_dir = run_dir
         self._cancelled = False
         self._lock = threading.Lock()
-        config = job.config
-        job_file = os.path.join(run_dir, "job.pkl")
-        fd = os.open(job_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        self._num_processes = job.config.num_processes
+        self._restarts_left = job.config.max_restarts
+        self._attempt = 0
+        if job.checkpoint_root is None:  # ctx.save_checkpoint() without a directory lands here
+            job = dataclasses.replace(job, checkpoint_root=os.path.join(run_dir, "checkpoints"))
+        self._job_file = os.path.join(run_dir, "job.pkl")
+        fd = os.open(self._job_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as handle:
             cloudpickle.dump(job, handle)
-        self._num_processes = n = config.num_processes
-        port = free_port()
-        store_file = os.path.join(run_dir, "rendezvous")
-        envs = [worker_environment(rank, n, port, _threads(n), store_file) for rank in range(n)]
         self.processes: list[subprocess.Popen] = []
         self._pumps: list[threading.Thread] = []
-        warm = POOL.take(n) if POOL.enabled() else None
+        self._launch()
+
+    def _launch(self) -> None:
+        n = self._num_processes
+        store_file = os.path.join(self._run_dir, f"rendezvous_{self._attempt}")
+        envs = [worker_environment(rank, n, free_port(), _threads(n), store_file) for rank in range(n)]
+        warm = POOL.take(n) if POOL.enabled() and self._attempt == 0 else None
         self.warm = warm is not None
+        processes: list[subprocess.Popen] = []
         try:
             if warm is not None:
                 for proc, env in zip(warm, envs):
-                    proc.stdin.write((json.dumps({"job": job_file, "env": env}) + "\n").encode())
+                    proc.stdin.write((json.dumps({"job": self._job_file, "env": env}) + "\n").encode())
                     proc.stdin.close()
-                self.processes = warm
+                processes = warm
             else:
                 for env in envs:
-                    self.processes.append(_spawn([job_file], env, subprocess.DEVNULL))
+                    processes.append(_spawn([self._job_file], env, subprocess.DEVNULL))
         except BaseException:
-            for proc in [*(warm or []), *self.processes]:
+            for proc in [*(warm or []), *processes]:
                 _stop(proc)
             raise
-        for rank, proc in enumerate(self.processes):
+        self.processes = processes
+        for rank, proc in enumerate(processes):
             for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
                 pump = threading.Thread(target=self._pump, args=(stream, rank, name), daemon=True)
                 pump.start()
@@ -211,8 +227,6 @@ class LocalJob(RunningJob):
         for raw in iter(stream.readline, b""):
             self._emit((ch.OUTPUT, rank, name, raw.decode("utf-8", "replace")))
         stream.close()
-
-    early_release = True
 
     def release(self) -> None:
         """Every rank sent its result: let the interpreters finish tearing down in the background,
@@ -234,18 +248,26 @@ class LocalJob(RunningJob):
         failures = [
             Failure(rank, _describe_exit(code)) for rank, code in enumerate(codes) if code not in (None, 0)
         ]
+        if failures and self._restarts_left > 0 and not self._cancelled:
+            self._restart(failures[0])
+            return LaunchState(False, [], errors_final=False, restarted=True)
         finished = all(code is not None for code in codes)
         if finished:
             for pump in self._pumps:
                 pump.join(2)
             self._cleanup()
-        return LaunchState(finished, failures)
+        return LaunchState(finished, failures, errors_final=self._restarts_left == 0)
 
-    def cancel(self) -> None:
-        with self._lock:
-            if self._cancelled:
-                return
-            self._cancelled = True
+    def _restart(self, failure: Failure) -> None:
+        self._restarts_left -= 1
+        self._attempt += 1
+        self._emit((ch.OUTPUT, None, "stderr",
+                    f"dtrain_magic: rank {failure.rank} failed ({failure.reason}); restarting every worker "
+                    f"(restart {self._attempt}, {self._restarts_left} left)\n"))
+        self._stop_all()
+        self._launch()
+
+    def _stop_all(self) -> None:
         alive = [p for p in self.processes if p.poll() is None]
         for proc in alive:
             _signal_group(proc, signal.SIGTERM)
@@ -263,6 +285,14 @@ class LocalJob(RunningJob):
                 pass
         for pump in self._pumps:
             pump.join(2)
+        self._pumps = []
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self._cancelled:
+                return
+            self._cancelled = True
+        self._stop_all()
         self._cleanup()
 
     def _cleanup(self) -> None:
@@ -305,8 +335,14 @@ class LocalLauncher(Launcher):
                     f"{config.num_processes} processes need {config.num_processes} GPUs; this machine has "
                     f"{torch.cuda.device_count()}",
                 )
-        if config.max_restarts:
-            raise ConfigError("--max-restarts", "restarts on the local backend are not yet supported")
+        elif config.num_processes > _MAX_PROCESSES_PER_CORE * (os.cpu_count() or 1):
+            cores = os.cpu_count() or 1
+            raise ConfigError(
+                "--num-processes",
+                f"{config.num_processes} local processes on {cores} CPU core(s) would thrash (each needs a core "
+                f"to make progress); use at most {_MAX_PROCESSES_PER_CORE * cores}, or a cluster backend "
+                "(--backend spark --cluster, --backend ray --ray-address ...)",
+            )
 
     def start(self, job: WorkerJob, emit: Emit) -> RunningJob:
         run_dir = tempfile.mkdtemp(prefix="dtrain_run_")  # mode 0700: the pickled job is private
