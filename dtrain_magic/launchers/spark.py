@@ -174,7 +174,7 @@ def one_line_reason(exc: BaseException) -> str:
 # What runs in every torchrun process (shipped by TorchDistributor, imported by reference)
 
 
-def _spark_train_fn(job: WorkerJob, tracking_uri: str | None = None) -> None:
+def _spark_train_fn(job: WorkerJob, tracking_uri: str | None = None, watch: tuple | None = None) -> None:
     """TorchDistributor's train function: watchdog, per-node system metrics, then ``run_worker(job)``.
 
     Returns None: the user's value travels over the channel. The user's exception is swallowed after
@@ -185,7 +185,8 @@ def _spark_train_fn(job: WorkerJob, tracking_uri: str | None = None) -> None:
 
     if os.environ.get("MASTER_ADDR", "").startswith("127.") or os.environ.get("MASTER_ADDR") == "localhost":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
-    _start_watchdog(job)  # raises (→ Spark error → Failure) when the notebook cannot be reached at all
+    rank = int(os.environ.get("RANK", "0"))
+    link = _start_watchdog(watch, rank) if watch else None  # raises (→ a Spark error) if the notebook is unreachable
     # Per-node system metrics in cluster mode; in local mode the workers run on the driver, whose own
     # monitor (started by the notebook) already samples this machine, and importing MLflow here would
     # only delay the first step.
@@ -196,6 +197,11 @@ def _spark_train_fn(job: WorkerJob, tracking_uri: str | None = None) -> None:
     except BaseException:
         pass  # already reported over the channel by run_worker
     finally:
+        if link is not None:
+            try:
+                link.send(("done", rank))  # ended in Python (result or reported error), not killed
+            except Exception:
+                pass
         _finish_node_metrics(monitor)
     return None
 
@@ -207,11 +213,14 @@ def _loopback_interface() -> str:
         return "lo"
 
 
-def _start_watchdog(job: WorkerJob) -> None:
-    """Exit this worker when the notebook's channel closes while it is still running."""
+def _start_watchdog(watch: tuple, rank: int) -> Any:
+    """Connect to the launcher's `_RankWatch`; exit this worker when the notebook closes it (run over,
+    cancelled, kernel gone) while the worker is still running. Returns the connection."""
     from multiprocessing.connection import Client
 
-    conn = Client((job.channel.host, job.channel.port), authkey=job.channel.authkey)
+    host, port, authkey = watch
+    conn = Client((host, port), authkey=authkey)
+    conn.send(("start", rank))
 
     def watch() -> None:
         try:
@@ -221,6 +230,7 @@ def _start_watchdog(job: WorkerJob) -> None:
         os._exit(3)
 
     threading.Thread(target=watch, name="dtrain-watchdog", daemon=True).start()
+    return conn
 
 
 class _NodeMetrics:
@@ -280,6 +290,69 @@ def _finish_node_metrics(node: _NodeMetrics | None) -> None:
 # Driver side
 
 
+_DIED = "the process died without reporting an error (killed by a signal, or crashed below Python)"
+
+
+class _RankWatch:
+    """One connection per worker: a worker whose connection drops before it said "done" was killed or
+    crashed (seen at once, before torchrun's report); closing it makes every remaining worker exit."""
+
+    def __init__(self, host: str):
+        import secrets
+        from multiprocessing.connection import Listener
+
+        self.authkey = secrets.token_bytes(32)
+        self._listener = Listener((host, 0), authkey=self.authkey)
+        self.address = (host, self._listener.address[1], self.authkey)
+        self.dead: dict[int, str] = {}
+        self._closed = threading.Event()
+        self._conns: list = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, name="dtrain-spark-watch", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn = self._listener.accept()
+            except Exception:
+                if self._closed.is_set():
+                    return
+                continue
+            with self._lock:
+                self._conns.append(conn)
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: Any) -> None:
+        rank, done = None, False
+        try:
+            while True:
+                kind, rank = conn.recv()
+                done = done or kind == "done"
+        except Exception:
+            pass
+        if rank is not None and not done and not self._closed.is_set():
+            self.dead.setdefault(rank, _DIED)
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        try:
+            socket.create_connection(self.address[:2], timeout=1).close()  # wake accept()
+        except OSError:
+            pass
+        try:
+            self._listener.close()
+        except Exception:
+            pass
+        with self._lock:
+            for conn in self._conns:
+                try:
+                    conn.close()
+                except Exception:
+                    pass
+
+
 class SparkJob(RunningJob):
     """One ``TorchDistributor.run`` in a background thread, under its own Spark job group."""
 
@@ -296,6 +369,7 @@ class SparkJob(RunningJob):
         self._started_at = time.time()
         self._known_children = _child_pids()
         self._distributor = launcher._distributor(job.config)
+        self._watch = _RankWatch(launcher.channel_host(job.config))
         self._thread = threading.Thread(
             target=self._run, args=(job, tracking_uri), name="dtrain-spark-run", daemon=True
         )
@@ -304,7 +378,7 @@ class SparkJob(RunningJob):
     def _run(self, job: WorkerJob, tracking_uri: str | None) -> None:
         try:
             self._sc.setJobGroup(self.group, "dtrain_magic %%distribute run", interruptOnCancel=True)
-            self._distributor.run(_spark_train_fn, job, tracking_uri)
+            self._distributor.run(_spark_train_fn, job, tracking_uri, self._watch.address)
         except BaseException as exc:  # noqa: BLE001 - reported through poll()
             self._error = exc
         finally:
@@ -314,16 +388,17 @@ class SparkJob(RunningJob):
                 pass
 
     def poll(self) -> LaunchState:
+        died = [Failure(rank, reason) for rank, reason in sorted(self._watch.dead.items())]
         if self._thread.is_alive():
-            return LaunchState(False)
+            return LaunchState(False, died)
         failures = []
         if self._error is not None and not self._cancelled:
             cause = torchrun_root_cause(str(self._error))
-            if cause is not None:  # a worker died below Python (killed, crashed): name its rank
+            if cause is not None:  # a worker died below Python (killed, crashed): name its rank and signal
                 failures.append(Failure(cause[0], cause[1]))
-            else:
+            elif not died:
                 failures.append(Failure(None, one_line_reason(self._error)))
-        return LaunchState(True, failures)
+        return LaunchState(True, failures or died)
 
     def active_jobs(self) -> list[int]:
         """Ids of this run's Spark jobs that are still running."""
@@ -351,6 +426,7 @@ class SparkJob(RunningJob):
                 self._sc.cancelJobGroup(self.group)
             except Exception:
                 pass
+        self._watch.close()  # every worker still running (here or on other hosts) exits by itself
         # torchrun trees started on this machine: the notebook's own children (local mode), or those of
         # a local-cluster's executors (descendants of the driver JVM).
         procs = _our_torchrun_trees(self._started_at, self._known_children)
