@@ -85,7 +85,7 @@ const STYLE = `
 
 export const LOG_LINES = 40;
 
-export function render({ model, el }) {
+function render({ model, el }) {
   const doc = el.ownerDocument || globalThis.document;
   const root = h(doc, "div", "dtm-monitor");
   const style = h(doc, "style", "", STYLE);
@@ -103,6 +103,7 @@ export function render({ model, el }) {
   for (const node of [style, header, plan, link, table, bar, progress, metrics, message, log]) root.appendChild(node);
   el.appendChild(root);
 
+  let lastLog = null;
   const update = () => {
     const state = model.get("state") || "starting";
     header.textContent = `dtrain_magic · ${runSummary(model)}`;
@@ -135,16 +136,27 @@ export function render({ model, el }) {
 
     const lines = tail(model.get("log"), LOG_LINES);
     const atBottom = log.scrollHeight - log.scrollTop - log.clientHeight < 20;
-    log.textContent = lines.join("\n");
+    const text = lines.join("\n");
+    if (text !== lastLog) log.textContent = lastLog = text;
     log.style.display = lines.length ? "block" : "none";
     if (atBottom) log.scrollTop = log.scrollHeight;
   };
 
+  // One flush from Python changes several traits at once: draw once per batch, not once per trait.
+  let scheduled = false;
+  const schedule = () => {
+    if (scheduled) return;
+    scheduled = true;
+    queueMicrotask(() => {
+      scheduled = false;
+      update();
+    });
+  };
   const traits = ["state", "plan", "run_id", "link", "ranks", "step", "total", "rate", "eta", "elapsed", "metrics", "log", "message"];
-  for (const t of traits) model.on(`change:${t}`, update);
+  for (const t of traits) model.on(`change:${t}`, schedule);
   update();
   return () => {
-    for (const t of traits) model.off(`change:${t}`, update);
+    for (const t of traits) model.off(`change:${t}`, schedule);
   };
 }
 

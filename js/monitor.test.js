@@ -5,7 +5,10 @@ import { readFileSync } from "node:fs";
 import { fileURLToPath } from "node:url";
 import path from "node:path";
 
-import monitor, { formatSeconds, progressFraction, progressText, metricsText, tail, statusRows, render, LOG_LINES } from "./monitor.js";
+import monitor, { formatSeconds, progressFraction, progressText, metricsText, tail, statusRows, LOG_LINES } from "./monitor.js";
+
+const { render } = monitor;
+const tick = () => new Promise((resolve) => setTimeout(resolve, 0));
 
 // A minimal DOM: just what monitor.js uses.
 class FakeNode {
@@ -81,7 +84,7 @@ test("statusRows orders ranks and keeps known states", () => {
   ]);
 });
 
-test("render draws the status table, progress bar and log tail, and follows model changes", () => {
+test("render draws the status table, progress bar and log tail, and follows model changes", async () => {
   const { el, model, cleanup } = mount({
     state: "running", run_id: "abc123", link: "sqlite:///x.db", plan: "2 local processes",
     ranks: [{ rank: 0, state: "running", detail: "" }, { rank: 1, state: "starting", detail: "host" }],
@@ -99,6 +102,8 @@ test("render draws the status table, progress bar and log tail, and follows mode
   model.set("step", 100);
   model.set("state", "finished");
   model.set("log", Array.from({ length: LOG_LINES + 10 }, (_, i) => `line ${i}`));
+  assert.equal(root.getAttribute("data-state"), "running"); // redrawn once per batch of changes, not per trait
+  await tick();
   assert.deepEqual(el.byClass("dtm-rank-state").map((n) => n.textContent), ["done", "done"]);
   assert.equal(el.byClass("dtm-bar-fill")[0].style.width, "100%");
   assert.equal(root.getAttribute("data-state"), "finished");
@@ -122,8 +127,9 @@ test("failure message is shown", () => {
   assert.equal(el.byClass("dtm-message")[0].textContent, "rank 1 failed: boom");
 });
 
-test("the default export is an anywidget module", () => {
+test("the default export is an anywidget module, and render is not a named export (anywidget deprecates that)", async () => {
   assert.equal(typeof monitor.render, "function");
+  assert.equal("render" in (await import("./monitor.js")), false);
 });
 
 test("the copy shipped in the Python package is identical to js/monitor.js", () => {

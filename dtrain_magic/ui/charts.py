@@ -83,7 +83,7 @@ class RunCharts:
 
         self.client, self.run_id, self.interval_s = client, run_id, interval_s
         self.on_update = on_update
-        factory = figure_factory or go.FigureWidget
+        factory = self._factory = figure_factory or go.FigureWidget
         common = dict(height=320, width=480, margin=dict(l=50, r=10, t=40, b=40), template="plotly_white",
                       legend=dict(orientation="h", y=-0.2))
         self.metrics_figure = factory(layout=dict(
@@ -104,6 +104,9 @@ class RunCharts:
         self._run_ended = threading.Event()
         self._thread: threading.Thread | None = None
         self._widget: Any = None
+        self._added: set[int] = set()
+        self._frames: dict[int, Any] = {}
+        self._synced: dict[int, float] = {}
 
     # -- display ---------------------------------------------------------------------------------
     @property
@@ -112,8 +115,8 @@ class RunCharts:
         if self._widget is None:
             import ipywidgets as w
 
-            self._widget = w.HBox([self.metrics_figure, self.system_figure],
-                                  layout=w.Layout(flex_flow="row wrap"))
+            self._frames = {id(f): w.Box([f]) for f in (self.metrics_figure, self.system_figure)}
+            self._widget = w.HBox(list(self._frames.values()), layout=w.Layout(flex_flow="row wrap"))
             self._widget.add_class("dtm-charts")
         return self._widget
 
@@ -162,14 +165,55 @@ class RunCharts:
                 self._draw(self.metrics_figure, self.metrics, changed_metrics, visible_default=default_metric(list(self.metrics)))
             if changed_system:
                 self._draw(self.system_figure, self.system, changed_system, names=wanted)
-                if any(k for k in wanted if "gpu_" in k):
-                    self.system_figure.layout.title.text = "System (GPU)"
-                else:
-                    self.system_figure.layout.title.text = "System (CPU / RAM, no GPU)"
+                title = "System (GPU)" if any("gpu_" in k for k in wanted) else "System (CPU / RAM, no GPU)"
+                if self.system_figure.layout.title.text != title:
+                    self.system_figure.layout.title.text = title
+                    self._added.add(id(self.system_figure))
+            for figure in (self.metrics_figure, self.system_figure):
+                self._sync_initial_state(figure, final=self.status in TERMINAL)
             changed = bool(changed_metrics or changed_system)
         if changed and self.on_update is not None:
             self.on_update(self)
         return changed
+
+    def _sync_initial_state(self, figure: Any, final: bool = False) -> None:
+        """Keep the state a *new* front-end view starts from current (plotly sets it only at display time).
+
+        Our figures live in a Box and get traces after the Box was displayed; a view created later (the
+        browser loads plotly's large module slowly, or the notebook is reopened) would start from the
+        empty initial state and miss the add-trace messages. Existing views ignore this state (they get
+        restyle messages), so it is only sent when traces were added (then a fresh figure replaces it), every few seconds,
+        and at the end.
+        """
+        if not hasattr(figure, "_widget_data"):
+            return
+        now = time.monotonic()
+        key = id(figure)
+        added = key in self._added
+        if added or final or now - self._synced.get(key, 0.0) > 5.0:
+            from copy import deepcopy
+
+            figure._widget_layout = deepcopy(figure._layout_obj._props)
+            figure._widget_data = deepcopy(figure._data)
+            self._synced[key] = now
+            self._added.discard(key)
+        frame = self._frames.get(key)
+        if added and frame is not None:
+            # A view that was still starting when the traces were added may miss them for good (seen in
+            # JupyterLab under load; mounting the same model again draws an empty plot). So show a fresh
+            # FigureWidget built with every trace: its view starts from complete state.
+            fresh = self._factory(data=figure.data, layout=figure.layout)
+            if figure is self.metrics_figure:
+                self.metrics_figure = fresh
+            else:
+                self.system_figure = fresh
+            self._frames[id(fresh)] = self._frames.pop(key)
+            self._synced[id(fresh)] = now
+            frame.children = (fresh,)
+            try:
+                figure.close()
+            except Exception:
+                pass
 
     def _draw(self, figure: Any, source: dict[str, Series], keys: list[str], names: dict[str, str] | None = None,
               visible_default: str | None = None) -> None:
@@ -181,6 +225,7 @@ class RunCharts:
                 if name in existing:
                     existing[name].x, existing[name].y = list(series.x), list(series.y)
                 else:
+                    self._added.add(id(figure))
                     visible = True if names is not None or key == visible_default else "legendonly"
                     figure.add_scatter(x=list(series.x), y=list(series.y), name=name, mode="lines+markers",
                                        marker=dict(size=4), visible=visible)

@@ -75,7 +75,7 @@ class MonitorObserver(RunObserver):
         display: bool = True,
         charts: bool = True,
         flush_s: float = 0.2,
-        poll_s: float = 0.25,
+        poll_s: float = 0.5,
     ):
         self.config = config
         self.stop_event = threading.Event()
