@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..config import RunConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, MissingDependencyError
 from .base import Strategy
 
 _FLAG_KEYS = (
@@ -199,8 +199,15 @@ class DeepSpeedStrategy(Strategy):
 
     @classmethod
     def check(cls, config: RunConfig) -> None:
-        if importlib.util.find_spec("deepspeed") is None:
-            raise ConfigError("--strategy", "deepspeed is not installed: pip install 'dtrain_magic[deepspeed]'")
+        try:
+            installed = importlib.util.find_spec("deepspeed") is not None  # without paying its 3 s import
+        except (ImportError, ValueError):
+            installed = False
+        if not installed:
+            raise MissingDependencyError(
+                "--strategy deepspeed needs DeepSpeed, which is not installed: pip install deepspeed "
+                "(or pip install 'dtrain_magic[deepspeed]'); nothing was launched"
+            )
         user = parse_user_config(config.deepspeed_config)
         if "optimizer" in user:
             raise ConfigError(

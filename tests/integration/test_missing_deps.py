@@ -29,14 +29,16 @@ SCRIPT = textwrap.dedent(
     shell.run_cell("%load_ext dtrain_magic", store_history=False)
     outcome = shell.run_cell(sys.argv[2] + "\\nSIDE = 1\\ndef train(ctx):\\n    return 1\\n")
     error = outcome.error_in_exec
-    from mlflow import MlflowClient
     import os
+    store_created = os.path.exists(os.environ["MLFLOW_TRACKING_URI"][len("sqlite:///"):])
+    from mlflow import MlflowClient
     client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
     print(json.dumps({
+        "store_created": store_created,
         "type": type(error).__name__,
         "text": "\\n".join(error._render_traceback_()) if hasattr(error, "_render_traceback_") else repr(error),
         "cell_ran": "SIDE" in shell.user_ns,
-        "experiments": [e.name for e in client.search_experiments()],
+        "experiments": [e.name for e in client.search_experiments() if e.name != "Default"],
         "still_usable": shell.run_cell("2 + 3").result == 5,
     }))
     """
@@ -66,6 +68,7 @@ def test_missing_package(tmp_path, blocked, line, fix):
     assert blocked in result["text"].lower() and fix in result["text"]
     assert len(result["text"].splitlines()) <= 3, result["text"]
     assert result["cell_ran"] is False and result["experiments"] == [] and result["still_usable"]
+    assert result["store_created"] is False  # not even an MLflow store was opened
 
 
 def test_missing_java(tmp_path):
