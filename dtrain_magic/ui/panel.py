@@ -165,6 +165,7 @@ class ConfigurePanel:
         self.run_button.add_class("dtm-run")
         self.output = w.Output(layout=w.Layout(width="100%"))
         self.thread: threading.Thread | None = None
+        self.running = False
         self.observer: Any = None
         self.result: Any = None
         self.error: BaseException | None = None
@@ -200,8 +201,7 @@ class ConfigurePanel:
         problems = self.state.problems()
         self.problems.value = ("".join(f"<div style='color:#cf222e'>⚠ {html.escape(p)}</div>" for p in problems)
                                if problems else "<div style='color:#1a7f37'>✓ ready to run</div>")
-        running = self.thread is not None and self.thread.is_alive()
-        self.run_button.disabled = bool(problems) or running
+        self.run_button.disabled = bool(problems) or self.running
         self.flag_line.value = self.state.flag_line() or "(fix the problems above to get the equivalent flag line)"
 
     def run(self, wait: bool = False) -> None:
@@ -210,7 +210,7 @@ class ConfigurePanel:
         from ..runner import execute
         from .monitor import MonitorObserver
 
-        if self.thread is not None and self.thread.is_alive():
+        if self.running:
             return
         config = self.state.to_config(ui=True)
         self.output.clear_output()
@@ -230,10 +230,11 @@ class ConfigurePanel:
                 self.output.append_stderr(f"{type(exc).__name__}: {exc}\n")
             finally:
                 text.flush()
-                self.run_button.disabled = False
+                self.running = False
                 self.refresh()
 
         self.thread = threading.Thread(target=work, name="dtrain-panel-run", daemon=True)
+        self.running = True
         self.run_button.disabled = True
         self.thread.start()
         if wait:

@@ -45,8 +45,10 @@ def train(ctx):
     ctx.set_total(STEPS)
     for step in range(STEPS):
         loss = torch.nn.functional.mse_loss(model(x), y)
-        ctx.backward(loss); ctx.step()
-        ctx.log(loss=loss.item(), grad_norm=sum(p.grad.norm().item() for p in model.parameters() if p.grad is not None))
+        ctx.backward(loss)
+        grad_norm = sum(p.grad.norm().item() for p in model.parameters() if p.grad is not None)
+        ctx.step()
+        ctx.log(loss=loss.item(), grad_norm=grad_norm)
         if step % 10 == 0:
             print(f"step {step} loss {loss.item():.4f}")
         time.sleep(SLEEP)
@@ -107,6 +109,9 @@ def jupyterlab():
            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--LabApp.extension_manager=readonly"]
     if os.geteuid() == 0:  # containers and CI often run as root
         cmd.append("--allow-root")
+    notification = root / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
+    notification.parent.mkdir(parents=True)
+    notification.write_text('{"fetchNews": "false", "checkForUpdates": false}')  # no "news?" toast over the charts
     log = open(root / "server.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

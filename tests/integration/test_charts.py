@@ -125,3 +125,27 @@ def test_stop_event_stops_the_run_cleanly(shell, mlflow):
     assert elapsed < 40
     assert obs.charts.wait(timeout=30)
     assert mlflow.get_run(obs.widget.run_id).info.status == "KILLED"
+
+
+def test_configure_panel_runs_in_the_background(shell, mlflow):
+    """Run in the --configure panel: the chosen RunConfig, launched in a background thread, result bound."""
+    from dtrain_magic import flags
+    from dtrain_magic.ui.panel import ConfigurePanel
+
+    cell = CELL.split("\n", 1)[1].replace("STEPS", "5").replace("SLEEP", "0.01")
+    config = flags.config_from_line("--backend local -n 2 --result res", gpu_available=lambda: False)
+    panel = ConfigurePanel(config, cell, shell)
+    panel.controls["num_processes"].value = 3
+    panel.controls["grad_accum"].value = 2
+    assert panel.flag_line.value == "%%distribute --backend local --strategy ddp --precision fp32 -n 3 --cpu --grad-accum 2 --result res --ui"
+    panel.run()
+    assert panel.thread is not None and panel.thread.is_alive()  # the kernel is not blocked
+    panel.thread.join(timeout=120)
+    assert panel.error is None, panel.error
+    result = shell.user_ns["res"]
+    assert result.values == [0, 1, 2] and result.config.grad_accum == 2 and result.config.num_processes == 3
+    assert panel.observer.widget.state == "finished"
+    assert not panel.run_button.disabled
+    texts = "".join(o.get("text", "") for o in panel.output.outputs)
+    assert "[rank 0] done on rank 0" in texts and "dtrain_magic: finished in" in texts  # worker output in the panel
+    assert mlflow.get_run(result.run_id).data.params["num_processes"] == "3"
