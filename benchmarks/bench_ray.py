@@ -39,7 +39,7 @@ def train(ctx):
             open({step_file!r}, "w").write(repr(time.time()))
         if step % 20 == 0:
             ctx.log(loss=loss.item(), step=step)
-    return float(loss)
+    return loss.item()
 """
 
 
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 import contextlib
                 import io
 
-                with contextlib.redirect_stdout(io.StringIO()):  # the magic's progress lines
+                with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # progress, rank output
                     samples.append(run_magic(shell, args.steps, workdir))
             else:
                 samples.append(run_raw(args.steps, workdir, i))
