@@ -252,3 +252,29 @@ def test_cluster_mode_trains_on_two_executors(spark_launcher, shell, mlflow):
         assert any(key.startswith(f"system/{node}/") for key in run.data.metrics), sorted(run.data.metrics)
     assert_no_torchrun_left()
     assert_no_spark_job_running(spark_launcher)
+
+
+def test_cluster_mode_interrupt_cancels_the_job_group_within_10_s(spark_launcher, shell, mlflow, tmp_path):
+    marker = tmp_path / "running"
+
+    def interrupt_when_running():
+        deadline = time.monotonic() + 240
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=interrupt_when_running, daemon=True)
+    thread.start()
+    result = shell.run(
+        f"%%distribute --backend spark --cluster -n 2 --spark-master {CLUSTER_MASTER} --no-ui\n"
+        "import time, pathlib\ndef train(ctx):\n"
+        f"    pathlib.Path({str(marker)!r}).write_text('x')\n    time.sleep(300)\n"
+    )
+    interrupted_at = time.monotonic()
+    thread.join(5)
+    assert isinstance(result.error_in_exec, RunInterrupted), result.error_in_exec
+    assert spark_launcher._session.sparkContext.master == CLUSTER_MASTER
+    assert_no_torchrun_left(timeout=max(0.5, 10.0 - (time.monotonic() - interrupted_at)))
+    assert_no_spark_job_running(spark_launcher)
+    assert last_run(mlflow).info.status == "KILLED"
