@@ -82,7 +82,9 @@ def test_live_charts_equal_the_mlflow_history(shell, mlflow, capsys):
     lag = lag_summary(charts.lags_s)
     print(f"chart lag (ctx.log on the worker -> chart data): {lag}")
     assert lag["n"] >= 30  # most points were seen live, not only in the final read
-    assert lag["median_s"] < 1.0, lag
+    # Measured in benchmarks/bench_chart_lag.py (median about 0.3 s here); this only guards against
+    # a poller that stopped polling live (lag of the whole run), with room for a loaded machine.
+    assert lag["median_s"] < 3.0, lag
 
     # %distribute_show draws the same charts from MLflow alone
     shell.run(f"%distribute_show {run.run_id}")

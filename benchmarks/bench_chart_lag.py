@@ -1,0 +1,67 @@
+"""Live-plot latency: from ``ctx.log`` on a worker to the value being in the monitor's chart data.
+
+A real ``%%distribute --backend local -n 2 --ui`` run in an IPython shell logs a metric every 50 ms;
+the monitor's chart poller (reading MLflow) records, for every point, the time it first saw it minus
+the worker's timestamp for it. Reports median, p95 and max.
+
+    .venv/bin/python benchmarks/bench_chart_lag.py --steps 200 --json benchmarks/results/chart_lag.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+CELL = """%%distribute --backend local -n 2 --ui --experiment bench_chart_lag
+import time, torch
+def train(ctx):
+    model, opt = ctx.prepare(torch.nn.Linear(8, 1), torch.optim.SGD(torch.nn.Linear(8, 1).parameters(), lr=0.1))
+    ctx.set_total(STEPS)
+    for step in range(STEPS):
+        ctx.log(loss=1.0 / (step + 1))
+        time.sleep(0.05)
+    return step
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{tempfile.mkdtemp()}/bench.db")
+
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from dtrain_magic.ui import monitor
+    from dtrain_magic.ui.charts import lag_summary
+
+    observers = []
+    original = monitor.MonitorObserver.__init__
+
+    def keep(self, *a, **k):
+        original(self, *a, **k)
+        observers.append(self)
+
+    monitor.MonitorObserver.__init__ = keep
+    shell = InteractiveShell.instance()
+    shell.run_cell("%load_ext dtrain_magic", store_history=False)
+    shell.user_ns["STEPS"] = args.steps
+    outcome = shell.run_cell(CELL, store_history=False, silent=True)
+    if outcome.error_in_exec is not None:
+        raise outcome.error_in_exec
+    charts = observers[-1].charts
+    charts.wait(timeout=30)
+    lag = lag_summary(charts.lags_s)
+    print(f"chart lag over {int(lag['n'])} points: median {lag['median_s']:.3f} s, p95 {lag['p95_s']:.3f} s, "
+          f"max {lag['max_s']:.3f} s (poll interval {charts.interval_s} s)")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as handle:
+            json.dump({"chart_lag": lag, "poll_interval_s": charts.interval_s}, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
