@@ -132,9 +132,9 @@ test("the default export is an anywidget module, and render is not a named expor
   assert.equal("render" in (await import("./monitor.js")), false);
 });
 
-test("the copy shipped in the Python package is identical to js/monitor.js", () => {
+test("the Python package ships this file (dtrain_magic/js/monitor.js links here)", () => {
   const here = path.dirname(fileURLToPath(import.meta.url));
   const source = readFileSync(path.join(here, "monitor.js"), "utf8");
   const shipped = readFileSync(path.join(here, "..", "dtrain_magic", "js", "monitor.js"), "utf8");
-  assert.equal(shipped, source, "run: cp js/monitor.js dtrain_magic/js/monitor.js");
+  assert.equal(shipped, source);
 });

@@ -40,7 +40,7 @@ LOG_TAIL = 200
 
 
 def esm_source() -> str:
-    """The widget's front-end, ``dtrain_magic/js/monitor.js`` (a copy of the repo's ``js/monitor.js``)."""
+    """The widget's front-end, ``dtrain_magic/js/monitor.js`` (a link to the repo's ``js/monitor.js``; wheels get the file itself)."""
     from importlib.resources import files
 
     return (files("dtrain_magic") / "js" / "monitor.js").read_text(encoding="utf-8")
