@@ -550,7 +550,8 @@ class SparkLauncher(Launcher):
     def _build(master: str) -> Any:
         from pyspark.sql import SparkSession
 
-        builder = SparkSession.builder.master(master).appName("dtrain_magic")
+        # No console progress bar: it would interleave with the workers' rank-prefixed output in the cell.
+        builder = SparkSession.builder.master(master).appName("dtrain_magic").config("spark.ui.showConsoleProgress", "false")
         if is_loopback_master(master):
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
             # Executors (local-cluster, a standalone cluster on this machine) run this notebook's Python.
