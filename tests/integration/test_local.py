@@ -9,35 +9,10 @@ import psutil
 import pytest
 
 from dtrain_magic.errors import CaptureError, ConfigError, RunInterrupted, RunTimeout, WorkerError
+from workloads import TRAIN_HELPERS, train_cell
 
 pytestmark = pytest.mark.slow
 
-TRAIN_HELPERS = """
-import torch
-
-def make_data(n=64, features=8):
-    g = torch.Generator().manual_seed(1)
-    X = torch.randn(n, features, generator=g)
-    return torch.utils.data.TensorDataset(X, X.sum(1, keepdim=True) + 0.1)
-"""
-
-# Global batch 16; each rank gets 16 / world_size samples of every global batch (DistributedSampler).
-TRAIN_CELL = """%%distribute --backend local -n {n} --no-ui --experiment correctness
-def train(ctx):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
-    opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    loader = torch.utils.data.DataLoader(make_data(), batch_size=16 // ctx.world_size)
-    model, opt, loader = ctx.prepare(model, opt, loader)
-    for epoch in range(3):
-        for x, y in loader:
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            ctx.backward(loss)
-            ctx.step()
-            ctx.log(loss=loss.item())
-    plain = getattr(model, "module", model)
-    return {{k: v.detach().clone() for k, v in plain.state_dict().items()}}
-"""
 
 
 def worker_children():
@@ -66,8 +41,8 @@ def assert_nothing_left(timeout=10.0):
 
 def test_two_process_ddp_matches_one_process_within_1e_5(shell, mlflow):
     shell.run(TRAIN_HELPERS)
-    one = shell.run(TRAIN_CELL.format(n=1))
-    two = shell.run(TRAIN_CELL.format(n=2))
+    one = shell.run(train_cell("local", 1, "--experiment correctness"))
+    two = shell.run(train_cell("local", 2, "--experiment correctness"))
     assert one.error_in_exec is None and two.error_in_exec is None, (one.error_in_exec, two.error_in_exec)
     single, ddp = one.result.value, two.result.value
     assert set(single) == set(ddp)
@@ -82,7 +57,7 @@ def test_two_process_ddp_matches_one_process_within_1e_5(shell, mlflow):
 
 def test_run_is_recorded_in_mlflow(shell, mlflow, tracking_uri):
     shell.run(TRAIN_HELPERS)
-    result = shell.run(TRAIN_CELL.format(n=2)).result
+    result = shell.run(train_cell("local", 2, "--experiment correctness")).result
     run = mlflow.get_run(result.run_id)
     assert run.info.status == "FINISHED"
     assert mlflow.get_experiment(run.info.experiment_id).name == "correctness"

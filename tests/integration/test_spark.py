@@ -17,37 +17,12 @@ import pytest
 from dtrain_magic.config import RunConfig
 from dtrain_magic.errors import ConfigError, RunInterrupted, WorkerError
 from dtrain_magic.launchers import get_launcher
+from workloads import TRAIN_HELPERS, train_cell
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 CLUSTER_MASTER = "local-cluster[2,1,1024]"
 TIMES: dict[str, float] = {}
-
-TRAIN_HELPERS = """
-import torch
-
-def make_data(n=64, features=8):
-    g = torch.Generator().manual_seed(1)
-    X = torch.randn(n, features, generator=g)
-    return torch.utils.data.TensorDataset(X, X.sum(1, keepdim=True) + 0.1)
-"""
-
-TRAIN_CELL = """%%distribute --backend {backend} -n 2 --no-ui --seed 0 {extra}
-def train(ctx):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
-    opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    loader = torch.utils.data.DataLoader(make_data(), batch_size=16 // ctx.world_size)
-    model, opt, loader = ctx.prepare(model, opt, loader)
-    for epoch in range(3):
-        for x, y in loader:
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            ctx.backward(loss)
-            ctx.step()
-            ctx.log(loss=loss.item())
-    plain = getattr(model, "module", model)
-    return {{k: v.detach().clone() for k, v in plain.state_dict().items()}}
-"""
 
 
 EXECUTOR_HELPER = """
@@ -110,7 +85,7 @@ def test_local_mode_trains_and_matches_the_local_backend(spark_launcher, shell, 
     assert shell.run(TRAIN_HELPERS).error_in_exec is None
     starts = spark_launcher.session_starts
     started = time.monotonic()
-    spark = shell.run(TRAIN_CELL.format(backend="spark", extra=""))
+    spark = shell.run(train_cell("spark", extra="--seed 0"))
     assert spark.error_in_exec is None, spark.error_in_exec
     cold = spark.result
     TIMES["cold_total_s"] = time.monotonic() - started
@@ -118,7 +93,7 @@ def test_local_mode_trains_and_matches_the_local_backend(spark_launcher, shell, 
         TIMES["cold_session_start_s"] = spark_launcher.session_start_s
     # From the cell's start (session start, checks and MLflow run included) to rank 0's first ctx.log.
     TIMES["cold_first_step_s"] = TIMES["cold_total_s"] - cold.wall_time_s + cold.time_to_first_step_s
-    local = shell.run(TRAIN_CELL.format(backend="local", extra=""))
+    local = shell.run(train_cell("local", extra="--seed 0"))
     assert local.error_in_exec is None, local.error_in_exec
     assert cold.config.backend == "spark" and cold.config.local_mode
     assert len(cold.values) == 2
@@ -138,7 +113,7 @@ def test_second_run_reuses_the_session(spark_launcher, shell, capsys):
     assert session is not None
     shell.run(TRAIN_HELPERS)
     started = time.monotonic()
-    result = shell.run(TRAIN_CELL.format(backend="spark", extra=""))
+    result = shell.run(train_cell("spark", extra="--seed 0"))
     assert result.error_in_exec is None, result.error_in_exec
     TIMES["warm_total_s"] = time.monotonic() - started
     TIMES["warm_first_step_s"] = TIMES["warm_total_s"] - result.result.wall_time_s + result.result.time_to_first_step_s
@@ -233,7 +208,7 @@ def test_kernel_interrupt_stops_every_torchrun_process_within_10_s(spark_launche
 
 def test_cluster_mode_trains_on_two_executors(spark_launcher, shell, mlflow):
     shell.run(TRAIN_HELPERS)
-    cell = TRAIN_CELL.format(backend="spark", extra=f"--cluster --spark-master {CLUSTER_MASTER}").replace(
+    cell = train_cell("spark", extra=f"--seed 0 --cluster --spark-master {CLUSTER_MASTER}").replace(
         "    return {", "    return executor_pid(), {"
     )
     shell.run(EXECUTOR_HELPER)
