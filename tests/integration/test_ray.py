@@ -197,6 +197,23 @@ def train(ctx):
     assert again.error_in_exec is None, again.error_in_exec
 
 
+def test_python_error_in_a_worker_is_the_same_short_error(shell):
+    from dtrain_magic.errors import WorkerError
+
+    result = shell.run(
+        """%%distribute --backend ray -n 2 --no-ui
+def train(ctx):
+    if ctx.rank == 1:
+        raise ValueError("bad batch")
+    ctx.barrier()
+"""
+    )
+    error = result.error_in_exec
+    assert isinstance(error, WorkerError), error
+    assert error.rank == 1 and error.summary == "ValueError: bad batch", str(error)
+    assert "Cell In[" in error.remote_traceback and "raise ValueError" in error.remote_traceback
+
+
 # -- a real cluster: `ray start --head` on 127.0.0.1 in a subprocess (runs last: it replaces the embedded Ray)
 def _free_port() -> int:
     with socket.socket() as sock:
