@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from dtrain_magic.errors import CaptureError, ConfigError, RunInterrupted, RunTimeout, WorkerError
-from workloads import TRAIN_HELPERS, train_cell
+from workloads import TRAIN_HELPERS, restart_cell, train_cell
 
 pytestmark = pytest.mark.slow
 
@@ -326,42 +326,13 @@ def test_run_directory_is_private(shell):
     assert result.result.value == ("0o700", "0o600")
 
 
-# Checkpoints every 4 steps into the run's default checkpoint store and resumes from the latest one;
-# rank 1 SIGKILLs itself once at step 6 when KILL is set (a marker file makes it once).
-RESTART_CELL = """%%distribute --backend local -n 2 --no-ui {flags}
-import os, signal, torch
-KILL = {kill}
-def train(ctx):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    model, opt = ctx.prepare(model, opt)
-    data = torch.randn(12, 2, 4, 8, generator=torch.Generator().manual_seed(1))
-    target = data.sum(-1, keepdim=True)
-    state = ctx.load_checkpoint()
-    start = 0 if state is None else state["step"] + 1
-    if state is not None:
-        print(f"resumed at step {{start}}")
-    for step in range(start, 12):
-        if KILL and step == 6 and ctx.rank == 1 and not os.path.exists("killed"):
-            open("killed", "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
-        loss = (model(data[step, ctx.rank]) - target[step, ctx.rank]).pow(2).mean()
-        ctx.backward(loss)
-        ctx.step()
-        ctx.log({{"loss": loss.item()}}, step=step)
-        if step % 4 == 3:
-            ctx.save_checkpoint(step=step)
-    return {{k: v.detach().clone() for k, v in ctx.strategy.full_state_dict().items()}}
-"""
-
-
+# The shared restart cell checkpoints every 4 steps into the run's default store; rank 1 SIGKILLs itself at step 6.
 def test_max_restarts_resumes_from_checkpoint_and_matches_uninterrupted(shell, capsys):
     import torch
 
-    reference = shell.run(RESTART_CELL.format(flags="", kill=False))
+    reference = shell.run(restart_cell("local", save=False))
     assert reference.error_in_exec is None, reference.error_in_exec
-    restarted = shell.run(RESTART_CELL.format(flags="--max-restarts 1", kill=True))
+    restarted = shell.run(restart_cell("local", flags="--max-restarts 1", kill=True))
     assert restarted.error_in_exec is None, restarted.error_in_exec
     out = capsys.readouterr()
     assert "restarting every worker" in out.err and "resumed at step 4" in out.out
@@ -371,7 +342,7 @@ def test_max_restarts_resumes_from_checkpoint_and_matches_uninterrupted(shell, c
 
 
 def test_kill_without_restarts_is_a_short_error(shell):
-    result = shell.run(RESTART_CELL.format(flags="", kill=True))
+    result = shell.run(restart_cell("local", kill=True))
     assert isinstance(result.error_in_exec, WorkerError) and result.error_in_exec.rank == 1
     assert "SIGKILL" in str(result.error_in_exec)
     assert_nothing_left()
