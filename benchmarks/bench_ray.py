@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm", type=int, default=2, help="warm runs per mode after the cold one")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--order", default="magic,raw", help="which mode gets its fresh instance first")
+    parser.add_argument("--json", default=None, help="also write the numbers to this JSON file")
     args = parser.parse_args(argv)
 
     workdir = tempfile.mkdtemp(prefix="bench_ray_")
@@ -153,6 +154,14 @@ def main(argv: list[str] | None = None) -> int:
                        ("warm_first", "warm 1st step"), ("warm_total", "warm total")):
         magic, raw = rows["magic"][key], rows["raw"][key]
         print(f"{label:14}{magic:>9.2f}s{raw:>10.2f}s{magic / raw:>8.2f}")
+    if args.json:
+        import json
+
+        ratios = {f"{key.split('_')[0]}_{'ttfs' if key.endswith('first') else 'total'}_ratio": rows["magic"][key] / rows["raw"][key]
+                  for key in ("cold_first", "cold_total", "warm_first", "warm_total")}
+        with open(args.json, "w") as handle:
+            json.dump({"backend": "ray", "steps": args.steps, "warm_runs": args.warm, "raw_api": "TorchTrainer.fit",
+                       "rows": rows, **ratios}, handle, indent=2)
     import shutil
 
     os.chdir("/")

@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--cluster", action="store_true", help="local_mode=False on a local-cluster master")
     parser.add_argument("--master", default=None, help="master URL (default local[*], or local-cluster[2,1,1024])")
+    parser.add_argument("--json", default=None, help="also write the numbers to this JSON file")
     args = parser.parse_args(argv)
     master = args.master or ("local-cluster[2,1,1024]" if args.cluster else "local[*]")
 
@@ -148,6 +149,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  load average during the run: {os.getloadavg()[0]:.1f}")
     except OSError:
         pass
+    if args.json:
+        import json
+
+        with open(args.json, "w") as handle:
+            json.dump({
+                "backend": "spark", "mode": mode, "repeats": args.repeats, "steps": args.steps, "raw_api": "TorchDistributor.run",
+                "samples": timings, "warm_ttfs_ratio": magic_first / raw_first, "warm_total_ratio": magic_total / raw_total,
+                "warm_magic_ttfs_median": magic_first, "warm_raw_ttfs_median": raw_first,
+            }, handle, indent=2)
     launcher.shutdown()
     return 0
 
