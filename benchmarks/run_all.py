@@ -78,9 +78,9 @@ def chart(results: dict, path: str) -> None:
     names, cold, warm = [], [], []
     for name, entry in results.items():
         data = entry.get("data")
-        if isinstance(data, dict) and "cold_ttfs_ratio" in data:
+        if isinstance(data, dict) and ("cold_ttfs_ratio" in data or "warm_ttfs_ratio" in data):
             names.append(name)
-            cold.append(data["cold_ttfs_ratio"])
+            cold.append(data.get("cold_ttfs_ratio"))
             warm.append(data.get("warm_ttfs_ratio"))
     figure = go.Figure([go.Bar(name="cold", x=names, y=cold), go.Bar(name="warm", x=names, y=warm)])
     figure.add_hline(y=1.05, line_dash="dash", annotation_text="target 1.05")
