@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -44,6 +45,9 @@ class _MetricWriter(threading.Thread):
     """
 
     MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch
+    # Gather for this long after the first waiting metric: one SQLite write per step cost the workers
+    # CPU on a small machine; a quarter second keeps the charts well inside their 1 s lag.
+    COALESCE_S = 0.25
 
     def __init__(self, client: Any, run_id: str):
         super().__init__(name="dtrain-mlflow-writer", daemon=True)
@@ -52,15 +56,20 @@ class _MetricWriter(threading.Thread):
         self.start()
 
     def run(self) -> None:
+        try:  # Linux threads have their own nice value: let busy CPU workers on this machine go first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (AttributeError, OSError):
+            pass
         done = False
         while not done:
             batch = self.queue.get()
             if batch is None:
                 return
             batch = list(batch)
+            deadline = time.monotonic() + self.COALESCE_S
             while len(batch) < self.MAX_BATCH:
                 try:
-                    more = self.queue.get_nowait()
+                    more = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     break
                 if more is None:

@@ -214,6 +214,7 @@ def _wait_for_job() -> str | None:
     from . import context  # noqa: F401
     from .strategies import ddp  # noqa: F401
 
+    _warm_up_ddp()
     line = sys.stdin.readline()
     if not line.strip():
         return None
@@ -221,6 +222,22 @@ def _wait_for_job() -> str | None:
     os.environ.clear()
     os.environ.update(request["env"])
     return request["job"]
+
+
+def _warm_up_ddp() -> None:
+    """Pay DistributedDataParallel's first-use imports (torch._dynamo, sympy: about 1 s on 2 cores)
+    before the job arrives, on a throwaway one-process group that needs no port."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        finally:
+            dist.destroy_process_group()
+    except Exception:  # a warm-up only: the real run reports real problems
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
