@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any
+from typing import Any, Callable
 
 # Message kinds (first element of each tuple a worker sends).
 HELLO = "hello"  # (HELLO, rank, {"pid":..., "host":...})
@@ -39,45 +39,78 @@ class ChannelAddress:
         return f"ChannelAddress({self.host}:{self.port})"
 
 
+class AuthenticatedListener:
+    """A ``multiprocessing.connection`` listener with a fresh secret; every accepted connection is
+    served by ``serve(conn, serial)`` in a thread of its own (serials count from 1, in accept order)."""
+
+    def __init__(self, host: str, serve: Callable[[Connection, int], None], name: str):
+        self.authkey = secrets.token_bytes(32)
+        self._listener = Listener((host, 0), authkey=self.authkey)
+        self.host, self.port = host, self._listener.address[1]
+        self._serve, self._name = serve, name
+        self.closed = threading.Event()
+        self._lock = threading.Lock()
+        self._connections: list[Connection] = []
+        self._servers: list[threading.Thread] = []
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
+        self._acceptor.start()
+
+    def _accept_loop(self) -> None:
+        while not self.closed.is_set():
+            try:
+                conn = self._listener.accept()
+            except Exception:  # closed listener, or a client that failed authentication
+                if self.closed.is_set():
+                    return
+                continue
+            with self._lock:
+                self._connections.append(conn)
+                serial = len(self._connections)
+                server = threading.Thread(target=self._serve, args=(conn, serial), name=self._name, daemon=True)
+                self._servers.append(server)
+            server.start()
+
+    def join_servers(self, timeout: float) -> None:
+        """Wait for every connection's server thread to end (its peer closed the connection)."""
+        with self._lock:
+            servers = list(self._servers)
+        for server in servers:
+            server.join(timeout)
+
+    def close(self) -> None:
+        if self.closed.is_set():
+            return
+        self.closed.set()
+        try:
+            # accept() does not return when the socket is closed from another thread: wake it with a
+            # connection of our own, whose failed authentication the accept loop ignores.
+            socket.create_connection((self.host, self.port), timeout=1).close()
+        except OSError:
+            pass
+        self._acceptor.join(2)
+        try:
+            self._listener.close()
+        except Exception:
+            pass
+        with self._lock:
+            for conn in self._connections:
+                try:
+                    conn.close()
+                except Exception:
+                    pass
+
+
 class Channel:
     """Driver side: accepts worker connections and funnels their messages into one queue."""
 
     def __init__(self, host: str = "127.0.0.1"):
-        self._authkey = secrets.token_bytes(32)
-        self._listener = Listener((host, 0), authkey=self._authkey)
-        bound_host, port = self._listener.address
-        self.address = ChannelAddress(host if host != "0.0.0.0" else bound_host, port, self._authkey)
         # (connection serial or None for the driver's own messages, message)
         self.messages: "queue.Queue[tuple[int | None, tuple]]" = queue.Queue()
-        self._serials = 0
         self._delivered: set[int] = set()  # connections get() has returned a message from
         self._retired: set[int] = set()
         self.last_serial: int | None = None
-        self._closed = threading.Event()
-        self._readers: list[threading.Thread] = []
-        self._connections: list[Connection] = []
-        self._lock = threading.Lock()
-        self._acceptor = threading.Thread(target=self._accept_loop, name="dtrain-channel-accept", daemon=True)
-        self._acceptor.start()
-
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn = self._listener.accept()
-            except Exception:  # closed listener, or a client that failed authentication
-                if self._closed.is_set():
-                    return
-                continue
-            with self._lock:
-                self._serials += 1
-                serial = self._serials
-            reader = threading.Thread(
-                target=self._read_loop, args=(conn, serial), name="dtrain-channel-read", daemon=True
-            )
-            with self._lock:
-                self._connections.append(conn)
-                self._readers.append(reader)
-            reader.start()
+        self._listener = AuthenticatedListener(host, self._read_loop, "dtrain-channel-read")
+        self.address = ChannelAddress(host, self._listener.port, self._listener.authkey)
 
     def _read_loop(self, conn: Connection, serial: int) -> None:
         try:
@@ -123,32 +156,10 @@ class Channel:
 
     def wait_readers(self, timeout: float) -> None:
         """Wait until every connected worker has closed its connection (its messages are all queued)."""
-        with self._lock:
-            readers = list(self._readers)
-        for reader in readers:
-            reader.join(timeout)
+        self._listener.join_servers(timeout)
 
     def close(self) -> None:
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        try:
-            # accept() does not return when the socket is closed from another thread: wake it with a
-            # connection of our own, whose failed authentication the accept loop ignores.
-            socket.create_connection((self.address.host, self.address.port), timeout=1).close()
-        except OSError:
-            pass
-        self._acceptor.join(2)
-        try:
-            self._listener.close()
-        except Exception:
-            pass
-        with self._lock:
-            for conn in self._connections:
-                try:
-                    conn.close()
-                except Exception:
-                    pass
+        self._listener.close()
 
     def __enter__(self) -> "Channel":
         return self

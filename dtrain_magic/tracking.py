@@ -97,7 +97,6 @@ class RunTracker:
         self.tracking_uri = tracking_uri
         self._monitors: list[Any] = []
         self._writer = _MetricWriter(client, run_id)
-        self._metrics_logged = 0
         self.last_metrics: dict[str, float] = {}
 
     @classmethod
@@ -124,7 +123,6 @@ class RunTracker:
         stamp = timestamp_ms or int(time.time() * 1000)
         batch = [Metric(key, float(value), stamp, int(step)) for key, value in metrics.items()]
         self.last_metrics.update({key: float(value) for key, value in metrics.items()})
-        self._metrics_logged += len(batch)
         self._writer.queue.put(batch)
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:

@@ -9,12 +9,21 @@ the channel, never through the backend's own return value, so every backend beha
 
 from __future__ import annotations
 
+import socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
 from ..config import RunConfig
 from ..worker import WorkerJob
+
+def loopback_interface() -> str:
+    """This machine's loopback interface name (for GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)."""
+    try:
+        return next(name for _, name in socket.if_nameindex() if name.startswith("lo"))
+    except (OSError, StopIteration):
+        return "lo"
+
 
 # A launcher reports what only it can see (process output written below Python, exits) with this.
 Emit = Callable[[tuple], None]

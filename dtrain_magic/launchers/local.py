@@ -36,7 +36,7 @@ from .. import channel as ch
 from ..config import RunConfig
 from ..errors import ConfigError, LaunchError
 from ..worker import WorkerJob
-from .base import Emit, Failure, Launcher, LaunchState, RunningJob
+from .base import Emit, Failure, Launcher, LaunchState, RunningJob, loopback_interface
 
 _GRACE_S = 3.0
 _MAX_PROCESSES_PER_CORE = 4
@@ -58,8 +58,8 @@ def base_environment(threads: int) -> dict[str, str]:
         PYTHONPATH=os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p and os.path.isdir(p)),
     )
     env.setdefault("OMP_NUM_THREADS", str(threads))
-    env.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
-    env.setdefault("NCCL_SOCKET_IFNAME", _loopback_interface())
+    env.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+    env.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())
     return env
 
 
@@ -77,13 +77,6 @@ def worker_environment(rank: int, world_size: int, port: int, threads: int, stor
     if store_file:
         env["DTRAIN_INIT_METHOD"] = f"file://{store_file}"
     return env
-
-
-def _loopback_interface() -> str:
-    try:
-        return next(name for _, name in socket.if_nameindex() if name.startswith("lo"))
-    except (OSError, StopIteration):
-        return "lo"
 
 
 def _threads(num_processes: int) -> int:
@@ -199,9 +192,9 @@ class LocalJob(RunningJob):
     def _launch(self) -> None:
         n = self._num_processes
         store_file = os.path.join(self._run_dir, f"rendezvous_{self._attempt}")
-        envs = [worker_environment(rank, n, free_port(), _threads(n), store_file) for rank in range(n)]
+        port = free_port()  # MASTER_PORT for user code that reads it; the rendezvous itself is the file
+        envs = [worker_environment(rank, n, port, _threads(n), store_file) for rank in range(n)]
         warm = POOL.take(n) if POOL.enabled() and self._attempt == 0 else None
-        self.warm = warm is not None
         processes: list[subprocess.Popen] = []
         try:
             if warm is not None:

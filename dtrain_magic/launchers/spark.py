@@ -38,7 +38,7 @@ from typing import Any
 from ..config import RunConfig
 from ..errors import ConfigError, LaunchError, MissingDependencyError
 from ..worker import WorkerJob
-from .base import Emit, Failure, Launcher, LaunchState, RunningJob
+from .base import Emit, Failure, Launcher, LaunchState, RunningJob, loopback_interface
 
 MIN_JAVA = 17  # pyspark 4 runs on Java 17 and 21
 _CANCEL_GRACE_S = 3.0
@@ -184,7 +184,7 @@ def _spark_train_fn(job: WorkerJob, tracking_uri: str | None = None, watch: tupl
     from ..worker import run_worker
 
     if os.environ.get("MASTER_ADDR", "").startswith("127.") or os.environ.get("MASTER_ADDR") == "localhost":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     rank = int(os.environ.get("RANK", "0"))
     link = _start_watchdog(watch, rank) if watch else None  # raises (→ a Spark error) if the notebook is unreachable
     # Per-node system metrics in cluster mode; in local mode the workers run on the driver, whose own
@@ -204,13 +204,6 @@ def _spark_train_fn(job: WorkerJob, tracking_uri: str | None = None, watch: tupl
                 pass
         _finish_node_metrics(monitor)
     return None
-
-
-def _loopback_interface() -> str:
-    try:
-        return next(name for _, name in socket.if_nameindex() if name.startswith("lo"))
-    except (OSError, StopIteration):
-        return "lo"
 
 
 def _start_watchdog(watch: tuple, rank: int) -> Any:
@@ -298,31 +291,14 @@ class _RankWatch:
     crashed (seen at once, before torchrun's report); closing it makes every remaining worker exit."""
 
     def __init__(self, host: str):
-        import secrets
-        from multiprocessing.connection import Listener
+        from ..channel import AuthenticatedListener
 
-        self.authkey = secrets.token_bytes(32)
-        self._listener = Listener((host, 0), authkey=self.authkey)
-        self.address = (host, self._listener.address[1], self.authkey)
         self.dead: dict[int, str] = {}
-        self._closed = threading.Event()
-        self._conns: list = []
-        self._lock = threading.Lock()
-        threading.Thread(target=self._accept, name="dtrain-spark-watch", daemon=True).start()
+        self._listener = AuthenticatedListener(host, self._read, "dtrain-spark-watch")
+        self.authkey = self._listener.authkey
+        self.address = (host, self._listener.port, self.authkey)
 
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn = self._listener.accept()
-            except Exception:
-                if self._closed.is_set():
-                    return
-                continue
-            with self._lock:
-                self._conns.append(conn)
-            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
-
-    def _read(self, conn: Any) -> None:
+    def _read(self, conn: Any, serial: int) -> None:
         rank, done = None, False
         try:
             while True:
@@ -330,27 +306,11 @@ class _RankWatch:
                 done = done or kind == "done"
         except Exception:
             pass
-        if rank is not None and not done and not self._closed.is_set():
+        if rank is not None and not done and not self._listener.closed.is_set():
             self.dead.setdefault(rank, _DIED)
 
     def close(self) -> None:
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        try:
-            socket.create_connection(self.address[:2], timeout=1).close()  # wake accept()
-        except OSError:
-            pass
-        try:
-            self._listener.close()
-        except Exception:
-            pass
-        with self._lock:
-            for conn in self._conns:
-                try:
-                    conn.close()
-                except Exception:
-                    pass
+        self._listener.close()
 
 
 class SparkJob(RunningJob):
