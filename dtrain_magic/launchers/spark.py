@@ -348,7 +348,9 @@ class SparkJob(RunningJob):
                 pass
 
     def poll(self) -> LaunchState:
-        died = [Failure(rank, reason) for rank, reason in sorted(self._watch.dead.items())]
+        # In the order the deaths were seen, not by rank: the first is the cause (torchrun then SIGTERMs
+        # the survivors, whose connections drop a moment later).
+        died = [Failure(rank, reason) for rank, reason in list(self._watch.dead.items())]
         if self._thread.is_alive():
             return LaunchState(False, died)
         failures = []
