@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 from typing import Any, Callable
 
+from IPython.core.error import UsageError
 from IPython.core.magic_arguments import (
     MagicHelpFormatter,
     argument,
@@ -112,10 +114,29 @@ def _unquote(value: Any) -> Any:
 
 def parse_line(line: str) -> argparse.Namespace:
     """Parse the magic's line; argparse errors become IPython ``UsageError`` naming the flag."""
-    args = parse_argstring(distribute, line)
+    try:
+        args = parse_argstring(distribute, line)
+    except UsageError as exc:
+        message = str(exc)
+        if not message.startswith("unrecognized arguments"):
+            raise
+        raise UsageError(message + _unknown_flag_hint(message)) from None
     for key, value in vars(args).items():
         setattr(args, key, _unquote(value))
     return args
+
+
+def _unknown_flag_hint(message: str) -> str:
+    """"; did you mean --x?" for near-misses, then where every flag is listed."""
+    known = [opt for action in distribute.parser._actions for opt in action.option_strings]
+    guesses = []
+    for word in message.partition(":")[2].split():
+        if word.startswith("-"):
+            close = difflib.get_close_matches(word.split("=")[0], known, n=1, cutoff=0.75)
+            if close and close[0] not in guesses:
+                guesses.append(close[0])
+    hint = f" (did you mean {' or '.join(guesses)}?)" if guesses else ""
+    return f"{hint}; see %%distribute? for every flag"
 
 
 def config_from_args(

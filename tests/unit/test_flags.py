@@ -84,6 +84,25 @@ def test_argparse_errors_name_the_flag_and_allowed_values(line, flag, allowed):
 
 
 @pytest.mark.parametrize(
+    "line, guess",
+    [("--no-such-flag", None), ("--num-proceses 3", "--num-processes"), ("--tracking_uri x", "--tracking-uri")],
+)
+def test_unknown_flag_points_at_the_flag_list(line, guess):
+    with pytest.raises(UsageError) as info:
+        parse(line)
+    message = str(info.value)
+    assert message.startswith(f"unrecognized arguments: {line}")
+    assert message.endswith("see %%distribute? for every flag")
+    assert (f"did you mean {guess}?" in message) if guess else ("did you mean" not in message)
+
+
+def test_other_argparse_errors_get_no_flag_list_hint():
+    with pytest.raises(UsageError) as info:
+        parse("--backend yarn")
+    assert "%%distribute?" not in str(info.value)
+
+
+@pytest.mark.parametrize(
     "line, flag, fragment",
     [
         ("-n 0", "--num-processes", ">= 1"),
