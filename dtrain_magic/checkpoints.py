@@ -1,8 +1,10 @@
 """Where ``ctx.save_checkpoint()`` / ``ctx.load_checkpoint()`` put and find checkpoints by default.
 
-Each save goes to a new numbered directory under the run's checkpoint root; ``latest()`` is the
-highest-numbered complete one, which a restarted worker resumes from. Backends with their own notion
-of checkpoints (Ray Train) wrap this store.
+Each save without a directory goes to a new numbered directory under the run's checkpoint root
+(``--storage``, default ``./dtrain_runs``, then ``dtrain_<MLflow run id>``: the same place on every
+backend, and where Ray Train keeps its own); a save to a directory the function names is remembered
+too. ``latest()`` is the most recent complete save of either kind, which a restarted worker resumes
+from. Backends with their own notion of checkpoints (Ray Train) wrap this store.
 """
 
 from __future__ import annotations
@@ -12,6 +14,20 @@ import re
 
 _NAME = re.compile(r"^checkpoint_(\d{6})$")
 _DONE = ".complete"
+_LATEST = "LATEST"  # the last complete save (numbered or a directory the function named), one path
+
+
+def storage_path(storage: str | None) -> str:
+    """``--storage``, else ``./dtrain_runs``; local paths made absolute (workers may chdir)."""
+    path = storage or os.path.join(os.getcwd(), "dtrain_runs")
+    if "://" in path:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def run_checkpoint_root(storage: str | None, run_id: str) -> str:
+    """Where a run's numbered checkpoints go: ``<storage>/dtrain_<run id>`` (Ray Train's layout too)."""
+    return os.path.join(storage_path(storage), f"dtrain_{run_id}")
 
 
 class CheckpointStore:
@@ -39,12 +55,25 @@ class CheckpointStore:
         return path
 
     def saved(self, directory: str) -> None:
-        """Mark ``directory`` complete (after every rank wrote its part), so a crash mid-save is ignored."""
+        """Mark ``directory`` complete (after every rank wrote its part), so a crash mid-save is ignored,
+        and make it the latest."""
         if _rank() == 0:
             open(os.path.join(directory, _DONE), "w").close()
+            os.makedirs(self.root, exist_ok=True)
+            pointer = os.path.join(self.root, _LATEST)
+            with open(pointer + ".tmp", "w") as handle:
+                handle.write(os.path.abspath(directory))
+            os.replace(pointer + ".tmp", pointer)  # atomic: a reader sees the old or the new path
         _barrier()
 
     def latest(self) -> str | None:
+        try:
+            with open(os.path.join(self.root, _LATEST)) as handle:
+                pointed = handle.read().strip()
+            if pointed and os.path.exists(os.path.join(pointed, _DONE)):
+                return pointed
+        except OSError:
+            pass
         indices = self._indices()
         return os.path.join(self.root, f"checkpoint_{indices[-1]:06d}") if indices else None
 

@@ -114,7 +114,6 @@ class RunConfig:
         only = {
             "--spark-master": (self.spark_master, ("spark", "auto")),
             "--ray-address": (self.ray_address, ("ray", "auto")),
-            "--storage": (self.storage, ("ray", "auto")),
             "--deepspeed-config": (self.deepspeed_config, None),
         }
         for flag, (value, backends) in only.items():
@@ -124,6 +123,13 @@ class RunConfig:
                 raise ConfigError(flag, f"applies only to --backend {backends[0]}, not --backend {self.backend}")
         if self.deepspeed_config is not None and self.strategy != "deepspeed":
             raise ConfigError("--deepspeed-config", f"applies only to --strategy deepspeed, not {self.strategy}")
+        if self.storage is not None and "://" in self.storage and self.backend in ("local", "spark"):
+            raise ConfigError(
+                "--storage",
+                f"got {self.storage!r}; --backend {self.backend} writes checkpoints as plain files: give a path "
+                "(on a multi-host cluster, one every node can reach, such as /dbfs/...); URLs (s3://, gs://) are "
+                "for --backend ray",
+            )
         if self.max_restarts and self.backend == "spark":
             raise ConfigError(
                 "--max-restarts",

@@ -29,6 +29,7 @@ import time
 import uuid
 from typing import Any
 
+from ..checkpoints import storage_path as checkpoint_storage_path
 from ..config import RunConfig
 from ..errors import ConfigError, LaunchError, MissingDependencyError
 from ..worker import RankInfo, WorkerJob
@@ -421,11 +422,8 @@ def _one_line(exc: BaseException, limit: int = 300) -> str:
 
 
 def storage_path(config: RunConfig) -> str:
-    """``--storage``, else ``./dtrain_runs``; local paths made absolute (workers may chdir)."""
-    path = config.storage or os.path.join(os.getcwd(), "dtrain_runs")
-    if "://" in path:
-        return path
-    return os.path.abspath(os.path.expanduser(path))
+    """Ray Train's ``storage_path``: ``--storage``, else ``./dtrain_runs`` (absolute)."""
+    return checkpoint_storage_path(config.storage)
 
 
 class RayLauncher(Launcher):

@@ -17,7 +17,7 @@ import pytest
 from dtrain_magic.config import RunConfig
 from dtrain_magic.errors import ConfigError, RunInterrupted, WorkerError
 from dtrain_magic.launchers import get_launcher
-from workloads import TRAIN_HELPERS, train_cell
+from workloads import EVERY, STEPS, TRAIN_HELPERS, restart_cell, train_cell
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -125,6 +125,25 @@ def test_second_run_reuses_the_session(spark_launcher, shell, capsys):
               f"{TIMES.get('cold_first_step_s') or float('nan'):.1f} s (session start "
               f"{TIMES.get('cold_session_start_s') or 0:.1f} s); warm {TIMES['warm_total_s']:.1f} s total, "
               f"first step {TIMES['warm_first_step_s']:.1f} s")
+
+
+def test_checkpoints_land_where_every_backend_puts_them(spark_launcher, shell):
+    """ctx.save_checkpoint() without a directory works on Spark as on local and Ray: numbered checkpoints
+    under ./dtrain_runs/dtrain_<run id>, the same function trains to the same weights on both backends."""
+    import torch
+
+    spark = shell.run(restart_cell("spark", save=True))
+    assert spark.error_in_exec is None, spark.error_in_exec
+    local = shell.run(restart_cell("local", save=True))
+    assert local.error_in_exec is None, local.error_in_exec
+    for name, value in local.result.value.items():
+        assert torch.allclose(value, spark.result.value[name], atol=1e-5, rtol=0), name
+    for result in (spark.result, local.result):
+        root = os.path.join(os.getcwd(), "dtrain_runs", f"dtrain_{result.run_id}")
+        saved = sorted(d for d in os.listdir(root) if d.startswith("checkpoint_"))
+        assert saved == [f"checkpoint_{i:06d}" for i in range(STEPS // EVERY)], saved
+        assert all(os.path.exists(os.path.join(root, d, ".complete")) for d in saved)
+        assert open(os.path.join(root, "LATEST")).read() == os.path.join(root, saved[-1])
 
 
 def test_worker_failure_is_short_and_leaves_nothing_running(spark_launcher, shell, mlflow, capsys):
