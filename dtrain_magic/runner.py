@@ -21,7 +21,7 @@ from .launchers import get_launcher
 from .observer import RunObserver, TextObserver
 from .result import RunResult
 from .strategies import get_strategy
-from .tracking import RunTracker
+from .tracking import RunTracker, check_tracking_uri
 from .worker import WorkerJob
 
 _POLL_S = 0.05
@@ -32,6 +32,7 @@ def check(config: RunConfig) -> None:
     """Everything that can be checked before launch; raises `DistributeError` subclasses."""
     get_launcher(config.backend).check(config)
     get_strategy(config.strategy).check(config)
+    check_tracking_uri(config)  # last: it may wait up to a few seconds for an http(s) server
 
 
 def execute(

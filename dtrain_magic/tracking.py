@@ -11,18 +11,97 @@ import json
 import logging
 import os
 import queue
+import re
 import threading
 import time
 from typing import Any, Mapping
+from urllib.parse import urlsplit
 
 from .config import RunConfig, default_tracking_uri, redact_uri
+from .errors import ConfigError
 
 SYSTEM_METRICS_INTERVAL_S = 1.0
+# An http(s) tracking server must answer within this long; MLflow itself retries a dead one for minutes.
+PROBE_TIMEOUT_S = 3.0
+ALLOWED_URIS = (
+    "sqlite:///path/to/mlflow.db, a directory (a path or file:///path; MLflow 3 wants MLFLOW_ALLOW_FILE_STORE=true), "
+    "or http(s)://host:port of an MLflow server"
+)
+_NOTHING_LAUNCHED = "Nothing was launched and no MLflow run was created."
+_PLAIN_SCHEMES = {"", "file", "sqlite", "http", "https"}  # MLflow always has these; others: ask its registry
 
 
 def resolve_tracking_uri(config: RunConfig) -> str:
     """``--tracking-uri``, else ``MLFLOW_TRACKING_URI``, else ``sqlite:///./mlflow.db``."""
     return config.tracking_uri or default_tracking_uri()
+
+
+def check_tracking_uri(config: RunConfig, timeout_s: float = PROBE_TIMEOUT_S) -> str:
+    """The tracking URI, or a short `ConfigError` when MLflow cannot use it: an unknown scheme, or an
+    http(s) server that does not answer within ``timeout_s``. Creates nothing (no database, no run)."""
+    uri = resolve_tracking_uri(config)
+    bare = uri.strip().lower()
+    scheme = bare if bare in {"databricks", "databricks-uc", "uc"} else urlsplit(uri).scheme.lower()
+    if scheme not in _PLAIN_SCHEMES and not _mlflow_has_store_for(uri):
+        raise tracking_uri_error(config, f"MLflow has no tracking store for the scheme {scheme + '://'!r}")
+    if scheme in ("http", "https"):
+        problem = _probe_http(uri, timeout_s)
+        if problem:
+            raise tracking_uri_error(
+                config, f"no working MLflow server there ({problem})", "Start one (`mlflow server --port PORT`) or use"
+            )
+    return uri
+
+
+def tracking_uri_error(config: RunConfig, problem: str, fix: str = "Use") -> ConfigError:
+    """``--tracking-uri: <problem>`` naming the URI (credentials removed), where it came from, and what works."""
+    uri = redact_uri(resolve_tracking_uri(config))
+    origin = "" if config.tracking_uri else " (from $MLFLOW_TRACKING_URI)"
+    return ConfigError("--tracking-uri", f"{uri!r}{origin}: {problem}. {fix} {ALLOWED_URIS}. {_NOTHING_LAUNCHED}")
+
+
+def _mlflow_has_store_for(uri: str) -> bool:
+    try:
+        from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+    except ImportError:  # MLflow moved its registry: let creating the run decide
+        return True
+    try:
+        _tracking_store_registry.get_store_builder(uri)
+    except Exception:
+        return False
+    return True
+
+
+def _probe_http(uri: str, timeout_s: float) -> str | None:
+    """Why nothing answers HTTP at ``uri`` within ``timeout_s`` (one request, no retry), or None.
+
+    Any answer below 500 counts, even 401 or 404: creating the run then says what is wrong with it. A 5xx
+    (a proxy in front of a dead server, an unhealthy server) does not: MLflow would retry it for minutes.
+    """
+    import requests
+
+    insecure = os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() in ("true", "1")
+    verify: Any = False if insecure else os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH") or True
+    cert = os.environ.get("MLFLOW_TRACKING_CLIENT_CERT_PATH") or None
+    try:
+        answer = requests.get(
+            f"{uri.rstrip('/')}/health", timeout=timeout_s, verify=verify, cert=cert, allow_redirects=False
+        )
+    except requests.exceptions.SSLError as exc:
+        return f"TLS failed: {_os_reason(exc)}"
+    except requests.exceptions.Timeout:
+        return f"no answer within {timeout_s:g} s"
+    except (requests.exceptions.RequestException, ValueError) as exc:
+        return _os_reason(exc)
+    if answer.status_code >= 500:
+        return f"/health answers HTTP {answer.status_code} {answer.reason or ''}".rstrip()
+    return None
+
+
+def _os_reason(exc: Exception) -> str:
+    """"Connection refused" out of requests' nested "Max retries exceeded ... [Errno 111] ..." text."""
+    found = re.search(r"\[(?:Errno|SSL[^\]]*)[^\]]*\]\s*([^'\")]+)", str(exc))
+    return found.group(1).strip().rstrip(".:") if found else type(exc).__name__
 
 
 def gpu_metrics_note(use_gpu: bool) -> str | None:
@@ -106,8 +185,17 @@ class RunTracker:
 
         _quiet_mlflow()
         uri = resolve_tracking_uri(config)
-        client = MlflowClient(tracking_uri=uri)
-        experiment = client.get_experiment_by_name(config.experiment)
+        try:
+            client = MlflowClient(tracking_uri=uri)
+            experiment = client.get_experiment_by_name(config.experiment)
+        except Exception as exc:  # e.g. an unwritable path, a file store MLflow refuses, not an MLflow server
+            raise tracking_uri_error(config, f"MLflow cannot use this store: {_first_sentence(exc)}") from None
+        if experiment is not None and experiment.lifecycle_stage == "deleted":
+            raise ConfigError(
+                "--experiment",
+                f"the experiment {config.experiment!r} was deleted in {redact_uri(uri)}; restore it "
+                f"(`mlflow experiments restore`) or choose another name. {_NOTHING_LAUNCHED}",
+            )
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(config.experiment)
         run_tags = {"dtrain_magic.backend": config.backend, "dtrain_magic.strategy": config.strategy}
         run_tags.update(tags or {})
@@ -172,6 +260,11 @@ class RunTracker:
         if base.startswith("http"):
             return f"{base.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
         return f"{base} (run {self.run_id}; view with `mlflow ui --backend-store-uri {base}`)"
+
+
+def _first_sentence(exc: Exception) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0].rstrip(".")[:300]
 
 
 def _json_default(value: Any) -> Any:

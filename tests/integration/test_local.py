@@ -170,18 +170,67 @@ def test_kernel_interrupt_stops_workers_within_10_s(shell, mlflow):
     assert run.info.status == "KILLED"
 
 
+class _FakeServer:
+    """An HTTP server on loopback that is not MLflow: ``/down/...`` answers 502 (a proxy in front of a dead
+    server), anything else 404."""
+
+    def __enter__(self):
+        import http.server
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_error(502 if self.path.startswith("/down/") else 404)
+
+            do_POST = do_GET
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.server.server_port}"
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def test_bad_input_launches_nothing_and_creates_no_run(shell, mlflow):
-    for cell, error in [
-        ("%%distribute --backend local --strategy ddp --zero 2\ndef train(ctx): pass\n", ConfigError),
-        ("%%distribute --backend local -n 0\ndef train(ctx): pass\n", ConfigError),
-        ("%%distribute --backend local --cpu -n 1000\ndef train(ctx): pass\n", ConfigError),
-        ("%%distribute --backend local --no-ui\nx = 1\n", CaptureError),
-        ("%%distribute --backend local --no-ui --fn missing\ndef train(ctx): pass\n", CaptureError),
-        ("%%distribute --backend local --no-ui\ndef train(a, b): pass\n", CaptureError),
-    ]:
-        result = shell.run(cell)
-        assert isinstance(result.error_in_exec, error), (cell, result.error_in_exec)
+    from mlflow.entities import ViewType
+
+    deleted = mlflow.create_experiment("deleted")
+    mlflow.delete_experiment(deleted)
+    allowed = ["sqlite:///", "file:///", "http(s)://", "Nothing was launched"]
+    train = "def train(ctx): pass\n"
+    with _FakeServer() as server:
+        cases = [
+            ("--backend local --strategy ddp --zero 2\n" + train, ConfigError, ["--zero"]),
+            ("--backend local -n 0\n" + train, ConfigError, ["--num-processes"]),
+            ("--backend local --cpu -n 1000\n" + train, ConfigError, ["--num-processes"]),
+            ("--backend local --no-ui\nx = 1\n", CaptureError, ["defines no function"]),
+            ("--backend local --no-ui --fn missing\n" + train, CaptureError, ["--fn missing"]),
+            ("--backend local --no-ui\ndef train(a, b): pass\n", CaptureError, ["one parameter"]),
+            # a bad tracking store: refused before the cell runs, at once (MLflow alone retries for minutes)
+            ("--backend local --no-ui --tracking-uri foo://x\n" + train, ConfigError,
+             ["--tracking-uri", "'foo://x'", "scheme 'foo://'", *allowed]),
+            ("--backend local --no-ui --tracking-uri http://127.0.0.1:1\n" + train, ConfigError,
+             ["--tracking-uri", "127.0.0.1:1", "Connection refused", *allowed]),
+            (f"--backend local --no-ui --tracking-uri {server}/down\n" + train, ConfigError,
+             ["--tracking-uri", "HTTP 502", *allowed]),
+            (f"--backend local --no-ui --tracking-uri {server}/not-mlflow\n" + train, ConfigError,
+             ["--tracking-uri", "MLflow cannot use this store", *allowed]),
+            ("--backend local --no-ui --experiment deleted\n" + train, ConfigError,
+             ["--experiment", "'deleted' was deleted", "Nothing was launched"]),
+        ]
+        for cell, error, fragments in cases:
+            started = time.monotonic()
+            result = shell.run("%%distribute " + cell)
+            assert isinstance(result.error_in_exec, error), (cell, result.error_in_exec)
+            message = "\n".join(result.error_in_exec._render_traceback_())
+            assert all(fragment in message for fragment in fragments), (fragments, message)
+            assert time.monotonic() - started < 10, (cell, time.monotonic() - started)
     assert mlflow.get_experiment_by_name("dtrain_magic") is None
+    assert mlflow.search_runs([deleted], run_view_type=ViewType.ALL) == []
     assert worker_children() == []
     assert shell.run("1 + 1").result == 2  # the kernel is still usable
 
