@@ -579,8 +579,9 @@ class SparkLauncher(Launcher):
         sc = spark.sparkContext
         cpus = sc.getConf().get("spark.task.cpus", "1")
         master = sc.master
-        if master == "local" or master.startswith("local["):
-            return  # local[*]: every task runs in the driver JVM
+        # local[N]: the tasks run in the driver JVM, whose N slots are all there already (no wait); too
+        # many barrier tasks would otherwise sit in Spark's slot-check retries for minutes.
+        in_driver = master == "local" or master.startswith("local[")
         deadline = time.monotonic() + _EXECUTOR_WAIT_S
         slots = 0
         while True:
@@ -590,14 +591,15 @@ class SparkLauncher(Launcher):
                 slots = jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile())
             except Exception:
                 return  # cannot tell (Spark Connect, another Spark version): let Spark decide
-            if slots >= needed or time.monotonic() > deadline:
+            if slots >= needed or in_driver or time.monotonic() > deadline:
                 break
             time.sleep(0.25)
         if slots < needed:
+            where = "in the driver" if in_driver else f"{executors} executor(s)"
             raise ConfigError(
                 "--num-processes",
                 f"--cluster -n {needed} runs {needed} barrier tasks at once, but the cluster ({master}) has "
-                f"{slots} task slot(s) ({executors} executor(s), spark.task.cpus={cpus}); use -n {max(1, slots)} "
+                f"{slots} task slot(s) ({where}, spark.task.cpus={cpus}); use -n {max(1, slots)} "
                 "or add executors",
             )
 

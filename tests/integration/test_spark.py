@@ -77,6 +77,32 @@ def assert_no_spark_job_running(launcher):
     assert tracker.getActiveJobsIds() == [] and tracker.getActiveStageIds() == []
 
 
+def interrupt_when_running(marker, wait_s: float) -> dict:
+    """SIGINT this process (as Jupyter's interrupt does) once ``marker`` exists; returns when it was sent."""
+    sent: dict = {}
+
+    def interrupt():
+        deadline = time.monotonic() + wait_s
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        sent["at"] = time.monotonic()
+        os.kill(os.getpid(), signal.SIGINT)
+
+    sent["thread"] = threading.Thread(target=interrupt, daemon=True)
+    sent["thread"].start()
+    return sent
+
+
+def assert_stopped_within_10_s(result, sent):
+    """The cell ended with RunInterrupted and every torchrun process was gone within 10 s of the SIGINT."""
+    returned = time.monotonic()
+    sent["thread"].join(5)
+    assert isinstance(result.error_in_exec, RunInterrupted), result.error_in_exec
+    assert "at" in sent and returned - sent["at"] < 10.0, returned - sent.get("at", 0)
+    assert_no_torchrun_left(timeout=max(0.0, 10.0 - (time.monotonic() - sent["at"])))
+
+
 def last_run(mlflow, experiment="dtrain_magic"):
     return mlflow.search_runs(experiment_ids=[mlflow.get_experiment_by_name(experiment).experiment_id])[0]
 
@@ -201,26 +227,27 @@ def test_gpu_setting_problems_are_clear_errors(spark_launcher, shell, mlflow):
     assert mlflow.get_experiment_by_name("dtrain_magic") is None  # nothing launched, no run
 
 
+def test_more_barrier_tasks_than_slots_is_a_clear_error(spark_launcher, shell, mlflow):
+    """--cluster on the local[*] session: more tasks than slots fails at once instead of sitting in Spark's
+    barrier slot-check retries."""
+    started = time.monotonic()
+    result = shell.run("%%distribute --backend spark --cluster -n 99 --no-ui\ndef train(ctx): pass\n")
+    error = result.error_in_exec
+    assert isinstance(error, ConfigError) and error.flag == "--num-processes", error
+    assert "99 barrier tasks" in str(error) and f"{os.cpu_count()} task slot(s)" in str(error)
+    assert time.monotonic() - started < 10
+    assert mlflow.get_experiment_by_name("dtrain_magic") is None  # nothing launched, no run
+    assert shell.run("1 + 1").result == 2
+
+
 def test_kernel_interrupt_stops_every_torchrun_process_within_10_s(spark_launcher, shell, mlflow, tmp_path):
     marker = tmp_path / "running"
-
-    def interrupt_when_running():
-        deadline = time.monotonic() + 120
-        while not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    thread = threading.Thread(target=interrupt_when_running, daemon=True)
-    thread.start()
+    sent = interrupt_when_running(marker, wait_s=120)
     result = shell.run(
         "%%distribute --backend spark -n 2 --no-ui\nimport time, pathlib\ndef train(ctx):\n"
         f"    pathlib.Path({str(marker)!r}).write_text('x')\n    time.sleep(300)\n"
     )
-    interrupted_at = time.monotonic()
-    thread.join(5)
-    assert isinstance(result.error_in_exec, RunInterrupted), result.error_in_exec
-    assert_no_torchrun_left(timeout=max(0.5, 10.0 - (time.monotonic() - interrupted_at)))
+    assert_stopped_within_10_s(result, sent)
     assert_no_spark_job_running(spark_launcher)
     assert last_run(mlflow).info.status == "KILLED"
 
@@ -250,25 +277,13 @@ def test_cluster_mode_trains_on_two_executors(spark_launcher, shell, mlflow):
 
 def test_cluster_mode_interrupt_cancels_the_job_group_within_10_s(spark_launcher, shell, mlflow, tmp_path):
     marker = tmp_path / "running"
-
-    def interrupt_when_running():
-        deadline = time.monotonic() + 240
-        while not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    thread = threading.Thread(target=interrupt_when_running, daemon=True)
-    thread.start()
+    sent = interrupt_when_running(marker, wait_s=240)
     result = shell.run(
         f"%%distribute --backend spark --cluster -n 2 --spark-master {CLUSTER_MASTER} --no-ui\n"
         "import time, pathlib\ndef train(ctx):\n"
         f"    pathlib.Path({str(marker)!r}).write_text('x')\n    time.sleep(300)\n"
     )
-    interrupted_at = time.monotonic()
-    thread.join(5)
-    assert isinstance(result.error_in_exec, RunInterrupted), result.error_in_exec
     assert spark_launcher._session.sparkContext.master == CLUSTER_MASTER
-    assert_no_torchrun_left(timeout=max(0.5, 10.0 - (time.monotonic() - interrupted_at)))
+    assert_stopped_within_10_s(result, sent)
     assert_no_spark_job_running(spark_launcher)
     assert last_run(mlflow).info.status == "KILLED"
