@@ -221,6 +221,14 @@ def test_bad_input_launches_nothing_and_creates_no_run(shell, mlflow):
              ["--tracking-uri", "MLflow cannot use this store", *allowed]),
             ("--backend local --no-ui --experiment deleted\n" + train, ConfigError,
              ["--experiment", "'deleted' was deleted", "Nothing was launched"]),
+            # the cell itself: raising while being defined, or a global the workers cannot receive
+            ("--backend local --no-ui\nraise RuntimeError('broken setup')\n" + train, CaptureError,
+             ["raised while running in the notebook", "RuntimeError: broken setup", "before anything was launched"]),
+            ("--backend local --no-ui\nimport threading\nLOCK = threading.Lock()\n"
+             "def train(ctx):\n    with LOCK:\n        return ctx.rank\n", CaptureError,
+             ["`LOCK` (lock)", "cannot be pickled", "cannot pickle '_thread.lock' object"]),
+            ("--backend local --no-ui\nLOG = open('train.log', 'a')\ndef train(ctx):\n    LOG.write('step')\n",
+             CaptureError, ["`LOG` (TextIOWrapper)", "cannot be pickled", "not opened for reading"]),
         ]
         for cell, error, fragments in cases:
             started = time.monotonic()
@@ -229,6 +237,7 @@ def test_bad_input_launches_nothing_and_creates_no_run(shell, mlflow):
             message = "\n".join(result.error_in_exec._render_traceback_())
             assert all(fragment in message for fragment in fragments), (fragments, message)
             assert time.monotonic() - started < 10, (cell, time.monotonic() - started)
+    shell.run("LOG.close()")
     assert mlflow.get_experiment_by_name("dtrain_magic") is None
     assert mlflow.search_runs([deleted], run_view_type=ViewType.ALL) == []
     assert worker_children() == []
