@@ -85,6 +85,27 @@ const STYLE = `
 
 export const LOG_LINES = 40;
 
+// An http(s) tracking server's run page is a link that opens beside the notebook; a local store
+// (sqlite:///..., a directory) is shown as text, with the `mlflow ui` command to browse it.
+export function isWebLink(url) {
+  return typeof url === "string" && /^https?:\/\//i.test(url);
+}
+
+function drawLink(doc, node, url) {
+  node.textContent = "";
+  if (!url) return;
+  if (!isWebLink(url)) {
+    node.textContent = `MLflow: ${url}`;
+    return;
+  }
+  node.appendChild(h(doc, "span", "", "MLflow: "));
+  const a = h(doc, "a", "dtm-link-a", url);
+  a.setAttribute("href", url);
+  a.setAttribute("target", "_blank");
+  a.setAttribute("rel", "noopener noreferrer");
+  node.appendChild(a);
+}
+
 function render({ model, el }) {
   const doc = el.ownerDocument || globalThis.document;
   const root = h(doc, "div", "dtm-monitor");
@@ -110,7 +131,7 @@ function render({ model, el }) {
     header.className = `dtm-header dtm-state-${state}`;
     root.setAttribute("data-state", state);
     plan.textContent = model.get("plan") || "";
-    link.textContent = model.get("link") ? `MLflow: ${model.get("link")}` : "";
+    drawLink(doc, link, model.get("link"));
 
     table.textContent = "";
     const head = h(doc, "tr");

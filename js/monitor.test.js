@@ -5,7 +5,7 @@ import { readFileSync } from "node:fs";
 import { fileURLToPath } from "node:url";
 import path from "node:path";
 
-import monitor, { formatSeconds, progressFraction, progressText, metricsText, tail, statusRows, LOG_LINES } from "./monitor.js";
+import monitor, { isWebLink, formatSeconds, progressFraction, progressText, metricsText, tail, statusRows, LOG_LINES } from "./monitor.js";
 
 const { render } = monitor;
 const tick = () => new Promise((resolve) => setTimeout(resolve, 0));
@@ -120,6 +120,19 @@ test("without a total the bar is hidden and the step count still shows", () => {
   assert.equal(el.byClass("dtm-bar")[0].style.display, "none");
   assert.match(el.byClass("dtm-progress")[0].textContent, /^step 3 · 1.5 steps\/s/);
   assert.equal(el.byClass("dtm-log")[0].style.display, "none");
+});
+
+test("an http(s) MLflow run page is a link; a local store is text", async () => {
+  const { el, model } = mount({ state: "running", ranks: [], link: "http://127.0.0.1:5000/#/experiments/1/runs/abc" });
+  const [a] = el.findAll((n) => n.tagName === "A");
+  assert.equal(a.getAttribute("href"), "http://127.0.0.1:5000/#/experiments/1/runs/abc");
+  assert.equal(a.getAttribute("target"), "_blank");
+  assert.match(a.getAttribute("rel"), /noopener/);
+  model.set("link", "sqlite:///x.db (run abc)");
+  await tick();
+  assert.equal(el.findAll((n) => n.tagName === "A").length, 0);
+  assert.equal(el.byClass("dtm-link")[0].textContent, "MLflow: sqlite:///x.db (run abc)");
+  assert.equal(isWebLink("javascript:alert(1)"), false);
 });
 
 test("failure message is shown", () => {

@@ -23,6 +23,7 @@ seen during the run.
 
 from __future__ import annotations
 
+import html
 import threading
 import time
 from collections import deque
@@ -44,6 +45,15 @@ def esm_source() -> str:
     from importlib.resources import files
 
     return (files("dtrain_magic") / "js" / "monitor.js").read_text(encoding="utf-8")
+
+
+def run_link_html(run_id: str, link: str) -> str:
+    """The MLflow run beside the Stop button: a link to the server's run page for an http(s) tracking
+    server, else the run id (the store's path and ``mlflow ui`` command are in the panel above)."""
+    if link.startswith(("http://", "https://")):
+        url = html.escape(link, quote=True)
+        return f'<a href="{url}" target="_blank" rel="noopener noreferrer">MLflow run {html.escape(run_id)}</a>'
+    return f"<code>MLflow run {html.escape(run_id)}</code>"
 
 
 class MonitorWidget(anywidget.AnyWidget):
@@ -115,7 +125,7 @@ class MonitorObserver(RunObserver):
         self._t0 = time.monotonic()
         with self._lock:
             self._state.update(state="running", run_id=run_id, link=link, plan=plan)
-        self.link_html.value = f"<code>MLflow run {run_id}</code>"
+        self.link_html.value = run_link_html(run_id, link)
         if self._want_charts:
             self._start_charts(config, run_id)
         self._dirty.set()

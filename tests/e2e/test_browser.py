@@ -209,7 +209,9 @@ def test_panel_and_charts_in_jupyterlab(chromium, jupyterlab):
                 for name in ("loss", "grad_norm"):  # every logged metric is in the legend (click to show/hide)
                     expect(charts.nth(0).locator(".legendtext", has_text=name)).to_have_count(1)
                 expect(charts.nth(1)).to_contain_text("CPU / RAM")
-                expect(first.locator(".dtm-link, .widget-html")).not_to_have_count(0)
+                expect(first.locator(".dtm-link")).to_contain_text("MLflow: sqlite:///")  # the store, and how to browse it
+                expect(first.locator(".dtm-link")).to_contain_text("mlflow ui --backend-store-uri")
+                expect(first.locator(".widget-html code", has_text="MLflow run ")).to_have_count(1)
                 finished_shot = out / "browser_finished.png"
                 first.scroll_into_view_if_needed()
                 page.screenshot(path=str(finished_shot), full_page=True)

@@ -76,3 +76,13 @@ def test_default_metric_and_lag_summary():
     assert default_metric(["acc", "loss"]) == "loss"
     assert default_metric([]) is None
     assert lag_summary([0.1, 0.2, 0.3])["median_s"] == 0.2
+
+
+def test_run_link_is_clickable_for_a_tracking_server_only():
+    from dtrain_magic.ui.monitor import run_link_html
+
+    page = "http://127.0.0.1:5000/#/experiments/1/runs/abc"
+    html = run_link_html("abc", page)
+    assert f'href="{page}"' in html and 'target="_blank"' in html and "MLflow run abc" in html
+    assert run_link_html("abc", "sqlite:///x.db (run abc)") == "<code>MLflow run abc</code>"
+    assert "<script>" not in run_link_html("<script>", 'http://h/"onmouseover="x')
