@@ -136,6 +136,8 @@ def test_killed_worker_gives_short_error_and_stops_the_others(shell, mlflow):
     assert_nothing_left()
     run = mlflow.search_runs(experiment_ids=[mlflow.get_experiment_by_name("dtrain_magic").experiment_id])[0]
     assert run.info.status == "FAILED"
+    reason = run.data.tags["dtrain_magic.failure"]
+    assert "rank 1" in reason and "SIGKILL" in reason, reason
     assert [m.value for m in mlflow.get_metric_history(run.info.run_id, "loss")] == [1.0]  # nothing lost
 
 
@@ -168,6 +170,7 @@ def test_kernel_interrupt_stops_workers_within_10_s(shell, mlflow):
     assert_nothing_left(timeout=1.0)
     run = mlflow.search_runs(experiment_ids=[mlflow.get_experiment_by_name("dtrain_magic").experiment_id])[0]
     assert run.info.status == "KILLED"
+    assert run.data.tags["dtrain_magic.failure"] == "interrupted from the notebook"
 
 
 class _FakeServer:

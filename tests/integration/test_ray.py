@@ -132,6 +132,10 @@ def test_sigkill_without_restarts_fails_short_and_leaves_no_worker(shell, mlflow
     assert len(str(error).splitlines()) <= 3, str(error)
     assert time.monotonic() - started < 90
     assert wait_dead(pids(tmp_path), 10) == []
+    run = mlflow.search_runs(experiment_ids=[mlflow.get_experiment_by_name("dtrain_magic").experiment_id])[0]
+    assert run.info.status == "FAILED"
+    reason = run.data.tags["dtrain_magic.failure"]
+    assert "rank 1" in reason and "died without reporting an error" in reason, reason
 
 
 def test_kernel_interrupt_stops_workers_within_10s_and_ray_stays_usable(shell, tmp_path):
@@ -167,7 +171,7 @@ def train(ctx):
     assert again.error_in_exec is None, again.error_in_exec
 
 
-def test_python_error_in_a_worker_is_the_same_short_error(shell):
+def test_python_error_in_a_worker_is_the_same_short_error(shell, mlflow):
     from dtrain_magic.errors import WorkerError
 
     result = shell.run(
@@ -182,6 +186,9 @@ def train(ctx):
     assert isinstance(error, WorkerError), error
     assert error.rank == 1 and error.summary == "ValueError: bad batch", str(error)
     assert "Cell In[" in error.remote_traceback and "raise ValueError" in error.remote_traceback
+    run = mlflow.search_runs(experiment_ids=[mlflow.get_experiment_by_name("dtrain_magic").experiment_id])[0]
+    assert run.info.status == "FAILED"
+    assert run.data.tags["dtrain_magic.failure"] == "rank 1 failed: ValueError: bad batch"
 
 
 # -- a real cluster: `ray start --head` on 127.0.0.1 in a subprocess (runs last: it replaces the embedded Ray)
