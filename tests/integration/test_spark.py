@@ -17,7 +17,9 @@ import pytest
 from dtrain_magic.config import RunConfig
 from dtrain_magic.errors import ConfigError, RunInterrupted, WorkerError
 from dtrain_magic.launchers import get_launcher
-from workloads import EVERY, STEPS, TRAIN_HELPERS, restart_cell, train_cell
+from workloads import (
+    ATOL, EVERY, RTOL, STEPS, TRAIN_HELPERS, assert_close, reference_weights, restart_cell, strategy_cell, train_cell,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -170,6 +172,18 @@ def test_checkpoints_land_where_every_backend_puts_them(spark_launcher, shell):
         assert saved == [f"checkpoint_{i:06d}" for i in range(STEPS // EVERY)], saved
         assert all(os.path.exists(os.path.join(root, d, ".complete")) for d in saved)
         assert open(os.path.join(root, "LATEST")).read() == os.path.join(root, saved[-1])
+
+
+# The strategies' own training function (tests/integration/test_strategies.py), unchanged, through
+# TorchDistributor's torchrun: DeepSpeed and FSDP2 match one process (fp32) and resume from a checkpoint.
+@pytest.mark.parametrize("flags,accum", [("--zero 3 --grad-accum 2", 2), ("--strategy fsdp", 1)], ids=["zero3", "fsdp"])
+def test_strategies_run_unchanged_through_torchdistributor(spark_launcher, shell, tmp_path, flags, accum):
+    result = shell.run(strategy_cell("spark", flags, tmp_path / "ckpt"))
+    assert result.error_in_exec is None, result.error_in_exec
+    out = result.result.value
+    assert_close(out["final"], reference_weights(4, accum), ATOL, RTOL)
+    assert_close(out["resumed"], out["final"], 1e-6, 0)  # checkpoint save -> load -> continue
+    assert_no_torchrun_left()
 
 
 def test_worker_failure_is_short_and_leaves_nothing_running(spark_launcher, shell, mlflow, capsys):

@@ -21,105 +21,21 @@ import torch
 
 from dtrain_magic.memory import estimate
 
+from workloads import ATOL, N_SAMPLES, RTOL, WORLD, assert_close, reference_weights, strategy_cell
+
 pytestmark = pytest.mark.slow
 
-N_SAMPLES = 64
-WORLD = 2
-ATOL, RTOL = 1e-5, 1e-4
 N_PARAMS = 16 * 64 + 64 + 64 + 1
-
-TRAIN_CELL = '''
-import os
-import torch
-from dtrain_magic.memory import optimizer_state_bytes
-
-def make_model():
-    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
-
-def make_data():
-    g = torch.Generator().manual_seed(1)
-    X = torch.randn({n}, 16, generator=g)
-    return X, X.sum(1, keepdim=True).sin()
-
-def train(ctx):
-    torch.manual_seed(0)
-    model = make_model()
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    X, Y = make_data()
-    data = torch.utils.data.TensorDataset(X, Y)
-    loader = torch.utils.data.DataLoader(data, batch_size={micro})
-    model, opt, loader = ctx.prepare(model, opt, loader)
-    batches = list(loader)
-    half = len(batches) // 2
-    losses = []
-    for i, (x, y) in enumerate(batches):
-        if i == half:
-            ctx.save_checkpoint("{ckpt}", note=half)
-        with ctx.autocast():
-            loss = torch.nn.functional.mse_loss(model(x).float(), y)
-        ctx.backward(loss)
-        ctx.step()
-        ctx.log(loss=loss.item())
-        losses.append(loss.item())
-    final = ctx.full_state_dict()
-    opt_bytes = optimizer_state_bytes(opt)
-
-    # resume: a fresh model (other init) and optimizer, restored from the half-way checkpoint
-    torch.manual_seed(123)
-    model2 = make_model()
-    opt2 = torch.optim.Adam(model2.parameters(), lr=0.01)
-    model2, opt2 = ctx.prepare(model2, opt2)
-    client = ctx.load_checkpoint("{ckpt}")
-    for x, y in batches[half:]:
-        with ctx.autocast():
-            loss = torch.nn.functional.mse_loss(model2(x).float(), y)
-        ctx.backward(loss)
-        ctx.step()
-    resumed = ctx.full_state_dict()
-    return {{"final": final, "resumed": resumed, "opt_bytes": opt_bytes, "losses": losses, "client": client}}
-'''
-
-
-def reference_weights(micro: int, accum: int, samples: int = N_SAMPLES) -> dict[str, torch.Tensor]:
-    """One process, batches of micro x accum x WORLD contiguous samples (what the sharded runs see per step),
-    over the first ``samples`` samples."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(1)
-    X = torch.randn(N_SAMPLES, 16, generator=g)
-    Y = X.sum(1, keepdim=True).sin()
-    big = micro * accum * WORLD
-    for start in range(0, samples, big):
-        loss = torch.nn.functional.mse_loss(model(X[start:start + big]), Y[start:start + big])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return {k: v.detach() for k, v in model.state_dict().items()}
 
 
 def run_strategy(shell, tmp_path, flags: str, micro: int = 4):
-    cell = f"%%distribute --backend local -n {WORLD} --no-ui {flags}\n" + TRAIN_CELL.format(
-        n=N_SAMPLES, micro=micro, ckpt=tmp_path / "ckpt"
-    )
-    result = shell.run(cell)
+    result = shell.run(strategy_cell("local", flags, tmp_path / "ckpt", micro))
     assert result.error_in_exec is None, result.error_in_exec
     return result.result
 
 
-def assert_close(a: dict, b: dict, atol: float, rtol: float) -> float:
-    assert set(a) == set(b)
-    worst = 0.0
-    for key in a:
-        assert a[key].shape == b[key].shape, key
-        assert a[key].numel() > 0, f"{key} is empty (a ZeRO-3/FSDP shard, not the gathered tensor)"
-        torch.testing.assert_close(a[key].float(), b[key].float(), atol=atol, rtol=rtol, msg=key)
-        worst = max(worst, (a[key].float() - b[key].float()).abs().max().item())
-    return worst
-
-
 CASES = [
-    ("ddp", "--strategy ddp", 1),
+    ("ddp", "--strategy ddp --grad-accum 2", 2),  # accumulation under DDP skips the all-reduce (no_sync)
     ("fsdp", "--strategy fsdp --grad-accum 2", 2),
     ("zero0", "--strategy deepspeed --zero 0", 1),
     ("zero1", "--zero 1 --grad-accum 2", 2),
