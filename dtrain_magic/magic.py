@@ -8,6 +8,7 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 
 from . import flags, runner
 from .capture import capture
+from .errors import MissingDependencyError
 from .observer import RunObserver, TextObserver
 from .result import RunResult
 
@@ -37,8 +38,14 @@ class DistributeMagics(Magics):
         args = flags.parse_line(line)
         config = flags.config_from_args(args, in_frontend=_in_frontend(self.shell))
         if args.configure:
-            from .ui.panel import show_panel
-
+            try:
+                from .ui.panel import show_panel
+            except ImportError as exc:
+                raise MissingDependencyError(
+                    f"--configure shows an ipywidgets panel, and the widget packages are missing ({exc}). "
+                    "Install them with `pip install ipywidgets plotly anywidget` (or dtrain_magic[ui]), or run "
+                    "with flags only; nothing was launched"
+                ) from None
             return show_panel(config, cell, self.shell)
         runner.check(config)  # bad input: a clear error before the cell runs or anything launches
         payload, _ = capture(cell, self.shell.user_ns, config.fn, self.shell)

@@ -17,10 +17,10 @@ pytestmark = pytest.mark.slow
 SCRIPT = textwrap.dedent(
     """
     import json, sys
-    BLOCKED = sys.argv[1]
+    BLOCKED = [name for name in sys.argv[1].split(",") if name]
     class Uninstalled:
         def find_spec(self, name, path=None, target=None):
-            if BLOCKED and (name == BLOCKED or name.startswith(BLOCKED + ".")):
+            if any(name == blocked or name.startswith(blocked + ".") for blocked in BLOCKED):
                 raise ModuleNotFoundError(f"No module named {name!r}", name=name)
             return None
     sys.meta_path.insert(0, Uninstalled())
@@ -40,6 +40,8 @@ SCRIPT = textwrap.dedent(
         "cell_ran": "SIDE" in shell.user_ns,
         "experiments": [e.name for e in client.search_experiments() if e.name != "Default"],
         "still_usable": shell.run_cell("2 + 3").result == 5,
+        "value": getattr(outcome.result, "value", None),
+        "loaded": sorted({m.split(".")[0] for m in sys.modules} & {"pyspark", "ray", "ipywidgets", "plotly", "anywidget"}),
     }))
     """
 )
@@ -80,3 +82,19 @@ def test_missing_java(tmp_path):
     assert result["type"] == "MissingDependencyError", result
     assert "java" in result["text"].lower() and "17" in result["text"]
     assert result["cell_ran"] is False and result["experiments"] == []
+
+
+def test_local_backend_needs_neither_spark_nor_ray_and_no_widgets(tmp_path):
+    """--backend local with pyspark, ray and the widget packages all uninstalled: it trains, and --ui
+    falls back to plain text (nothing requires widgets to render)."""
+    result = run_case(tmp_path, "pyspark,ray,ipywidgets,plotly,anywidget", "%%distribute --backend local -n 2 --cpu --ui")
+    assert result["type"] == "NoneType" and result["value"] == 1, result
+    assert result["loaded"] == [] and result["cell_ran"] and result["experiments"] == ["dtrain_magic"]
+
+
+def test_configure_without_widgets_is_a_clear_error(tmp_path):
+    result = run_case(tmp_path, "ipywidgets", "%%distribute --configure -n 2")
+    assert result["type"] == "MissingDependencyError", result
+    assert "ipywidgets" in result["text"] and "pip install" in result["text"]
+    assert len(result["text"].splitlines()) <= 3, result["text"]
+    assert result["cell_ran"] is False and result["experiments"] == [] and result["still_usable"]
