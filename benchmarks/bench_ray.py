@@ -1,18 +1,26 @@
-"""Time to first step and total time: ``%%distribute --backend ray`` vs a raw ``TorchTrainer(...).fit()``.
+"""``%%distribute --backend ray`` against a raw ``TorchTrainer(...).fit()``: time to first step and total.
 
-Both run the same training loop (a small MLP, STEPS Adam steps, 2 workers, CPU) in this process, on
-the same kind of Ray instance (the one the launcher embeds: 127.0.0.1, no dashboard). Each mode gets a
-fresh Ray instance: its first run is "cold" (no Ray worker processes yet), the next ones "warm"
-(median). Time to first step is from the call (the cell, or ``fit()``) to the wall-clock moment rank 0
-finished its first optimizer step, as the training function itself records it; total is the call's
-duration. Prints a table and the magic/raw ratios.
+Both run the same job (benchmarks/workload.py: a small MLP, plain DDP, ``--steps`` Adam steps, ``-n``
+workers) in this process, on the same kind of Ray instance (the one the launcher embeds: 127.0.0.1, no
+dashboard). Cold: the first run on a fresh Ray instance (no Ray worker processes yet; ``ray.init`` itself
+is timed apart, not included); ``--cold-runs`` samples of each, each on its own fresh instance (default 1:
+a cold sample costs about 30 s on 2 cores with the instance start; use 3 for min/median/max). Warm: the
+next ``--repeats`` runs on the last instance of each side (default 3). Time to first step is from the
+call (the cell, or building the ``TorchTrainer`` and ``fit()``) to rank 0's first optimizer step, split
+into parts (workload.py); the raw side's "backend launch" (call → train loop entry: Ray Train's
+controller, the worker actors, their process group) is what the magic, which goes through the same
+``TorchTrainer.fit``, cannot skip without worker actors kept alive between runs.
 
-    .venv/bin/python benchmarks/bench_ray.py [--warm 2] [--steps 200] [--order magic,raw]
+    .venv/bin/python benchmarks/bench_ray.py [--repeats 3] [--cold-runs 1] [--steps 200] [--order magic,raw]
+    .venv/bin/python benchmarks/bench_ray.py -n 4 --gpu        # 4 GPU workers, unchanged otherwise
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import json
 import os
 import statistics
 import sys
@@ -20,148 +28,159 @@ import tempfile
 import time
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-
-STEP_FILE = "first_step.txt"
-
-
-MAGIC_CELL = """%%distribute --backend ray -n 2 --cpu --no-ui --seed 0
-import time, torch
-def train(ctx):
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model, opt = ctx.prepare(model, opt)
-    x, y = torch.randn(16, 32), torch.randn(16, 1)
-    for step in range({steps}):
-        loss = (model(x) - y).pow(2).mean()
-        ctx.backward(loss)
-        ctx.step()
-        if step == 0 and ctx.rank == 0:
-            open({step_file!r}, "w").write(repr(time.time()))
-        if step % 20 == 0:
-            ctx.log(loss=loss.item(), step=step)
-    return loss.item()
-"""
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import workload  # noqa: E402
+from workload import (  # noqa: E402
+    MAGIC_BODY, Probes, create_tracking_db, magic_parts, print_comparison, raw_parts, raw_train, section,
+)
 
 
-def raw_train(config: dict) -> None:
-    import time
+def ray_loop(config: dict) -> None:
+    """Ray Train's ``train_loop_per_worker``: the shared job; rank 0 writes its marks to a file."""
+    import json
 
-    import ray.train
-    import torch
-    from ray.train.torch import prepare_model
+    device = None
+    if config["gpu"]:
+        import ray.train.torch
 
-    torch.manual_seed(0)
-    model = prepare_model(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x, y = torch.randn(16, 32), torch.randn(16, 1)
-    rank = ray.train.get_context().get_world_rank()
-    for step in range(config["steps"]):
-        loss = (model(x) - y).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step == 0 and rank == 0:
-            open(config["step_file"], "w").write(repr(time.time()))
+        device = ray.train.torch.get_device()
+    result = raw_train(config["steps"], config["gpu"], device)
+    if result["rank"] == 0:
+        with open(config["out"], "w") as handle:
+            json.dump(result, handle)
 
 
-def fresh_ray() -> float:
+def fresh_ray(n: int) -> float:
     """Shut down any embedded instance and start a new one the way the launcher does; seconds taken."""
     from dtrain_magic.config import RunConfig
     from dtrain_magic.launchers import ray as ray_launcher
 
     ray_launcher._shutdown_embedded()
     t0 = time.perf_counter()
-    assert ray_launcher.connect(RunConfig(backend="ray")) == "embedded"
+    assert ray_launcher.connect(RunConfig(backend="ray", num_processes=n)) == "embedded"
     return time.perf_counter() - t0
 
 
-def run_magic(shell, steps: int, workdir: str) -> tuple[float, float]:
-    step_file = os.path.join(workdir, STEP_FILE)
-    if os.path.exists(step_file):
-        os.remove(step_file)
-    cell = MAGIC_CELL.format(steps=steps, step_file=step_file)
-    t_wall, t0 = time.time(), time.perf_counter()
-    result = shell.run_cell(cell, store_history=False)
-    total = time.perf_counter() - t0
+_PROBES: Probes | None = None
+
+
+def run_magic(shell, args) -> dict:
+    global _PROBES
+    if _PROBES is None:
+        _PROBES = Probes("ray")
+    shell.user_ns.update(STEPS=args.steps, LOG=True)
+    device = "--gpu" if args.gpu else "--cpu"
+    cell = f"%%distribute --backend ray -n {args.n} {device} --no-ui --experiment bench_ray\n" + MAGIC_BODY
+    _PROBES.reset()
+    start = time.time()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # progress, rank output
+        result = shell.run_cell(cell, store_history=False)
+    end = time.time()
     if result.error_in_exec is not None:
         raise result.error_in_exec
-    return float(open(step_file).read()) - t_wall, total
+    first = result.result.value
+    return {"ttfs": first["first_step"] - start, "total": end - start,
+            "parts": magic_parts(start, _PROBES.reset(), first)}
 
 
-def run_raw(steps: int, workdir: str, index: int) -> tuple[float, float]:
+def run_raw(args, workdir: str, index: int) -> dict:
+    import ray.cloudpickle
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    step_file = os.path.join(workdir, STEP_FILE)
-    if os.path.exists(step_file):
-        os.remove(step_file)
-    t_wall, t0 = time.time(), time.perf_counter()
+    ray.cloudpickle.register_pickle_by_value(workload)  # Ray's workers cannot import benchmarks/workload.py
+    out = os.path.join(workdir, "first_step.json")
+    if os.path.exists(out):
+        os.remove(out)
+    start = time.time()
     TorchTrainer(
-        raw_train,
-        train_loop_config={"steps": steps, "step_file": step_file},
-        scaling_config=ray.train.ScalingConfig(num_workers=2, use_gpu=False),
+        ray_loop,
+        train_loop_config={"steps": args.steps, "gpu": args.gpu, "out": out},
+        scaling_config=ray.train.ScalingConfig(num_workers=args.n, use_gpu=args.gpu),
         run_config=ray.train.RunConfig(name=f"raw_{os.getpid()}_{index}", storage_path=os.path.join(workdir, "raw_runs")),
     ).fit()
-    total = time.perf_counter() - t0
-    return float(open(step_file).read()) - t_wall, total
+    end = time.time()
+    with open(out) as handle:
+        first = json.load(handle)
+    return {"ttfs": first["first_step"] - start, "total": end - start, "parts": raw_parts(start, first)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--warm", type=int, default=2, help="warm runs per mode after the cold one")
+    parser.add_argument("-n", "--num-processes", "--num-workers", dest="n", type=int, default=2)
+    parser.add_argument("--gpu", action="store_true", help="one GPU per worker (default: CPU)")
+    parser.add_argument("--repeats", "--warm", dest="repeats", type=int, default=3, help="warm runs of each (default 3)")
+    parser.add_argument("--cold-runs", type=int, default=1,
+                        help="cold runs of each, each on a fresh Ray instance (default 1: about 30 s a sample on 2 cores)")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--order", default="magic,raw", help="which mode gets its fresh instance first")
+    parser.add_argument("--order", default="magic,raw", help="which side gets its fresh instance first")
     parser.add_argument("--json", default=None, help="also write the numbers to this JSON file")
     args = parser.parse_args(argv)
 
+    began = time.monotonic()
+    load_start = os.getloadavg()[0]
     workdir = tempfile.mkdtemp(prefix="bench_ray_")
     os.chdir(workdir)
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{os.path.join(workdir, 'mlflow.db')}"
+    new_db_s = create_tracking_db(os.environ["MLFLOW_TRACKING_URI"])
     from IPython.core.interactiveshell import InteractiveShell
 
     shell = InteractiveShell.instance()
     shell.run_cell("%load_ext dtrain_magic", store_history=False)
 
-    rows: dict[str, dict[str, list[float] | float]] = {}
-    for mode in args.order.split(","):
-        init_s = fresh_ray()
-        samples = []
-        for i in range(1 + args.warm):
-            if mode == "magic":
-                import contextlib
-                import io
+    order = args.order.split(",")
+    samples: dict[str, dict[str, list]] = {"cold": {m: [] for m in order}, "warm": {m: [] for m in order}}
+    inits: dict[str, list[float]] = {m: [] for m in order}
+    index = 0
 
-                with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # progress, rank output
-                    samples.append(run_magic(shell, args.steps, workdir))
-            else:
-                samples.append(run_raw(args.steps, workdir, i))
-            print(f"  {mode} run {i} ({'cold' if i == 0 else 'warm'}): first step {samples[-1][0]:.2f} s, "
-                  f"total {samples[-1][1]:.2f} s", file=sys.stderr, flush=True)
-        rows[mode] = {
-            "init": init_s,
-            "cold_first": samples[0][0], "cold_total": samples[0][1],
-            "warm_first": statistics.median(s[0] for s in samples[1:]) if args.warm else float("nan"),
-            "warm_total": statistics.median(s[1] for s in samples[1:]) if args.warm else float("nan"),
-        }
+    def one(mode: str) -> dict:
+        nonlocal index
+        index += 1
+        return run_magic(shell, args) if mode == "magic" else run_raw(args, workdir, index)
+
+    for c in range(args.cold_runs):
+        for mode in order:
+            inits[mode].append(fresh_ray(args.n))
+            samples["cold"][mode].append(one(mode))
+            print(f"  {mode} cold run {c + 1}: first step {samples['cold'][mode][-1]['ttfs']:.2f} s, total "
+                  f"{samples['cold'][mode][-1]['total']:.2f} s (ray.init {inits[mode][-1]:.1f} s)", file=sys.stderr, flush=True)
+            if c == args.cold_runs - 1:  # the last fresh instance of this side: its warm runs
+                for i in range(args.repeats):
+                    samples["warm"][mode].append(one(mode))
+                    print(f"  {mode} warm run {i + 1}: first step {samples['warm'][mode][-1]['ttfs']:.2f} s, total "
+                          f"{samples['warm'][mode][-1]['total']:.2f} s", file=sys.stderr, flush=True)
     from dtrain_magic.launchers import ray as ray_launcher
 
     ray_launcher._shutdown_embedded()
 
-    print(f"\nRay backend benchmark: 2 CPU workers, {args.steps} steps, warm = median of {args.warm} "
-          f"(ray.init: magic's instance {rows['magic']['init']:.2f} s, raw's {rows['raw']['init']:.2f} s, not included)")
-    print(f"{'':14}{'magic':>10}{'raw fit()':>11}{'ratio':>8}")
-    for key, label in (("cold_first", "cold 1st step"), ("cold_total", "cold total"),
-                       ("warm_first", "warm 1st step"), ("warm_total", "warm total")):
-        magic, raw = rows["magic"][key], rows["raw"][key]
-        print(f"{label:14}{magic:>9.2f}s{raw:>10.2f}s{magic / raw:>8.2f}")
-    if args.json:
-        import json
+    report = {
+        "backend": "ray", "n": args.n, "gpu": args.gpu, "steps": args.steps, "repeats": args.repeats,
+        "warm_runs": args.repeats, "cold_runs": args.cold_runs, "raw_api": "TorchTrainer.fit", "cpu_count": os.cpu_count(),
+        "ray_init_s": {m: statistics.median(v) for m, v in inits.items()}, "new_tracking_db_s": new_db_s,
+        "samples": samples,
+    }
+    for name in ("cold", "warm"):
+        report[name] = section(samples[name])
+        if "ttfs_ratio" in report[name]:
+            report[f"{name}_ttfs_ratio"] = report[name]["ttfs_ratio"]
+            report[f"{name}_total_ratio"] = report[name]["total_ratio"]
+    report["backend_launch_s"] = report["warm"]["raw"]["parts"].get("backend_launch")
+    report["seconds"] = time.monotonic() - began
+    report["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}
 
-        ratios = {f"{key.split('_')[0]}_{'ttfs' if key.endswith('first') else 'total'}_ratio": rows["magic"][key] / rows["raw"][key]
-                  for key in ("cold_first", "cold_total", "warm_first", "warm_total")}
+    device = f"{args.n} GPU worker(s)" if args.gpu else f"{args.n} CPU worker(s) on {os.cpu_count()} cores"
+    print(f"\nRay backend, {device}, {args.steps} steps; min/median/max over {args.cold_runs} cold run(s) (each on a "
+          f"fresh Ray instance; --cold-runs {args.cold_runs}, about 30 s more per extra sample and side) and "
+          f"{args.repeats} warm runs")
+    print_comparison(report, "TorchTrainer.fit")
+    raw_warm = report["warm"]["raw"]["ttfs"]["median"]
+    print(f"  Ray Train's own launch (call → train loop entry), warm: {report['backend_launch_s']:.2f} s of raw's "
+          f"{raw_warm:.2f} s; the target for the magic's warm time to first step is half of raw's: {raw_warm / 2:.2f} s")
+    print(f"  (ray.init, not included: magic's instance {report['ray_init_s'].get('magic', 0):.1f} s, raw's "
+          f"{report['ray_init_s'].get('raw', 0):.1f} s; load average {load_start:.1f} → {report['load_average']['end']:.1f})")
+    if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"backend": "ray", "steps": args.steps, "warm_runs": args.warm, "raw_api": "TorchTrainer.fit",
-                       "rows": rows, **ratios}, handle, indent=2)
+            json.dump(report, handle, indent=2)
     import shutil
 
     os.chdir("/")

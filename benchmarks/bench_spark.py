@@ -1,164 +1,250 @@
-"""Time to first step and total time: ``%%distribute --backend spark`` vs a raw ``TorchDistributor(...).run(fn)``.
+"""``%%distribute --backend spark`` against a raw ``TorchDistributor(...).run(fn)``: time to first step and total.
 
-Both run the same training (a small MLP, plain DDP over gloo, ``--steps`` Adam steps on each of 2 CPU
-processes) in the same Python process and on the same SparkSession, alternating, ``--repeats`` times
-each after one untimed warm-up of each. Times are measured from the call (the cell's start, or the
-``.run`` call) to rank 0's first optimizer step, and to the call's return. The magic's extra cost is
-what it adds around TorchDistributor: the cell's capture, the MLflow run (params, metrics, system
-metrics), the channel, and the per-node system-metrics monitor in the workers.
+Both run the same job (benchmarks/workload.py: a small MLP, plain DDP, ``--steps`` Adam steps on each
+of ``-n`` processes). Time to first step is from the call (the cell's start, or the raw cell's start) to
+rank 0's first optimizer step; total is the call's duration.
 
-    .venv/bin/python benchmarks/bench_spark.py                      # local mode, 2 processes
+* Cold: each sample is a fresh Python process (magic and raw alternately), so each pays its own
+  SparkSession (JVM) start: the magic's first cell starts it itself, the raw cell builds the same session
+  (same settings as the launcher's) and then calls ``TorchDistributor.run``. ``--cold-runs`` samples of
+  each (default 3; about 20 s each on 2 cores).
+* Warm: in this process, on one SparkSession (its start not counted), after one untimed warm-up of each;
+  ``--repeats`` samples of each, alternating.
+
+Each side's time to first step is split into parts (workload.py); the raw side's "backend launch"
+(call → worker function entry: the torchrun wrapper, torchrun, the worker interpreters) is what the magic,
+which goes through the same ``TorchDistributor.run``, cannot skip without a persistent worker pool on the
+executors.
+
+    .venv/bin/python benchmarks/bench_spark.py                      # local mode, 2 CPU processes
+    .venv/bin/python benchmarks/bench_spark.py -n 4 --gpu           # 4 GPUs on the driver (local mode)
     .venv/bin/python benchmarks/bench_spark.py --cluster            # barrier tasks on local-cluster[2,1,1024]
-    .venv/bin/python benchmarks/bench_spark.py --repeats 5 --steps 200
+    .venv/bin/python benchmarks/bench_spark.py --repeats 5 --cold-runs 1 --steps 200
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import statistics
+import subprocess
 import sys
 import tempfile
 import time
 
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import workload  # noqa: E402
+from workload import (  # noqa: E402
+    MAGIC_BODY, Probes, create_tracking_db, magic_parts, print_comparison, raw_parts, raw_train, section, settle,
+)
 
-RAW_TRAIN = '''
-def raw_train(steps):
-    import os, time
+
+def gpu_count() -> int:
     import torch
-    import torch.distributed as dist
-    dist.init_process_group("gloo")
-    try:
-        torch.manual_seed(0)
-        model = torch.nn.parallel.DistributedDataParallel(
-            torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        g = torch.Generator().manual_seed(dist.get_rank())
-        first = None
-        for step in range(steps):
-            x = torch.randn(32, 32, generator=g)
-            loss = model(x).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if first is None:
-                first = time.time()
-        return first
-    finally:
-        dist.destroy_process_group()
-'''
 
-MAGIC_CELL = '''%%distribute --backend spark -n 2 --cpu --no-ui {extra}
-import time
-import torch
-def train(ctx):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model, opt = ctx.prepare(model, opt)
-    g = torch.Generator().manual_seed(ctx.rank)
-    first = None
-    for step in range({steps}):
-        x = torch.randn(32, 32, generator=g)
-        loss = model(x).pow(2).mean()
-        ctx.backward(loss)
-        ctx.step()
-        if first is None:
-            first = time.time()
-        if step % 20 == 0:
-            ctx.log(loss=loss.item())
-    return first
-'''
+    return torch.cuda.device_count()
+
+
+def build_session(master: str, gpu: bool, workdir: str):
+    """A SparkSession with the launcher's own settings (plus the driver's GPUs with ``gpu``).
+
+    With ``gpu`` the notebook has to build the session itself (TorchDistributor in local mode needs
+    ``spark.driver.resource.gpu.*``); the magic then uses it, as it uses any active session."""
+    from pyspark.sql import SparkSession
+
+    builder = (SparkSession.builder.master(master).appName("dtrain_magic_bench")
+               .config("spark.ui.showConsoleProgress", "false").config("spark.ui.enabled", "false")
+               .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1"))
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    if gpu:
+        count = gpu_count()
+        script = os.path.join(workdir, "gpus.sh")
+        with open(script, "w") as handle:
+            addresses = ", ".join(f'"{i}"' for i in range(count))
+            handle.write(f"#!/bin/sh\necho '{{\"name\": \"gpu\", \"addresses\": [{addresses}]}}'\n")
+        os.chmod(script, 0o755)
+        builder = (builder.config("spark.driver.resource.gpu.amount", str(count))
+                   .config("spark.driver.resource.gpu.discoveryScript", script)
+                   .config("spark.executor.resource.gpu.amount", "1").config("spark.task.resource.gpu.amount", "1"))
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    return session
+
+
+def run_raw(args, master: str) -> dict:
+    from pyspark import cloudpickle
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    cloudpickle.register_pickle_by_value(workload)  # the torchrun workers cannot import benchmarks/workload.py
+    start = time.time()
+    result = TorchDistributor(num_processes=args.n, local_mode=not args.cluster, use_gpu=args.gpu).run(
+        raw_train, args.steps, args.gpu)
+    end = time.time()
+    # TorchDistributor returns one rank's value (not always rank 0's); the ranks' first steps meet at
+    # DDP's first all-reduce, so any rank's first step is the run's.
+    return {"ttfs": result["first_step"] - start, "total": end - start, "parts": raw_parts(start, result)}
+
+
+_SHELL = None
+_PROBES: Probes | None = None
+
+
+def run_magic(args, master: str) -> dict:
+    global _SHELL, _PROBES
+    if _SHELL is None:
+        from IPython.core.interactiveshell import InteractiveShell
+
+        _SHELL = InteractiveShell.instance()
+        _SHELL.run_cell("%load_ext dtrain_magic", store_history=False)
+        _PROBES = Probes("spark")
+    _SHELL.user_ns.update(STEPS=args.steps, LOG=True)
+    flags = [f"-n {args.n}", "--gpu" if args.gpu else "--cpu", "--no-ui", "--experiment bench_spark"]
+    if args.cluster:
+        flags += ["--cluster", f"--spark-master {master}"]
+    cell = "%%distribute --backend spark " + " ".join(flags) + "\n" + MAGIC_BODY
+    from dtrain_magic.launchers import get_launcher
+    from IPython.utils.capture import capture_output
+
+    launcher = get_launcher("spark")
+    sessions_before = launcher.session_starts
+    _PROBES.reset()
+    start = time.time()
+    with capture_output():  # the workers' and the magic's output stay out of the table
+        outcome = _SHELL.run_cell(cell, store_history=False)
+    end = time.time()
+    if outcome.error_in_exec is not None:
+        raise SystemExit(f"the magic failed: {outcome.error_in_exec}")
+    first = outcome.result.value
+    session_s = launcher.session_start_s if launcher.session_starts > sessions_before else None
+    return {"ttfs": first["first_step"] - start, "total": end - start,
+            "parts": magic_parts(start, _PROBES.reset(), first, session_s=session_s)}
+
+
+def inner(args, master: str, workdir: str) -> dict:
+    """One cold sample, in this fresh process: the first cell of a new kernel."""
+    if args.inner == "magic" and not args.gpu:
+        return run_magic(args, master)  # the magic starts its own SparkSession (and waits for executors)
+    start = time.time()
+    session = build_session(master, args.gpu, workdir)
+    if args.cluster:
+        from dtrain_magic.launchers.spark import SparkLauncher
+
+        SparkLauncher._wait_for_slots(session, args.n)
+    session_s = time.time() - start
+    sample = run_raw(args, master) if args.inner == "raw" else run_magic(args, master)
+    # The session start is part of this cold cell: count it from the cell's start.
+    sample["ttfs"] += session_s
+    sample["total"] += session_s
+    sample["parts"] = {"spark_session": session_s, **sample["parts"]}
+    if "proc_start_vs_call" in sample["parts"]:
+        sample["parts"]["proc_start_vs_call"] += session_s
+    return sample
+
+
+def run_inner_process(which: str, argv: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--inner", which],
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"cold {which} sample failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("-n", "--num-processes", dest="n", type=int, default=2)
+    parser.add_argument("--gpu", action="store_true", help="one process per GPU on the driver (default: CPU)")
+    parser.add_argument("--repeats", type=int, default=3, help="warm samples of each (default 3)")
+    parser.add_argument("--cold-runs", type=int, default=3,
+                        help="cold samples of each, each a fresh process with its own SparkSession (default 3, ~20 s each)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--cluster", action="store_true", help="local_mode=False on a local-cluster master")
     parser.add_argument("--master", default=None, help="master URL (default local[*], or local-cluster[2,1,1024])")
     parser.add_argument("--json", default=None, help="also write the numbers to this JSON file")
+    parser.add_argument("--inner", choices=["magic", "raw"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    master = args.master or ("local-cluster[2,1,1024]" if args.cluster else "local[*]")
+    master = args.master or (f"local-cluster[{args.n},1,1024]" if args.cluster else "local[*]")
 
+    if args.inner:  # run by the parent in its work directory, with its MLFLOW_TRACKING_URI
+        print(json.dumps(inner(args, master, os.getcwd())))
+        return 0
+
+    began = time.monotonic()
+    load_start = os.getloadavg()[0]
     workdir = tempfile.mkdtemp(prefix="bench_spark_")
     os.chdir(workdir)
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{workdir}/mlflow.db"
+    new_db_s = create_tracking_db(os.environ["MLFLOW_TRACKING_URI"])
+    passthrough = ["-n", str(args.n), "--steps", str(args.steps), "--master", master,
+                   *(["--gpu"] if args.gpu else []), *(["--cluster"] if args.cluster else [])]
 
-    from IPython.core.interactiveshell import InteractiveShell
+    cold: dict[str, list] = {"magic": [], "raw": []}
+    for i in range(args.cold_runs):
+        for which in (("magic", "raw") if i % 2 == 0 else ("raw", "magic")):
+            settle(5.0)
+            cold[which].append(run_inner_process(which, passthrough))
+            print(f"cold {which:5s}: first step {cold[which][-1]['ttfs']:6.2f} s, total {cold[which][-1]['total']:6.2f} s",
+                  flush=True)
 
-    from dtrain_magic.config import RunConfig
-    from dtrain_magic.launchers import get_launcher
-
-    launcher = get_launcher("spark")
     t0 = time.monotonic()
-    spark = launcher.session(RunConfig(backend="spark", spark_master=master))
+    spark = build_session(master, args.gpu, workdir)
     if args.cluster:
-        launcher._wait_for_slots(spark, 2)
-    print(f"SparkSession on {master}: started in {time.monotonic() - t0:.1f} s (not counted below)", flush=True)
+        from dtrain_magic.launchers.spark import SparkLauncher
 
-    shell = InteractiveShell.instance()
-    shell.run_cell("%load_ext dtrain_magic", store_history=False)
-    namespace: dict = {}
-    exec(RAW_TRAIN, namespace)
-    raw_train = namespace["raw_train"]
-    extra = "--cluster" if args.cluster else ""
-    cell = MAGIC_CELL.format(extra=extra, steps=args.steps)
-
-    def run_raw() -> tuple[float, float]:
-        from pyspark.ml.torch.distributor import TorchDistributor
-
-        start = time.time()
-        first = TorchDistributor(num_processes=2, local_mode=not args.cluster, use_gpu=False).run(raw_train, args.steps)
-        return first - start, time.time() - start
-
-    def run_magic() -> tuple[float, float]:
-        start = time.time()
-        result = shell.run_cell(cell, store_history=True)
-        if result.error_in_exec is not None:
-            raise SystemExit(f"the magic failed: {result.error_in_exec}")
-        return result.result.value - start, time.time() - start
+        SparkLauncher._wait_for_slots(spark, args.n)
+    session_s = time.monotonic() - t0
+    print(f"SparkSession on {master}: started in {session_s:.1f} s (not counted in the warm runs)", flush=True)
 
     devnull = open(os.devnull, "w")
-    timings: dict[str, list[tuple[float, float]]] = {"raw": [], "magic": []}
+    warm: dict[str, list] = {"magic": [], "raw": []}
     for i in range(args.repeats + 1):
-        for name, fn in (("raw", run_raw), ("magic", run_magic)):
+        for name, fn in ((("raw", run_raw), ("magic", run_magic)) if i % 2 else (("magic", run_magic), ("raw", run_raw))):
+            settle(5.0)
             real_stdout = sys.stdout
-            sys.stdout = devnull  # keep the workers' and the magic's output out of the table
+            sys.stdout = devnull  # keep the workers' output out of the table
             try:
-                first, total = fn()
+                sample = fn(args, master)
             finally:
                 sys.stdout = real_stdout
-            label = "warm-up" if i == 0 else f"run {i}"
-            print(f"{label:8s} {name:5s}: first step {first:6.2f} s, total {total:6.2f} s", flush=True)
+            label = "warm-up" if i == 0 else f"warm {i}"
+            print(f"{label:8s} {name:5s}: first step {sample['ttfs']:6.2f} s, total {sample['total']:6.2f} s", flush=True)
             if i > 0:
-                timings[name].append((first, total))
+                warm[name].append(sample)
 
-    raw_first = statistics.median(t[0] for t in timings["raw"])
-    raw_total = statistics.median(t[1] for t in timings["raw"])
-    magic_first = statistics.median(t[0] for t in timings["magic"])
-    magic_total = statistics.median(t[1] for t in timings["magic"])
     mode = "cluster (barrier tasks)" if args.cluster else "local mode"
-    print(f"\nmedians over {args.repeats} runs, {args.steps} steps, 2 processes, {mode}, {os.cpu_count()} CPU cores:")
-    print(f"  raw TorchDistributor.run : first step {raw_first:6.2f} s, total {raw_total:6.2f} s")
-    print(f"  %%distribute --backend spark: first step {magic_first:6.2f} s, total {magic_total:6.2f} s")
-    print(f"  ratio magic/raw          : first step {magic_first / raw_first:5.2f}x, total {magic_total / raw_total:5.2f}x")
-    try:
-        os.getloadavg()
-        print(f"  load average during the run: {os.getloadavg()[0]:.1f}")
-    except OSError:
-        pass
-    if args.json:
-        import json
+    report = {
+        "backend": "spark", "mode": mode, "master": master, "n": args.n, "gpu": args.gpu, "steps": args.steps,
+        "repeats": args.repeats, "cold_runs": args.cold_runs, "raw_api": "TorchDistributor.run",
+        "cpu_count": os.cpu_count(), "session_start_s": session_s, "new_tracking_db_s": new_db_s,
+        "samples": {"cold": cold, "warm": warm},
+    }
+    for name, data in (("cold", cold), ("warm", warm)):
+        report[name] = section(data)
+        if "ttfs_ratio" in report[name]:
+            report[f"{name}_ttfs_ratio"] = report[name]["ttfs_ratio"]
+            report[f"{name}_total_ratio"] = report[name]["total_ratio"]
+    # The backend's own launch (call → worker function entry of a raw TorchDistributor.run): paid by every
+    # run, the magic's included, unless the workers outlive the run.
+    report["backend_launch_s"] = report["warm"]["raw"]["parts"].get("backend_launch")
+    report["seconds"] = time.monotonic() - began
+    report["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}
 
+    device = f"{args.n} GPU process(es)" if args.gpu else f"{args.n} CPU process(es) on {os.cpu_count()} cores"
+    print(f"\nSpark backend, {mode}, {device}, {args.steps} steps; min/median/max over {args.cold_runs} cold "
+          f"(fresh process + SparkSession each) and {args.repeats} warm samples")
+    print_comparison(report, "TorchDistributor.run")
+    raw_warm = report["warm"]["raw"]["ttfs"]["median"]
+    print(f"  TorchDistributor's own launch (call → worker function entry), warm: {report['backend_launch_s']:.2f} s of "
+          f"raw's {raw_warm:.2f} s; the target for the magic's warm time to first step is half of raw's: {raw_warm / 2:.2f} s")
+    print(f"  (SparkSession start in this process {session_s:.1f} s; a new MLflow tracking DB {new_db_s:.2f} s once; "
+          f"load average {load_start:.1f} → {report['load_average']['end']:.1f})")
+    if args.json:
         with open(args.json, "w") as handle:
-            json.dump({
-                "backend": "spark", "mode": mode, "repeats": args.repeats, "steps": args.steps, "raw_api": "TorchDistributor.run",
-                "samples": timings, "warm_ttfs_ratio": magic_first / raw_first, "warm_total_ratio": magic_total / raw_total,
-                "warm_magic_ttfs_median": magic_first, "warm_raw_ttfs_median": raw_first,
-            }, handle, indent=2)
-    launcher.shutdown()
+            json.dump(report, handle, indent=2)
+    try:
+        spark.stop()
+    except Exception:
+        pass
     return 0
 
 

@@ -1,35 +1,74 @@
-"""The fixed small job every benchmark runs: an MLP, Adam, ``steps`` steps of 32 random samples per rank.
+"""The fixed small job every benchmark runs, and what the benchmarks share to time it.
 
-``raw_train`` is the plain torch.distributed DDP version (what a torchrun script, TorchDistributor or
-TorchTrainer would run); ``MAGIC_BODY`` is the same loop written against ``ctx``. Both return rank's
-unix time of its first optimizer step and its steady-state steps per second (after 10 warm-up steps),
-so time to first step is measured the same way on both sides.
+The job: an MLP (32 → 64 → 1), Adam, ``steps`` steps of 32 random samples per rank, DDP over gloo
+(nccl with ``gpu=True``). ``raw_train`` is the plain torch.distributed version (what a torchrun script,
+``TorchDistributor.run`` or ``TorchTrainer.fit`` runs); ``MAGIC_BODY`` is the same loop written against
+``ctx`` for ``%%distribute``. Both return rank's wall-clock (``time.time()``) marks:
+
+* ``proc_start``: when this worker process started (a warm-pool process starts before the call);
+* ``entered``: the function's first line (raw: before ``import torch``; magic: the process group is
+  joined by then);
+* ``joined`` (raw only): process group joined (``import torch`` + ``init_process_group`` done);
+* ``prepared``: model built and wrapped (DDP / ``ctx.prepare``);
+* ``first_step``: first optimizer step done;
+
+and the steady-state steps per second (after ``WARMUP_STEPS`` steps). So time to first step, and its
+parts, are measured the same way on both sides.
+
+`Probes` times the magic's notebook-side steps (MLflow, system metrics, launch) by wrapping a few
+dtrain_magic functions in the benchmark's own process: nothing in dtrain_magic changes.
 """
 
 from __future__ import annotations
 
+import os
+import statistics
 import time
 
 WARMUP_STEPS = 10
 
 
-def raw_train(steps: int = 200, log: bool = True) -> dict:
+def process_start_time() -> float | None:
+    """This process's start as a ``time.time()`` value (10 ms resolution; Linux only, else None)."""
+    try:
+        with open("/proc/self/stat") as handle:
+            ticks = int(handle.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, in clock ticks
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def raw_train(steps: int = 200, gpu: bool = False, device=None, threads: int | None = None) -> dict:
+    entered = time.time()
     import torch
     import torch.distributed as dist
 
-    owns = not dist.is_initialized()
+    if threads:
+        torch.set_num_threads(threads)  # as OMP_NUM_THREADS=threads would (torchrun sets 1 for several workers)
+
+    owns = not dist.is_initialized()  # Ray Train joins the process group before calling the loop
     if owns:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if gpu else "gloo")
+    joined = time.time()
     try:
+        if device is None:
+            if gpu:
+                device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+                torch.cuda.set_device(device)
+            else:
+                device = torch.device("cpu")
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).to(device)
         if dist.get_world_size() > 1:
-            model = torch.nn.parallel.DistributedDataParallel(model)
+            ids = [device.index] if device.type == "cuda" else None
+            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        prepared = time.time()
         g = torch.Generator().manual_seed(dist.get_rank())
         first = steady_from = None
         for step in range(steps):
-            x = torch.randn(32, 32, generator=g)
+            x = torch.randn(32, 32, generator=g).to(device)
             loss = model(x).pow(2).mean()
             opt.zero_grad()
             loss.backward()
@@ -40,25 +79,36 @@ def raw_train(steps: int = 200, log: bool = True) -> dict:
             if step == WARMUP_STEPS - 1:
                 steady_from = time.perf_counter()
         rate = (steps - WARMUP_STEPS) / (time.perf_counter() - steady_from)
-        return {"first_step": first, "steps_per_s": rate, "loss": value}
+        return {"first_step": first, "steps_per_s": rate, "loss": value, "entered": entered, "joined": joined,
+                "prepared": prepared, "proc_start": process_start_time(), "rank": dist.get_rank()}
     finally:
         if owns:
             dist.destroy_process_group()
 
 
+# The same loop through ctx. STEPS and LOG come from the notebook's namespace (shipped by value).
 MAGIC_BODY = '''
+import os
 import time
 import torch
 def train(ctx):
+    entered = time.time()
+    try:  # when this worker process started (a warm-pool process starts before the call)
+        with open("/proc/self/stat") as handle:
+            ticks = int(handle.read().rsplit(")", 1)[1].split()[19])
+        proc_start = time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except Exception:
+        proc_start = None
     steps, log = STEPS, LOG
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     model, opt = ctx.prepare(model, opt)
+    prepared = time.time()
     g = torch.Generator().manual_seed(ctx.rank)
     first = steady_from = None
     for step in range(steps):
-        x = torch.randn(32, 32, generator=g)
+        x = torch.randn(32, 32, generator=g).to(ctx.device)
         loss = model(x).pow(2).mean()
         ctx.backward(loss)
         ctx.step()
@@ -70,15 +120,279 @@ def train(ctx):
         if step == 9:
             steady_from = time.perf_counter()
     rate = (steps - 10) / (time.perf_counter() - steady_from)
-    return {"first_step": first, "steps_per_s": rate, "loss": value}
+    return {"first_step": first, "steps_per_s": rate, "loss": value, "entered": entered, "prepared": prepared,
+            "proc_start": proc_start, "rank": ctx.rank}
 '''
 
 
 def summarize(values: list[float]) -> dict:
-    import statistics
-
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"min": None, "median": None, "max": None, "n": 0}
     return {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}
 
 
 def now() -> float:
     return time.time()
+
+
+# -- parts of the time to first step ------------------------------------------------------------------
+
+PART_LABELS = {
+    "spark_session": "SparkSession start (JVM)",
+    "check_capture": "flags, backend check, cell capture",
+    "mlflow_import": "import mlflow",
+    "mlflow_run": "MLflow run creation (experiment, run, params)",
+    "schema_migration": "  of which: new tracking DB's schema migration",
+    "system_metrics": "system-metrics monitor start",
+    "notebook_other": "channel, observer, other notebook-side",
+    "launch_call": "launcher.start() call",
+    "worker_start": "launch → worker function entry (processes, interpreter, imports, process group)",
+    "backend_launch": "backend launch → worker function entry",
+    "imports_join": "worker: import torch + process group join",
+    "prepare": "model + DDP wrap (ctx.prepare)",
+    "first_step": "first optimizer step",
+}
+# Parts that are not summed into the total (they are inside another part).
+SUB_PARTS = {"schema_migration"}
+
+
+def magic_parts(call: float, marks: dict, worker: dict, session_s: float | None = None) -> dict:
+    """Time to first step of one magic call, split into its parts (seconds; they sum to the total)."""
+    parts: dict[str, float] = {}
+    execute_in = marks.get("execute_in")
+    launch_in, launch_out = marks.get("launch_in"), marks.get("launch_out")
+    if execute_in is None or launch_in is None or launch_out is None:
+        return {"first_step_total": worker["first_step"] - call}
+    before = execute_in - call
+    if session_s:
+        parts["spark_session"] = session_s
+        before -= session_s
+    parts["check_capture"] = before
+    notebook = launch_in - execute_in
+    if "tracker_in" in marks and "tracker_out" in marks:
+        parts["mlflow_import"] = marks["mlflow_imported"] - marks["tracker_in"]
+        parts["mlflow_run"] = marks["tracker_out"] - marks["mlflow_imported"]
+        parts["schema_migration"] = marks.get("migration_s", 0.0)
+        notebook -= marks["tracker_out"] - marks["tracker_in"]
+    if "sysmetrics_in" in marks and "sysmetrics_out" in marks:
+        parts["system_metrics"] = marks["sysmetrics_out"] - marks["sysmetrics_in"]
+        notebook -= parts["system_metrics"]
+    parts["notebook_other"] = notebook
+    parts["launch_call"] = launch_out - launch_in
+    parts["worker_start"] = worker["entered"] - launch_out
+    parts["prepare"] = worker["prepared"] - worker["entered"]
+    parts["first_step"] = worker["first_step"] - worker["prepared"]
+    if worker.get("proc_start") is not None:
+        parts["proc_start_vs_call"] = worker["proc_start"] - call  # negative: a pool process, started earlier
+    return parts
+
+
+def raw_parts(call: float, worker: dict, session_s: float | None = None) -> dict:
+    """Time to first step of one raw call, split into its parts."""
+    parts: dict[str, float] = {}
+    launch = worker["entered"] - call
+    if session_s:
+        parts["spark_session"] = session_s
+        launch -= session_s
+    parts["backend_launch"] = launch
+    parts["imports_join"] = worker["joined"] - worker["entered"]
+    parts["prepare"] = worker["prepared"] - worker["joined"]
+    parts["first_step"] = worker["first_step"] - worker["prepared"]
+    if worker.get("proc_start") is not None:
+        parts["proc_start_vs_call"] = worker["proc_start"] - call
+    return parts
+
+
+def median_parts(samples: list[dict]) -> dict:
+    """Per-part medians over samples that have the part."""
+    keys: list[str] = []
+    for sample in samples:
+        keys += [k for k in sample.get("parts", {}) if k not in keys]
+    return {k: statistics.median(s["parts"][k] for s in samples if k in s.get("parts", {})) for k in keys}
+
+
+def format_parts(parts: dict) -> list[str]:
+    lines = []
+    for key, value in parts.items():
+        if key == "proc_start_vs_call":
+            where = "before" if value < 0 else "after"
+            lines.append(f"    (worker process started {abs(value):.2f} s {where} the call)")
+        elif key in PART_LABELS:
+            lines.append(f"    {PART_LABELS[key]:<82} {value:6.2f} s")
+    return lines
+
+
+class Probes:
+    """Wall-clock marks of one magic call's notebook-side steps, by wrapping dtrain_magic functions in
+    this (the benchmark's) process. A function that moved or was renamed is simply not timed."""
+
+    def __init__(self, backend: str):
+        self.marks: dict[str, float] = {}
+        from dtrain_magic import runner, tracking
+        from dtrain_magic.launchers import get_launcher
+
+        marks = self.marks
+        execute = runner.execute
+
+        def timed_execute(*args, **kwargs):
+            marks["execute_in"] = time.time()
+            return execute(*args, **kwargs)
+
+        runner.execute = timed_execute
+        tracker_cls = getattr(tracking, "RunTracker", None)
+        if tracker_cls is not None and hasattr(tracker_cls, "start"):
+            start = tracker_cls.start  # bound classmethod
+
+            def timed_start(cls, *args, **kwargs):
+                marks["tracker_in"] = time.time()
+                import mlflow  # noqa: F401  (timed alone: the first call in a fresh kernel pays it)
+
+                self._wrap_migration()
+                marks["mlflow_imported"] = time.time()
+                try:
+                    return start(*args, **kwargs)
+                finally:
+                    marks["tracker_out"] = time.time()
+
+            tracker_cls.start = classmethod(timed_start)
+        if tracker_cls is not None and hasattr(tracker_cls, "start_system_metrics"):
+            system_metrics = tracker_cls.start_system_metrics
+
+            def timed_system_metrics(tracker, *args, **kwargs):
+                marks["sysmetrics_in"] = time.time()
+                try:
+                    return system_metrics(tracker, *args, **kwargs)
+                finally:
+                    marks["sysmetrics_out"] = time.time()
+
+            tracker_cls.start_system_metrics = timed_system_metrics
+        launcher = get_launcher(backend)
+        launch = launcher.start
+
+        def timed_launch(*args, **kwargs):
+            marks["launch_in"] = time.time()
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                marks["launch_out"] = time.time()
+
+        launcher.start = timed_launch
+
+    def _wrap_migration(self) -> None:
+        try:
+            import mlflow.store.db.utils as db_utils
+        except ImportError:
+            return
+        if getattr(db_utils._initialize_tables, "_timed", False):
+            return
+        initialize = db_utils._initialize_tables
+        marks = self.marks
+
+        def timed_initialize(*args, **kwargs):
+            t0 = time.time()
+            try:
+                return initialize(*args, **kwargs)
+            finally:
+                marks["migration_s"] = marks.get("migration_s", 0.0) + time.time() - t0
+
+        timed_initialize._timed = True
+        db_utils._initialize_tables = timed_initialize
+
+    def reset(self) -> dict:
+        marks = dict(self.marks)
+        self.marks.clear()
+        return marks
+
+
+def create_tracking_db(uri: str) -> float:
+    """Create the MLflow tracking DB at ``uri`` now (untimed by the runs); seconds its creation took.
+
+    Cold samples then measure a fresh kernel with an existing DB (the usual case); the one-off cost of
+    a new DB (schema migration) is this number."""
+    import logging
+
+    for name in ("alembic", "mlflow.store.db.utils", "mlflow.tracking"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    from mlflow import MlflowClient
+
+    t0 = time.perf_counter()
+    MlflowClient(tracking_uri=uri).search_experiments()
+    return time.perf_counter() - t0
+
+
+def settle(max_s: float = 8.0, idle_cpu: float = 0.15, window_s: float = 0.25) -> float:
+    """Wait until this process and its descendants are idle (a warm pool refilling, workers tearing
+    down), so no call pays for the previous one's background work; seconds waited. Replaces a fixed
+    pause between calls: returns as soon as two windows in a row use under ``idle_cpu`` of a core."""
+    try:
+        import psutil
+    except ImportError:
+        time.sleep(min(max_s, 3.0))
+        return min(max_s, 3.0)
+    me = psutil.Process()
+
+    def cpu() -> dict[int, float]:
+        seen = {}
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                times = proc.cpu_times()
+                seen[proc.pid] = times.user + times.system
+            except psutil.Error:
+                pass
+        return seen
+
+    started = time.monotonic()
+    quiet = 0
+    before = cpu()
+    while time.monotonic() - started < max_s:
+        time.sleep(window_s)
+        after = cpu()
+        used = sum(max(0.0, t - before.get(pid, 0.0)) for pid, t in after.items())
+        before = after
+        quiet = quiet + 1 if used < idle_cpu * window_s else 0
+        if quiet >= 2:
+            break
+    return time.monotonic() - started
+
+
+def driver_cpu() -> float:
+    """CPU seconds this process (the notebook, or the raw launcher's parent) has used so far, not its children."""
+    times = os.times()
+    return times.user + times.system
+
+
+# -- comparison tables shared by bench_local, bench_spark and bench_ray ---------------------------------
+
+def section(data: dict[str, list[dict]]) -> dict:
+    """min/median/max of every number of each side's samples, per-part medians, and the magic/raw ratios."""
+    out: dict = {}
+    for via, samples in data.items():
+        if not samples:
+            continue
+        keys = [k for k in ("ttfs", "total", "steps_per_s", "driver_cpu_s") if any(k in s for s in samples)]
+        out[via] = {k: summarize([s.get(k) for s in samples]) for k in keys}
+        out[via]["parts"] = median_parts(samples)
+    if "magic" in out and "raw" in out:
+        out["ttfs_ratio"] = out["magic"]["ttfs"]["median"] / out["raw"]["ttfs"]["median"]
+        out["total_ratio"] = out["magic"]["total"]["median"] / out["raw"]["total"]["median"]
+    return out
+
+
+def print_comparison(report: dict, raw_name: str) -> None:
+    """The cold/warm table (min-max in brackets) and each side's parts of the time to first step."""
+    for mode in ("cold", "warm"):
+        s = report.get(mode) or {}
+        if "ttfs_ratio" not in s:
+            continue
+        for key, label in (("ttfs", "time to first step"), ("total", "total")):
+            m, r = s["magic"][key], s["raw"][key]
+            print(f"  {mode} {label:18s}: magic {m['median']:6.2f} s ({m['min']:.2f}-{m['max']:.2f}, n={m['n']}), "
+                  f"{raw_name} {r['median']:6.2f} s ({r['min']:.2f}-{r['max']:.2f}, n={r['n']}), "
+                  f"ratio {s[f'{key}_ratio']:.2f}")
+    for mode in ("cold", "warm"):
+        s = report.get(mode) or {}
+        for via, name in (("magic", "magic"), ("raw", raw_name)):
+            if via in s and s[via].get("parts"):
+                print(f"  {mode} time to first step, {name}, parts (medians):")
+                print("\n".join(format_parts(s[via]["parts"])))
