@@ -158,6 +158,7 @@ class _Embedded:
     num_cpus: int = 0
     joined: str | None = None  # the --ray-address / $RAY_ADDRESS this kernel joined, as given
     joined_gcs: str | None = None  # ... and the GCS address Ray reported for it
+    joined_job: str | None = None  # ... and the driver job of that connection (a new ray.init() is a new job)
     registered = False
 
 
@@ -221,6 +222,15 @@ def _current_address() -> str | None:
         return None
 
 
+def _current_job() -> str | None:
+    import ray
+
+    try:
+        return ray.get_runtime_context().get_job_id()
+    except Exception:
+        return None
+
+
 def _host_port(address: str) -> tuple[str, str]:
     address = address.split("://", 1)[-1]
     host, _, port = address.rpartition(":")
@@ -236,8 +246,9 @@ def connect(config: RunConfig) -> str:
     address = config.ray_address or os.environ.get("RAY_ADDRESS") or None
     if ray.is_initialized():
         current = _current_address()
-        if _Embedded.joined and current != _Embedded.joined_gcs:  # someone re-initialised Ray since
-            _Embedded.joined = _Embedded.joined_gcs = None
+        if _Embedded.joined and (current != _Embedded.joined_gcs or _current_job() != _Embedded.joined_job):
+            # someone re-initialised Ray since (even against the same cluster): that connection is theirs
+            _Embedded.joined = _Embedded.joined_gcs = _Embedded.joined_job = None
         if not address or address == "auto" or address == _Embedded.joined or (
             current and _host_port(address) == _host_port(current)
         ):
@@ -250,7 +261,7 @@ def connect(config: RunConfig) -> str:
                 f"--ray-address {address}, or drop --ray-address to use the connected cluster"
             )
         _shutdown_embedded()  # ours: switch to the requested cluster
-    _Embedded.joined = _Embedded.joined_gcs = None
+    _Embedded.joined = _Embedded.joined_gcs = _Embedded.joined_job = None
     if address:
         try:
             ray.init(address=address, log_to_driver=False, configure_logging=False)
@@ -258,6 +269,7 @@ def connect(config: RunConfig) -> str:
             raise LaunchError(f"could not join the Ray cluster at {address}: {_one_line(exc)}") from None
         _Embedded.joined = address  # Ray reports a loopback address under the node's IP: remember ours
         _Embedded.joined_gcs = _current_address()
+        _Embedded.joined_job = _current_job()
         return "joined"
     _start_embedded(max(4, config.num_processes + 1))
     return "embedded"
@@ -275,7 +287,7 @@ def _ensure_capacity(config: RunConfig, how: str) -> None:
         _shutdown_embedded()
         _start_embedded(max(4, config.num_processes + 1))
         return
-    where = "the local Ray instance" if how == "embedded" else f"the Ray cluster at {_current_address()}"
+    where = "the local Ray instance" if how == "embedded" else f"the Ray cluster at {_Embedded.joined or _current_address()}"
     raise LaunchError(
         f"{config.num_processes} workers need {config.num_processes} {resource}s; {where} has {have:g}. "
         f"Use fewer --num-workers{'' if config.use_gpu else ''}, or a larger cluster"
