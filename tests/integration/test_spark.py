@@ -266,6 +266,32 @@ def test_kernel_interrupt_stops_every_torchrun_process_within_10_s(spark_launche
     assert last_run(mlflow).info.status == "KILLED"
 
 
+def test_the_users_own_session_is_used_and_never_stopped(spark_launcher, shell, capsys):
+    """Databricks, or a notebook that built its own SparkSession: the magic uses it as it is, starts none,
+    and never stops it."""
+    from pyspark.sql import SparkSession
+
+    spark_launcher.shutdown()  # the module's session was the launcher's own
+    user = (
+        SparkSession.builder.master("local[2]").appName("the-users-own")
+        .config("spark.ui.enabled", "false").config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1").getOrCreate()
+    )
+    try:
+        starts = spark_launcher.session_starts
+        shell.run(TRAIN_HELPERS)
+        result = shell.run(train_cell("spark", extra="--seed 0"))
+        assert result.error_in_exec is None, result.error_in_exec
+        assert len(result.result.values) == 2
+        assert spark_launcher.session_starts == starts and spark_launcher._session is None
+        assert "on the active SparkSession (local[2])" in capsys.readouterr().out
+        spark_launcher.shutdown()
+        assert user.sparkContext._jsc is not None  # still running: the user's to stop
+        assert_no_torchrun_left()
+    finally:
+        user.stop()
+
+
 def test_cluster_mode_trains_on_two_executors(spark_launcher, shell, mlflow):
     shell.run(TRAIN_HELPERS)
     cell = train_cell("spark", extra=f"--seed 0 --cluster --spark-master {CLUSTER_MASTER}").replace(
