@@ -51,7 +51,8 @@ class CheckpointStore:
         name = f"checkpoint_{(indices[-1] + 1) if indices else 0:06d}"
         name = _agree(name)
         path = os.path.join(self.root, name)
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(self.root, mode=0o700, exist_ok=True)  # private to the user, as the run's other files
+        os.makedirs(path, mode=0o700, exist_ok=True)
         return path
 
     def saved(self, directory: str) -> None:
@@ -59,7 +60,7 @@ class CheckpointStore:
         and make it the latest."""
         if _rank() == 0:
             open(os.path.join(directory, _DONE), "w").close()
-            os.makedirs(self.root, exist_ok=True)
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
             pointer = os.path.join(self.root, _LATEST)
             with open(pointer + ".tmp", "w") as handle:
                 handle.write(os.path.abspath(directory))

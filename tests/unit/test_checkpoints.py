@@ -16,6 +16,7 @@ def test_numbered_saves_and_latest(tmp_path):
     store.saved(first)
     second = store.next_dir()
     assert os.path.basename(first) == "checkpoint_000000" and os.path.basename(second) == "checkpoint_000001"
+    assert oct(os.stat(tmp_path / "run").st_mode & 0o777) == "0o700"  # private to the user
     assert store.latest() == first  # the second is not complete yet: a crash mid-save is ignored
     store.saved(second)
     assert store.latest() == second
