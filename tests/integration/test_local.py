@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from dtrain_magic.errors import CaptureError, ConfigError, RunInterrupted, RunTimeout, WorkerError
-from workloads import TRAIN_HELPERS, restart_cell, train_cell
+from workloads import KILL_RANK1_CELL, TRAIN_HELPERS, restart_cell, train_cell
 
 pytestmark = pytest.mark.slow
 
@@ -119,16 +119,7 @@ def test_worker_exception_names_rank_and_cell_line(shell, mlflow, capsys):
 
 def test_killed_worker_gives_short_error_and_stops_the_others(shell, mlflow):
     started = time.monotonic()
-    result = shell.run(
-        "%%distribute --backend local -n 2 --no-ui\n"
-        "import os, signal, time\n"
-        "def train(ctx):\n"
-        "    ctx.log(loss=1.0)\n"
-        "    if ctx.rank == 1:\n"
-        "        time.sleep(0.5)\n"
-        "        os.kill(os.getpid(), signal.SIGKILL)\n"
-        "    ctx.barrier()\n"
-    )
+    result = shell.run(KILL_RANK1_CELL.format(backend="local"))
     error = result.error_in_exec
     assert isinstance(error, WorkerError) and error.rank == 1
     assert "SIGKILL" in str(error)

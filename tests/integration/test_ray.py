@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # generous: a loaded 
 
 ray = pytest.importorskip("ray")
 
-from workloads import ATOL, EVERY, KILL_AT, RTOL, STEPS, assert_close, restart_cell, strategy_cell
+from workloads import ATOL, EVERY, RTOL, STEPS, assert_close, restart_cell, strategy_cell
 from workloads import reference_weights as one_process_weights
 
 

@@ -1,7 +1,6 @@
 """Fifty consecutive runs in one kernel, mixed success and failure, leave nothing growing."""
 
 import gc
-import os
 import threading
 import time
 

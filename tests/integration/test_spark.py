@@ -18,7 +18,8 @@ from dtrain_magic.config import RunConfig
 from dtrain_magic.errors import ConfigError, RunInterrupted, WorkerError
 from dtrain_magic.launchers import get_launcher
 from workloads import (
-    ATOL, EVERY, RTOL, STEPS, TRAIN_HELPERS, assert_close, reference_weights, restart_cell, strategy_cell, train_cell,
+    ATOL, EVERY, KILL_RANK1_CELL, RTOL, STEPS, TRAIN_HELPERS, assert_close, reference_weights, restart_cell, strategy_cell,
+    train_cell,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -212,16 +213,7 @@ def test_worker_failure_is_short_and_leaves_nothing_running(spark_launcher, shel
 
 
 def test_killed_worker_names_its_rank_and_signal(spark_launcher, shell, mlflow):
-    result = shell.run(
-        "%%distribute --backend spark -n 2 --no-ui\n"
-        "import os, signal, time\n"
-        "def train(ctx):\n"
-        "    ctx.log(loss=1.0)\n"
-        "    if ctx.rank == 1:\n"
-        "        time.sleep(0.5)\n"
-        "        os.kill(os.getpid(), signal.SIGKILL)\n"
-        "    ctx.barrier()\n"
-    )
+    result = shell.run(KILL_RANK1_CELL.format(backend="spark"))
     error = result.error_in_exec
     assert isinstance(error, WorkerError) and error.rank == 1, error
     # At once from the launcher's watch ("died without reporting"), or torchrun's report ("SIGKILL").

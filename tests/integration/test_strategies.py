@@ -21,7 +21,7 @@ import torch
 
 from dtrain_magic.memory import estimate
 
-from workloads import ATOL, N_SAMPLES, RTOL, WORLD, assert_close, reference_weights, strategy_cell
+from workloads import ATOL, RTOL, WORLD, assert_close, reference_weights, strategy_cell
 
 pytestmark = pytest.mark.slow
 

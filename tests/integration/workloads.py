@@ -72,6 +72,19 @@ def restart_cell(backend: str, flags: str = "", kill: bool = False, save: bool =
     return RESTART_CELL.format(backend=backend, flags=flags, steps=steps, every=EVERY, kill_at=KILL_AT, kill=kill, save=save)
 
 
+
+# Rank 1 SIGKILLs itself after logging one metric; rank 0 waits in a barrier (the killed-worker tests).
+KILL_RANK1_CELL = (
+    "%%distribute --backend {backend} -n 2 --no-ui\n"
+    "import os, signal, time\n"
+    "def train(ctx):\n"
+    "    ctx.log(loss=1.0)\n"
+    "    if ctx.rank == 1:\n"
+    "        time.sleep(0.5)\n"
+    "        os.kill(os.getpid(), signal.SIGKILL)\n"
+    "    ctx.barrier()\n"
+)
+
 # ----------------------------------------------------------------------------------------------------
 # The strategies' training function (tests/integration/test_strategies.py, and the same function on
 # Spark and Ray). Rank 0 returns the full fp32 weights (ctx.full_state_dict()), its per-rank optimizer
