@@ -94,6 +94,11 @@ def reference_weights(shell):
     return _reference["weights"]
 
 
+def test_auto_backend_picks_the_initialised_ray(shell, capsys):
+    assert shell.run("%%distribute --dry-run -n 2 --no-ui\ndef train(ctx): pass\n").error_in_exec is None
+    assert "2 Ray Train worker(s)" in capsys.readouterr().out
+
+
 def test_two_workers_match_the_local_backend(shell, mlflow, reference_weights, tmp_path):
     result = shell.run(cell())
     assert result.error_in_exec is None, result.error_in_exec

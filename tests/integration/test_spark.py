@@ -270,6 +270,9 @@ def test_the_users_own_session_is_used_and_never_stopped(spark_launcher, shell, 
         .config("spark.driver.bindAddress", "127.0.0.1").getOrCreate()
     )
     try:
+        # --backend auto (the default) sees the active session
+        assert shell.run("%%distribute --dry-run -n 2 --no-ui\ndef train(ctx): pass\n").error_in_exec is None
+        assert "TorchDistributor(num_processes=2" in capsys.readouterr().out
         starts = spark_launcher.session_starts
         shell.run(TRAIN_HELPERS)
         result = shell.run(train_cell("spark", extra="--seed 0"))
