@@ -46,11 +46,12 @@ def gpu_count() -> int:
     return torch.cuda.device_count()
 
 
-def build_session(master: str, gpu: bool, workdir: str):
-    """A SparkSession with the launcher's own settings (plus the driver's GPUs with ``gpu``).
+def build_session(master: str, gpu: bool, workdir: str, cluster: bool = False):
+    """A SparkSession with the launcher's own settings (plus GPUs with ``gpu``).
 
-    With ``gpu`` the notebook has to build the session itself (TorchDistributor in local mode needs
-    ``spark.driver.resource.gpu.*``); the magic then uses it, as it uses any active session."""
+    With ``gpu`` the notebook has to build the session itself (TorchDistributor needs
+    ``spark.driver.resource.gpu.*`` in local mode, ``spark.executor/task.resource.gpu.*`` for barrier
+    tasks); the magic then uses it, as it uses any active session."""
     from pyspark.sql import SparkSession
 
     builder = (SparkSession.builder.master(master).appName("dtrain_magic_bench")
@@ -65,8 +66,11 @@ def build_session(master: str, gpu: bool, workdir: str):
             handle.write(f"#!/bin/sh\necho '{{\"name\": \"gpu\", \"addresses\": [{addresses}]}}'\n")
         os.chmod(script, 0o755)
         builder = (builder.config("spark.driver.resource.gpu.amount", str(count))
-                   .config("spark.driver.resource.gpu.discoveryScript", script)
-                   .config("spark.executor.resource.gpu.amount", "1").config("spark.task.resource.gpu.amount", "1"))
+                   .config("spark.driver.resource.gpu.discoveryScript", script))
+        if cluster:  # local-cluster executors on this machine: one GPU each, one per barrier task
+            builder = (builder.config("spark.executor.resource.gpu.amount", "1")
+                       .config("spark.executor.resource.gpu.discoveryScript", script)
+                       .config("spark.task.resource.gpu.amount", "1"))
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     return session
@@ -126,7 +130,7 @@ def inner(args, master: str, workdir: str) -> dict:
     if args.inner == "magic" and not args.gpu:
         return run_magic(args, master)  # the magic starts its own SparkSession (and waits for executors)
     start = time.time()
-    session = build_session(master, args.gpu, workdir)
+    session = build_session(master, args.gpu, workdir, args.cluster)
     if args.cluster:
         from dtrain_magic.launchers.spark import SparkLauncher
 
@@ -187,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
 
     t0 = time.monotonic()
-    spark = build_session(master, args.gpu, workdir)
+    spark = build_session(master, args.gpu, workdir, args.cluster)
     if args.cluster:
         from dtrain_magic.launchers.spark import SparkLauncher
 

@@ -1,6 +1,6 @@
 """Run every benchmark, side by side with the raw backends, and write a report a user can read.
 
-    .venv/bin/python benchmarks/run_all.py                 # all of them (about 11 min on a quiet 2-core machine)
+    .venv/bin/python benchmarks/run_all.py                 # all of them (about 12 min on a quiet 2-core machine)
     .venv/bin/python benchmarks/run_all.py --only local_n2,strategies --repeats 3
     .venv/bin/python benchmarks/run_all.py --gpu -n 4      # a 4-GPU machine: local -n 1 and -n 4, spark, ray on GPUs
 
@@ -46,10 +46,10 @@ def benchmarks(args: argparse.Namespace) -> dict[str, tuple[str, list[str], floa
         "local_n1": ("bench_local.py", ["-n", "1", "--repeats", str(r), *local_steps[1], *gpu], 20 + 14 * r + 12 * r),
         # cold pairs: a fresh interpreter + JVM each; warm: one session, a warm-up pair, then pairs
         "spark": ("bench_spark.py", ["-n", str(n), "--repeats", str(r), "--cold-runs", str(spark_cold), *small["backend"], *gpu],
-                  25 + 34 * spark_cold + 10 * r),
-        # per side and cold run: ray.init + a cold fit; then warm fits of about 19 s each
+                  20 + 38 * spark_cold + 11 * (r + 1)),
+        # per side and cold run: ray.init + a cold fit (about 37 s); then warm fits of about 19 s each
         "ray": ("bench_ray.py", ["-n", str(n), "--repeats", str(r), "--cold-runs", str(ray_cold), *small["backend"], *gpu],
-                10 + 66 * ray_cold + 38 * r),
+                10 + 74 * ray_cold + 38 * r),
         "chart_lag": ("bench_chart_lag.py", small["chart"], 25),
         "strategies": (("bench_strategies_gpu.py" if args.gpu else "bench_strategies.py"), ["-n", str(n), *small["strategies"]],
                        30 if args.quick else 80),
@@ -313,7 +313,9 @@ def markdown(results: dict, rows: list[dict], args: argparse.Namespace, total_s:
              f"Machine: {os.cpu_count()} CPU cores{', GPUs' if args.gpu else ''}; run at "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; `{' '.join(['benchmarks/run_all.py', *sys.argv[1:]])}` "
              f"took {total_s / 60:.1f} min; load average {load[0]:.1f} at the start, {load[1]:.1f} at the end. "
-             "Values are medians with (min-max); a shared 2-core machine is noisy, so rerun before drawing conclusions.",
+             "Values are medians with (min-max); a shared 2-core machine is noisy, so rerun before drawing conclusions."
+             + (" **--quick: one sample of each and few steps, a check that everything runs; the numbers mean nothing.**"
+                if args.quick else ""),
              "", "## Targets", "", "| target | wanted | measured | met? |", "|---|---|---|---|"]
     for row in rows:
         met = "not measured" if row["met"] is None else ("yes" if row["met"] else "**no**")
@@ -330,9 +332,12 @@ def markdown(results: dict, rows: list[dict], args: argparse.Namespace, total_s:
         lines += ["", f"## {backend}" + (f" (-n {n})" if backend == "local" else ""), ""]
         lines += comparison_table(data, backend) + [""] + parts_table(data, backend)
         if backend == "local":
-            lines += ["", f"A new MLflow tracking DB costs {data.get('new_tracking_db_s', 0):.2f} s once, on its first use "
+            lines += ["", "Cold: the first call of a fresh Python process (no warm pool yet: the magic starts its workers "
+                      "directly and fills the pool after the run); warm: later calls, after waiting for the machine to go "
+                      f"idle. A new MLflow tracking DB costs {data.get('new_tracking_db_s', 0):.2f} s once, on its first use "
                       "(cold samples use an existing one, as after a kernel restart); a fresh worker's interpreter + "
-                      f"imports alone take {data.get('worker_imports_s', 0):.2f} s."]
+                      f"imports alone take {data.get('worker_imports_s', 0):.2f} s. Steady steps/s: {data.get('steps')} steps "
+                      "per run, measured after the first 10."]
         elif backend == "spark":
             lines += ["", f"Cold: each sample a fresh process that starts its own SparkSession ({data['cold_runs']} per side); "
                       f"warm: {data['repeats']} per side on one session (started in {data['session_start_s']:.1f} s, not counted)."]

@@ -322,8 +322,8 @@ def create_tracking_db(uri: str) -> float:
 
 
 def settle(max_s: float = 8.0, idle_cpu: float = 0.15, window_s: float = 0.25) -> float:
-    """Wait until this process and its descendants are idle (a warm pool refilling, workers tearing
-    down), so no call pays for the previous one's background work; seconds waited. Replaces a fixed
+    """Wait until this process and its Python descendants are idle (a warm pool refilling, workers
+    tearing down), so no call pays for the previous one's background work; seconds waited. Replaces a fixed
     pause between calls: returns as soon as two windows in a row use under ``idle_cpu`` of a core."""
     try:
         import psutil
@@ -336,6 +336,8 @@ def settle(max_s: float = 8.0, idle_cpu: float = 0.15, window_s: float = 0.25) -
         seen = {}
         for proc in [me, *me.children(recursive=True)]:
             try:
+                if proc is not me and not proc.name().startswith("python"):
+                    continue  # a JVM's or Ray's own background work is not a previous run's leftover
                 times = proc.cpu_times()
                 seen[proc.pid] = times.user + times.system
             except psutil.Error:
