@@ -45,6 +45,7 @@ def execute(
     observer = observer or TextObserver()
     launcher = get_launcher(config.backend)
     check(config)
+    launcher.warm_up(config)
     tracker = RunTracker.start(config)
     observer.started(config, tracker.run_id, tracker.ui_link(), launcher.describe(config))
     started = time.monotonic()

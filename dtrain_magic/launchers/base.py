@@ -80,6 +80,11 @@ class Launcher(ABC):
     def check(self, config: RunConfig) -> None:
         """Validate in the notebook, before any MLflow run or process exists (deps, resources)."""
 
+    def warm_up(self, config: RunConfig) -> None:
+        """Called after `check`, before the MLflow run is opened: start in the background whatever the
+        workers can start before the run exists (interpreters importing torch), so a cold run pays the
+        MLflow start and the worker start side by side, not one after the other. Default: nothing."""
+
     def channel_host(self, config: RunConfig) -> str:
         """The address the notebook's channel listens on: loopback unless workers are on other hosts."""
         return "127.0.0.1"
