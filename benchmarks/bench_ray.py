@@ -31,7 +31,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workload  # noqa: E402
 from workload import (  # noqa: E402
-    MAGIC_BODY, Probes, create_tracking_db, magic_parts, print_comparison, raw_parts, raw_train, section,
+    MAGIC_BODY, Probes, create_tracking_db, finish_report, magic_parts, print_backend_launch, print_comparison, raw_parts,
+    raw_train,
 )
 
 
@@ -159,23 +160,14 @@ def main(argv: list[str] | None = None) -> int:
         "ray_init_s": {m: statistics.median(v) for m, v in inits.items()}, "new_tracking_db_s": new_db_s,
         "samples": samples,
     }
-    for name in ("cold", "warm"):
-        report[name] = section(samples[name])
-        if "ttfs_ratio" in report[name]:
-            report[f"{name}_ttfs_ratio"] = report[name]["ttfs_ratio"]
-            report[f"{name}_total_ratio"] = report[name]["total_ratio"]
-    report["backend_launch_s"] = report["warm"]["raw"]["parts"].get("backend_launch")
-    report["seconds"] = time.monotonic() - began
-    report["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}
+    finish_report(report, {"cold": samples["cold"], "warm": samples["warm"]}, began, load_start)
 
     device = f"{args.n} GPU worker(s)" if args.gpu else f"{args.n} CPU worker(s) on {os.cpu_count()} cores"
     print(f"\nRay backend, {device}, {args.steps} steps; min/median/max over {args.cold_runs} cold run(s) (each on a "
           f"fresh Ray instance; --cold-runs {args.cold_runs}, about 30 s more per extra sample and side) and "
           f"{args.repeats} warm runs")
     print_comparison(report, "TorchTrainer.fit")
-    raw_warm = report["warm"]["raw"]["ttfs"]["median"]
-    print(f"  Ray Train's own launch (call → train loop entry), warm: {report['backend_launch_s']:.2f} s of raw's "
-          f"{raw_warm:.2f} s; the target for the magic's warm time to first step is half of raw's: {raw_warm / 2:.2f} s")
+    print_backend_launch(report, "Ray Train's own launch")
     print(f"  (ray.init, not included: magic's instance {report['ray_init_s'].get('magic', 0):.1f} s, raw's "
           f"{report['ray_init_s'].get('raw', 0):.1f} s; load average {load_start:.1f} → {report['load_average']['end']:.1f})")
     if args.json:

@@ -36,7 +36,8 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workload  # noqa: E402
 from workload import (  # noqa: E402
-    MAGIC_BODY, Probes, create_tracking_db, magic_parts, print_comparison, raw_parts, raw_train, section, settle,
+    MAGIC_BODY, Probes, create_tracking_db, finish_report, magic_parts, print_backend_launch, print_comparison, raw_parts,
+    raw_train, settle,
 )
 
 
@@ -222,24 +223,13 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(), "session_start_s": session_s, "new_tracking_db_s": new_db_s,
         "samples": {"cold": cold, "warm": warm},
     }
-    for name, data in (("cold", cold), ("warm", warm)):
-        report[name] = section(data)
-        if "ttfs_ratio" in report[name]:
-            report[f"{name}_ttfs_ratio"] = report[name]["ttfs_ratio"]
-            report[f"{name}_total_ratio"] = report[name]["total_ratio"]
-    # The backend's own launch (call → worker function entry of a raw TorchDistributor.run): paid by every
-    # run, the magic's included, unless the workers outlive the run.
-    report["backend_launch_s"] = report["warm"]["raw"]["parts"].get("backend_launch")
-    report["seconds"] = time.monotonic() - began
-    report["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}
+    finish_report(report, {"cold": cold, "warm": warm}, began, load_start)
 
     device = f"{args.n} GPU process(es)" if args.gpu else f"{args.n} CPU process(es) on {os.cpu_count()} cores"
     print(f"\nSpark backend, {mode}, {device}, {args.steps} steps; min/median/max over {args.cold_runs} cold "
           f"(fresh process + SparkSession each) and {args.repeats} warm samples")
     print_comparison(report, "TorchDistributor.run")
-    raw_warm = report["warm"]["raw"]["ttfs"]["median"]
-    print(f"  TorchDistributor's own launch (call → worker function entry), warm: {report['backend_launch_s']:.2f} s of "
-          f"raw's {raw_warm:.2f} s; the target for the magic's warm time to first step is half of raw's: {raw_warm / 2:.2f} s")
+    print_backend_launch(report, "TorchDistributor's own launch")
     print(f"  (SparkSession start in this process {session_s:.1f} s; a new MLflow tracking DB {new_db_s:.2f} s once; "
           f"load average {load_start:.1f} → {report['load_average']['end']:.1f})")
     if args.json:
