@@ -15,6 +15,7 @@ import cloudpickle
 from . import channel as ch
 from .capture import Payload
 from .channel import Channel
+from .checkpoints import run_checkpoint_root
 from .config import RunConfig
 from .errors import DistributeError, LaunchError, RunInterrupted, RunTimeout, WorkerError
 from .launchers import get_launcher
@@ -53,7 +54,10 @@ def execute(
     try:
         tracker.start_system_metrics()
         with Channel(host=launcher.channel_host(config)) as channel:
-            job = WorkerJob(payload, config, channel.address, tracker.run_id)
+            # ctx.save_checkpoint() without a directory: the same run directory on every backend (Ray Train
+            # keeps its own checkpoints there through its own store).
+            root = run_checkpoint_root(config.storage, tracker.run_id)
+            job = WorkerJob(payload, config, channel.address, tracker.run_id, checkpoint_root=root)
             outcome = _Pump(config, channel, tracker, observer, started)
             running = launcher.start(job, channel.put)
             released = False

@@ -33,7 +33,6 @@ import time
 import cloudpickle
 
 from .. import channel as ch
-from ..checkpoints import run_checkpoint_root
 from ..config import RunConfig
 from ..errors import ConfigError, LaunchError
 from ..worker import WorkerJob
@@ -180,9 +179,8 @@ class LocalJob(RunningJob):
         self._num_processes = job.config.num_processes
         self._restarts_left = job.config.max_restarts
         self._attempt = 0
-        if job.checkpoint_root is None:  # ctx.save_checkpoint() without a directory lands here
-            root = run_checkpoint_root(job.config.storage, job.run_id) if job.run_id else os.path.join(run_dir, "checkpoints")
-            job = dataclasses.replace(job, checkpoint_root=root)
+        if job.checkpoint_root is None:  # a job not from the runner: ctx.save_checkpoint() still has a place
+            job = dataclasses.replace(job, checkpoint_root=os.path.join(run_dir, "checkpoints"))
         self._job_file = os.path.join(run_dir, "job.pkl")
         fd = os.open(self._job_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as handle:

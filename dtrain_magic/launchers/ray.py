@@ -29,7 +29,7 @@ import time
 import uuid
 from typing import Any
 
-from ..checkpoints import storage_path as checkpoint_storage_path
+from ..checkpoints import storage_path
 from ..config import RunConfig
 from ..errors import ConfigError, LaunchError, MissingDependencyError
 from ..worker import RankInfo, WorkerJob
@@ -351,7 +351,7 @@ class RayJob(RunningJob):
         self._error: BaseException | None = None
         self._cancelled = False
         self._lock = threading.Lock()
-        self.storage = storage_path(config)
+        self.storage = storage_path(config.storage)  # Ray Train's storage_path
         self.name = f"dtrain_{job.run_id or uuid.uuid4().hex}"
         self.trainer = _make_trainer_class()(
             _train_loop,
@@ -431,11 +431,6 @@ def _one_line(exc: BaseException, limit: int = 300) -> str:
     first = lines[0] if lines else ""
     line = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
     return line if len(line) <= limit else line[: limit - 1] + "…"
-
-
-def storage_path(config: RunConfig) -> str:
-    """Ray Train's ``storage_path``: ``--storage``, else ``./dtrain_runs`` (absolute)."""
-    return checkpoint_storage_path(config.storage)
 
 
 class RayLauncher(Launcher):

@@ -23,7 +23,6 @@ rank 0's).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import shutil
@@ -36,7 +35,6 @@ import time
 import uuid
 from typing import Any
 
-from ..checkpoints import run_checkpoint_root
 from ..config import RunConfig
 from ..errors import ConfigError, LaunchError, MissingDependencyError
 from ..worker import WorkerJob
@@ -621,8 +619,6 @@ class SparkLauncher(Launcher):
             from ..tracking import resolve_tracking_uri
 
             tracking_uri = resolve_tracking_uri(job.config)
-        if job.checkpoint_root is None and job.run_id:  # ctx.save_checkpoint() without a directory
-            job = dataclasses.replace(job, checkpoint_root=run_checkpoint_root(job.config.storage, job.run_id))
         return SparkJob(self, spark, job, emit, tracking_uri)
 
     def describe(self, config: RunConfig) -> str:
