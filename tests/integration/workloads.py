@@ -172,6 +172,14 @@ def strategy_cell(backend: str, flags: str, checkpoint_dir, micro: int = 4) -> s
     )
 
 
+def assert_strategy_run(result, accum: int) -> None:
+    """A STRATEGY_CELL run on another backend: one process's weights (fp32) and a checkpoint resume."""
+    assert result.error_in_exec is None, result.error_in_exec
+    out = result.result.value
+    assert_close(out["final"], reference_weights(4, accum), ATOL, RTOL)
+    assert_close(out["resumed"], out["final"], 1e-6, 0)  # checkpoint save -> load -> continue
+
+
 def assert_close(a: dict, b: dict, atol: float, rtol: float) -> float:
     assert set(a) == set(b)
     worst = 0.0
