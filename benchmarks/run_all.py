@@ -79,7 +79,7 @@ def run(name: str, script: str, extra: list[str]) -> dict:
 # -- targets ---------------------------------------------------------------------------------------------
 
 RAW_NAMES = {"local": "elastic_launch", "spark": "TorchDistributor.run", "ray": "TorchTrainer.fit"}
-NOTEBOOK_PARTS = ("check_capture", "mlflow_import", "mlflow_run", "system_metrics", "notebook_other", "launch_call")
+NOTEBOOK_PARTS = ("check_capture", "notebook_other", "launch_call")
 
 
 def _data(results: dict, name: str) -> dict | None:

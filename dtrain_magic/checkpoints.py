@@ -1,7 +1,7 @@
 """Where ``ctx.save_checkpoint()`` / ``ctx.load_checkpoint()`` put and find checkpoints by default.
 
 Each save without a directory goes to a new numbered directory under the run's checkpoint root
-(``--storage``, default ``./dtrain_runs``, then ``dtrain_<MLflow run id>``: the same place on every
+(``--storage``, default ``./dtrain_runs``, then ``dtrain_<run key>``, a fresh key per run: the same place on every
 backend, and where Ray Train keeps its own); a save to a directory the function names is remembered
 too. ``latest()`` is the most recent complete save of either kind, which a restarted worker resumes
 from. Backends with their own notion of checkpoints (Ray Train) wrap this store.
@@ -25,9 +25,9 @@ def storage_path(storage: str | None) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
-def run_checkpoint_root(storage: str | None, run_id: str) -> str:
-    """Where a run's numbered checkpoints go: ``<storage>/dtrain_<run id>`` (Ray Train's layout too)."""
-    return os.path.join(storage_path(storage), f"dtrain_{run_id}")
+def run_checkpoint_root(storage: str | None, run_key: str) -> str:
+    """Where a run's numbered checkpoints go: ``<storage>/dtrain_<run key>`` (Ray Train's layout too)."""
+    return os.path.join(storage_path(storage), f"dtrain_{run_key}")
 
 
 class CheckpointStore:

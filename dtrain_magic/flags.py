@@ -93,7 +93,7 @@ def _seconds(text: str) -> float:
 @argument("--ray-address", default=None, help="join this Ray cluster (None means $RAY_ADDRESS, else a local one)")
 @argument("--max-restarts", type=int, default=0, help="restart failed workers up to N times (ray, local)")
 @argument("--storage", default=None,
-          help="where numbered checkpoints go, under dtrain_<run id>; Ray Train's run storage (None means ./dtrain_runs)")
+          help="where numbered checkpoints go, under dtrain_<run key>; Ray Train's run storage (None means ./dtrain_runs)")
 @argument_group("DeepSpeed and batch arithmetic")
 @argument("--deepspeed-config", default=None, help="a DeepSpeed config (JSON text or path) merged over the flags")
 @argument("--micro-batch", type=int, default=None, help="micro batch per process (DeepSpeed train_micro_batch_size_per_gpu)")

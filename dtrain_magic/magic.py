@@ -53,7 +53,7 @@ class DistributeMagics(Magics):
             print(runner.plan(config, payload))
             return None
         observer = make_observer(config)
-        result = runner.execute(config, payload, observer, stop=getattr(observer, "stop_event", None))
+        result = runner.execute(config, payload, observer, stop=getattr(observer, "stop_event", None), checked=True)
         if config.result:
             self.shell.user_ns[config.result] = result
         return result

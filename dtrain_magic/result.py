@@ -16,6 +16,8 @@ class RunResult:
     ``value``: rank 0's return value. ``values``: every rank's, indexed by rank. ``run_id``: the MLflow
     run. ``config``: the `RunConfig` used. ``wall_time_s``: launch to last result. ``metrics``: last
     value of each metric rank 0 logged. ``time_to_first_step_s``: launch to the first ``ctx.log``.
+    ``checkpoint_root``: where ``ctx.save_checkpoint()`` without a directory saved (also the MLflow
+    run's ``dtrain_magic.checkpoint_root`` tag).
     """
 
     value: Any
@@ -26,6 +28,7 @@ class RunResult:
     metrics: dict[str, float] = field(default_factory=dict)
     time_to_first_step_s: float | None = None
     tracking_uri: str | None = None
+    checkpoint_root: str | None = None
 
     def __repr__(self) -> str:
         short = reprlib.Repr()

@@ -6,8 +6,10 @@ the calling thread (the cell's), so worker output printed here lands in the cell
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+import uuid
 from typing import Any
 
 import cloudpickle
@@ -22,18 +24,34 @@ from .launchers import get_launcher
 from .observer import RunObserver, TextObserver
 from .result import RunResult
 from .strategies import get_strategy
-from .tracking import RunTracker, check_tracking_uri
+from .tracking import RunOpening, RunTracker, check_tracking_uri, preload_mlflow, resolve_tracking_uri, sqlite_experiment_stage
 from .worker import WorkerJob
 
 _POLL_S = 0.05
 _ERROR_GRACE_S = 1.0  # after the first worker error, let the others report before stopping them
+# Workers started before the MLflow run: it opens once they are past their start (a metric, a result,
+# an error), or after this long; their metrics wait for it, their output does not.
+_EARLY_START_HOLD_S = 5.0
 
 
 def check(config: RunConfig) -> None:
     """Everything that can be checked before launch; raises `DistributeError` subclasses."""
-    get_launcher(config.backend).check(config)
+    launcher = get_launcher(config.backend)
+    if not _starts_before_tracking(launcher, config):
+        preload_mlflow()  # the run will need MLflow first: import it meanwhile (a SparkSession start, the capture)
+    launcher.check(config)
     get_strategy(config.strategy).check(config)
     check_tracking_uri(config)  # last: it may wait up to a few seconds for an http(s) server
+
+
+def _starts_before_tracking(launcher: Any, config: RunConfig) -> bool:
+    """Start the workers before the MLflow run exists? Yes when the backend does not need the run's id and
+    nothing can go wrong with the run that a look at the store did not already rule out (a writable SQLite
+    file, the experiment not deleted): a kernel's first run then does not wait for MLflow's import (about
+    2 s of CPU here), which waits until the workers are past their start so it does not slow them either."""
+    return launcher.starts_before_tracking and sqlite_experiment_stage(
+        resolve_tracking_uri(config), config.experiment
+    ) in ("active", "absent")
 
 
 def execute(
@@ -41,27 +59,41 @@ def execute(
     payload: Payload,
     observer: RunObserver | None = None,
     stop: threading.Event | None = None,
+    checked: bool = False,
 ) -> RunResult:
-    """Run ``payload`` under ``config`` and return its `RunResult`, or raise a short `DistributeError`."""
+    """Run ``payload`` under ``config`` and return its `RunResult`, or raise a short `DistributeError`.
+
+    ``checked``: `check` already passed for this config (the magic checks before capturing the cell).
+    """
     observer = observer or TextObserver()
     launcher = get_launcher(config.backend)
-    check(config)
-    launcher.warm_up(config)
-    tracker = RunTracker.start(config)
-    observer.started(config, tracker.run_id, tracker.ui_link(), launcher.describe(config))
+    if not checked:
+        check(config)
+    # ctx.save_checkpoint() without a directory: one directory per run, the same on every backend (Ray
+    # Train keeps its own checkpoints there); named before the MLflow run exists, recorded in a tag.
+    root = run_checkpoint_root(config.storage, uuid.uuid4().hex)
+    early = _starts_before_tracking(launcher, config)
+    opening = RunOpening(config, tags={"dtrain_magic.checkpoint_root": root}, deferred=early)
     started = time.monotonic()
     status, reason = "FAILED", None
     try:
-        tracker.start_system_metrics()
+        launcher.warm_up(config)
         with Channel(host=launcher.channel_host(config)) as channel:
-            # ctx.save_checkpoint() without a directory: the same run directory on every backend (Ray Train
-            # keeps its own checkpoints there through its own store).
-            root = run_checkpoint_root(config.storage, tracker.run_id)
-            job = WorkerJob(payload, config, channel.address, tracker.run_id, checkpoint_root=root)
-            outcome = _Pump(config, channel, tracker, observer, started)
-            running = launcher.start(job, channel.put)
+            job = WorkerJob(payload, config, channel.address, checkpoint_root=root)
+            tracker = None if early else opening.wait()
+            outcome = _Pump(config, channel, observer, started)
+            running = launcher.start(job if early else dataclasses.replace(job, run_id=tracker.run_id), channel.put)
             released = False
             try:
+                held: list[tuple] = []
+                if tracker is None:
+                    held = outcome.hold(_EARLY_START_HOLD_S, stop)
+                    opening.workers_started = True
+                    tracker = opening.wait()
+                observer.started(config, tracker.run_id, tracker.ui_link(), launcher.describe(config))
+                outcome.tracker = tracker
+                for message in held:
+                    outcome.handle(message)
                 released = outcome.run(running, stop)
             finally:
                 running.release() if released else running.cancel()
@@ -71,6 +103,7 @@ def execute(
             value=values[0], values=values, run_id=tracker.run_id, config=config,
             wall_time_s=time.monotonic() - started, metrics=dict(tracker.last_metrics),
             time_to_first_step_s=outcome.first_metric_s, tracking_uri=tracker.tracking_uri,
+            checkpoint_root=root,
         )
         tracker.log_result(result.value)
         status = "FINISHED"
@@ -91,20 +124,38 @@ def execute(
         observer.finished(None, error)
         raise error from None
     finally:
-        tracker.set_tags({"dtrain_magic.wall_time_s": f"{time.monotonic() - started:.3f}"})
-        tracker.finish(status, reason)
+        opening.close(status, reason, {"dtrain_magic.wall_time_s": f"{time.monotonic() - started:.3f}"})
 
 
 class _Pump:
     """Moves channel messages to the observer and the tracker until the launcher says the run ended."""
 
-    def __init__(self, config: RunConfig, channel: Channel, tracker: RunTracker, observer: RunObserver, t0: float):
-        self.config, self.channel, self.tracker, self.observer, self.t0 = config, channel, tracker, observer, t0
+    def __init__(self, config: RunConfig, channel: Channel, observer: RunObserver, t0: float):
+        self.config, self.channel, self.observer, self.t0 = config, channel, observer, t0
+        self.t0_wall = time.time() - (time.monotonic() - t0)  # the workers stamp metrics with wall-clock time
+        self.tracker: RunTracker | None = None
         self.results: dict[int, bytes] = {}
         self.errors: list[tuple[float, int | None, str, str]] = []
         self.failures: list = []
         self.hellos: set = set()
         self.first_metric_s: float | None = None
+
+    def hold(self, limit_s: float, stop: threading.Event | None) -> list[tuple]:
+        """Before the MLflow run exists: handle the workers' messages (output streams on) until the first
+        metric, result or error, or until ``limit_s`` passed: the workers are past their start. Returns
+        the metric, which waits for the run."""
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            message = self.channel.get(timeout=_POLL_S)
+            if message is not None:
+                if message[0] == ch.METRIC:
+                    return [message]
+                self.handle(message)
+                if message[0] in (ch.RESULT, ch.ERROR):
+                    break
+            if stop is not None and stop.is_set():
+                raise RunInterrupted("the run was stopped from the panel; every worker was stopped")
+        return []
 
     def run(self, running: Any, stop: threading.Event | None) -> bool:
         """Pump until the run ends; True if it returned early with every rank's result in hand."""
@@ -159,8 +210,8 @@ class _Pump:
             self.observer.output(message[1], message[2], message[3])
         elif kind == ch.METRIC:
             _, rank, step, metrics, stamp = message
-            if self.first_metric_s is None:
-                self.first_metric_s = time.monotonic() - self.t0
+            if self.first_metric_s is None:  # when the worker logged it: the loop may have started later
+                self.first_metric_s = stamp / 1000 - self.t0_wall if stamp else time.monotonic() - self.t0
             self.tracker.log_metrics(step, metrics, stamp)
             self.observer.metric(step, metrics)
         elif kind == ch.RESULT:

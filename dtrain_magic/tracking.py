@@ -7,15 +7,18 @@ notebook's message loop never waits on the store; system metrics come from MLflo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import queue
 import re
+import sqlite3
+import sys
 import threading
 import time
 from typing import Any, Mapping
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from .config import RunConfig, default_tracking_uri, redact_uri
 from .errors import ConfigError
@@ -28,6 +31,7 @@ ALLOWED_URIS = (
     "or http(s)://host:port of an MLflow server"
 )
 _NOTHING_LAUNCHED = "Nothing was launched and no MLflow run was created."
+_WORKERS_STOPPED = "The workers, started while MLflow opened the run, were stopped; no MLflow run was created."
 _PLAIN_SCHEMES = {"", "file", "sqlite", "http", "https"}  # MLflow always has these; others: ask its registry
 
 
@@ -50,6 +54,8 @@ def check_tracking_uri(config: RunConfig, timeout_s: float = PROBE_TIMEOUT_S) ->
             raise tracking_uri_error(
                 config, f"no working MLflow server there ({problem})", "Start one (`mlflow server --port PORT`) or use"
             )
+    if sqlite_experiment_stage(uri, config.experiment) == "deleted":
+        raise deleted_experiment_error(config, uri)
     return uri
 
 
@@ -60,7 +66,41 @@ def tracking_uri_error(config: RunConfig, problem: str, fix: str = "Use") -> Con
     return ConfigError("--tracking-uri", f"{uri!r}{origin}: {problem}. {fix} {ALLOWED_URIS}. {_NOTHING_LAUNCHED}")
 
 
+def deleted_experiment_error(config: RunConfig, uri: str) -> ConfigError:
+    return ConfigError(
+        "--experiment",
+        f"the experiment {config.experiment!r} was deleted in {redact_uri(uri)}; restore it "
+        f"(`mlflow experiments restore`) or choose another name. {_NOTHING_LAUNCHED}",
+    )
+
+
+def sqlite_experiment_stage(uri: str, experiment: str) -> str | None:
+    """What a plain ``sqlite:///path`` store says of ``experiment``, read without importing MLflow (which
+    takes seconds): ``"active"``, ``"deleted"``, ``"absent"`` (no such experiment or no database yet:
+    MLflow creates them), or None when this cannot tell (another kind of store, a file this user cannot
+    write, not MLflow's schema). Read-only: creates nothing."""
+    if not uri.startswith("sqlite:///") or "?" in uri:
+        return None
+    path = os.path.abspath(os.path.expanduser(uri[len("sqlite:///"):]))  # sqlite:////abs or sqlite:///relative
+    folder = os.path.dirname(path)
+    if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):  # SQLite writes its journal beside the file
+        return None
+    if not os.path.exists(path):
+        return "absent"
+    if not os.access(path, os.R_OK | os.W_OK):
+        return None
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{quote(path)}?mode=ro", uri=True, timeout=2.0)) as db:
+            row = db.execute("SELECT lifecycle_stage FROM experiments WHERE name = ?", (experiment,)).fetchone()
+    except sqlite3.Error:
+        return None
+    if row is None:
+        return "absent"
+    return row[0] if row[0] in ("active", "deleted") else None
+
+
 def _mlflow_has_store_for(uri: str) -> bool:
+    wait_for_preload()
     try:
         from mlflow.tracking._tracking_service.utils import _tracking_store_registry
     except ImportError:  # MLflow moved its registry: let creating the run decide
@@ -115,6 +155,48 @@ def gpu_metrics_note(use_gpu: bool) -> str | None:
     return None
 
 
+def lower_thread_priority(niceness: int = 10) -> None:
+    """Let this thread yield the CPU to busy processes (workers importing torch, training): Linux threads
+    have their own nice value. A no-op where that is not supported."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+    except (AttributeError, OSError):
+        pass
+
+
+_import_thread: threading.Thread | None = None
+_import_lock = threading.Lock()
+
+
+def preload_mlflow() -> None:
+    """Start importing MLflow (about 2 s on a small machine) in a background thread, so a first run's
+    other start-up work (a SparkSession, capturing the cell) goes on meanwhile. Imports only: no store is
+    opened, no file or run created. Safe to call many times."""
+    global _import_thread
+    with _import_lock:
+        if _import_thread is not None or "mlflow.system_metrics.system_metrics_monitor" in sys.modules:
+            return
+        _import_thread = threading.Thread(target=_import_mlflow, name="dtrain-mlflow-import", daemon=True)
+        _import_thread.start()
+
+
+def _import_mlflow() -> None:
+    try:
+        from mlflow import MlflowClient  # noqa: F401
+        from mlflow.entities import Metric, Param  # noqa: F401
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor  # noqa: F401
+    except Exception:  # not installed or broken: the run's own import says so, in the notebook's thread
+        pass
+
+
+def wait_for_preload() -> None:
+    """Let a running `preload_mlflow` finish before importing MLflow here: two threads importing the
+    same package's modules at once can deadlock on Python's import locks."""
+    thread = _import_thread
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()
+
+
 class _MetricWriter(threading.Thread):
     """Writes queued metrics with ``log_batch``, as many per call as are waiting.
 
@@ -135,10 +217,7 @@ class _MetricWriter(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        try:  # Linux threads have their own nice value: let busy CPU workers on this machine go first
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        except (AttributeError, OSError):
-            pass
+        lower_thread_priority()  # busy CPU workers on this machine go first
         done = False
         while not done:
             batch = self.queue.get()
@@ -180,6 +259,8 @@ class RunTracker:
 
     @classmethod
     def start(cls, config: RunConfig, tags: Mapping[str, str] | None = None) -> "RunTracker":
+        """Create the run (and the experiment if new); a store MLflow cannot use is a `ConfigError`."""
+        wait_for_preload()
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
@@ -191,11 +272,7 @@ class RunTracker:
         except Exception as exc:  # e.g. an unwritable path, a file store MLflow refuses, not an MLflow server
             raise tracking_uri_error(config, f"MLflow cannot use this store: {_first_sentence(exc)}") from None
         if experiment is not None and experiment.lifecycle_stage == "deleted":
-            raise ConfigError(
-                "--experiment",
-                f"the experiment {config.experiment!r} was deleted in {redact_uri(uri)}; restore it "
-                f"(`mlflow experiments restore`) or choose another name. {_NOTHING_LAUNCHED}",
-            )
+            raise deleted_experiment_error(config, uri)
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(config.experiment)
         run_tags = {"dtrain_magic.backend": config.backend, "dtrain_magic.strategy": config.strategy}
         run_tags.update(tags or {})
@@ -214,8 +291,10 @@ class RunTracker:
         self._writer.queue.put(batch)
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        for key, value in tags.items():
-            self.client.set_tag(self.run_id, key, str(value)[:5000])
+        from mlflow.entities import RunTag
+
+        if tags:
+            self.client.log_batch(self.run_id, tags=[RunTag(key, str(value)[:5000]) for key, value in tags.items()])
 
     def start_system_metrics(self, node_id: str | None = None, interval_s: float = SYSTEM_METRICS_INTERVAL_S) -> None:
         """Sample CPU/memory (and GPU) of this machine into the run every ``interval_s`` seconds."""
@@ -241,17 +320,21 @@ class RunTracker:
         """Write every metric queued so far."""
         self._writer.close()
 
-    def finish(self, status: str, reason: str | None = None) -> None:
-        """Stop system metrics, flush every queued metric, set the status (FINISHED, FAILED, KILLED)."""
+    def finish(self, status: str, reason: str | None = None, tags: Mapping[str, Any] | None = None) -> None:
+        """Stop system metrics, flush every queued metric, set ``tags`` and the status (FINISHED, FAILED,
+        KILLED); ``reason`` goes to the ``dtrain_magic.failure`` tag."""
         for monitor in self._monitors:
             try:
                 monitor.finish()
+                _publish_one_sample_if_none(monitor)
             except Exception:
                 pass
         self._monitors.clear()
         self.flush()
+        tags = dict(tags or {})
         if reason:
-            self.set_tags({"dtrain_magic.failure": reason})
+            tags["dtrain_magic.failure"] = reason
+        self.set_tags(tags)
         self.client.set_terminated(self.run_id, status=status)
 
     def ui_link(self) -> str:
@@ -260,6 +343,89 @@ class RunTracker:
         if base.startswith("http"):
             return f"{base.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
         return f"{base} (run {self.run_id}; view with `mlflow ui --backend-store-uri {base}`)"
+
+
+class RunOpening:
+    """`RunTracker.start` and its system-metrics monitor, in a background thread.
+
+    A kernel's first run imports MLflow (about 2 s of CPU here, as long as torch's whole launch): opened
+    this way, the backend can start meanwhile. ``deferred``: wait for `go` before even importing MLflow
+    (the local backend's workers first get the machine's cores to themselves). `wait` gives the tracker
+    (or raises what opening it raised); `close` ends the run whether or not anyone waited for it, so no
+    run is left RUNNING.
+    """
+
+    def __init__(self, config: RunConfig, tags: Mapping[str, str] | None = None, system_metrics: bool = True,
+                 deferred: bool = False):
+        self._config, self._tags, self._system_metrics = config, dict(tags or {}), system_metrics
+        self.workers_started = False  # set by the caller before waiting: it changes what an error says
+        self._tracker: RunTracker | None = None
+        self._error: BaseException | None = None
+        self._closing: tuple | None = None
+        self._lock = threading.Lock()
+        self._go = threading.Event()
+        if not deferred:
+            self._go.set()
+        self._thread = threading.Thread(target=self._open, name="dtrain-mlflow-open", daemon=True)
+        self._thread.start()
+
+    def go(self) -> None:
+        """Open the run now (a ``deferred`` opening waits for this)."""
+        self._go.set()
+
+    def _open(self) -> None:
+        self._go.wait()
+        try:
+            tracker = RunTracker.start(self._config, self._tags)
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread by wait()
+            self._error = exc
+            return
+        try:
+            if self._system_metrics:
+                tracker.start_system_metrics()
+        except Exception:
+            logging.getLogger(__name__).warning("system metrics are off for this run", exc_info=True)
+        with self._lock:
+            closing = self._closing
+            if closing is None:
+                self._tracker = tracker
+                return
+        tracker.finish(*closing)  # the caller gave up waiting (an interrupt): end the run it asked for
+
+    def wait(self) -> RunTracker:
+        """The open run's tracker; raises the `ConfigError` (or other error) that opening it raised."""
+        self._go.set()
+        self._thread.join()
+        error = self._error
+        if isinstance(error, ConfigError) and self.workers_started:
+            message = str(error)[len(error.flag) + 2:].replace(_NOTHING_LAUNCHED, _WORKERS_STOPPED)
+            raise ConfigError(error.flag, message) from None
+        if error is not None:
+            raise error
+        assert self._tracker is not None
+        return self._tracker
+
+    def close(self, status: str, reason: str | None = None, tags: Mapping[str, Any] | None = None,
+              timeout: float = 30.0) -> None:
+        """End the run with ``status`` (and ``tags``): now if it is open, else when it opens."""
+        with self._lock:
+            self._closing = (status, reason, tags)
+            tracker, self._tracker = self._tracker, None
+        self._go.set()  # a run that never opened is still recorded, with this status
+        if tracker is not None:
+            tracker.finish(status, reason, tags)
+        else:
+            self._thread.join(timeout)  # it ends the run itself if it opens after this
+
+
+def _publish_one_sample_if_none(monitor: Any) -> None:
+    """MLflow's monitor publishes only after a whole interval: a run shorter than that (a warm re-run, or
+    workers that finished while the run was opening) would have no system metrics at all. Log one sample."""
+    if getattr(monitor, "_logging_step", 1) != 0:
+        return
+    monitor.collect_metrics()
+    monitor.publish_metrics(monitor.aggregate_metrics())
+    monitor.mlflow_logger.flush()
 
 
 def _first_sentence(exc: Exception) -> str:

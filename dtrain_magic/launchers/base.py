@@ -76,14 +76,17 @@ class Launcher(ABC):
     """One backend. Subclasses set ``name`` and are found through the registry."""
 
     name: ClassVar[str]
+    # The workers may start before the MLflow run exists (they never read ``WorkerJob.run_id``): the
+    # runner then opens the run beside their start instead of before it.
+    starts_before_tracking: ClassVar[bool] = False
 
     def check(self, config: RunConfig) -> None:
         """Validate in the notebook, before any MLflow run or process exists (deps, resources)."""
 
     def warm_up(self, config: RunConfig) -> None:
-        """Called after `check`, before the MLflow run is opened: start in the background whatever the
-        workers can start before the run exists (interpreters importing torch), so a cold run pays the
-        MLflow start and the worker start side by side, not one after the other. Default: nothing."""
+        """Called after `check`, while the MLflow run opens in the background: start what the workers
+        need before the run exists (interpreters importing torch, a Ray connection), so a cold run pays
+        the MLflow start and the backend's start side by side, not one after the other. Default: nothing."""
 
     def channel_host(self, config: RunConfig) -> str:
         """The address the notebook's channel listens on: loopback unless workers are on other hosts."""

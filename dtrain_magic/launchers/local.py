@@ -315,6 +315,7 @@ class LocalLauncher(Launcher):
     """torch.distributed on this machine; needs neither Spark nor Ray."""
 
     name = "local"
+    starts_before_tracking = True
 
     def check(self, config: RunConfig) -> None:
         if config.use_gpu:
@@ -338,8 +339,8 @@ class LocalLauncher(Launcher):
             )
 
     def warm_up(self, config: RunConfig) -> None:
-        # The first run in a kernel has no warm interpreters yet: start them now, while the notebook
-        # imports MLflow and opens the run (about 1.5 s cold); `start` then takes them from the pool.
+        # The first run in a kernel has no warm interpreters yet: start them now; `start` takes them from
+        # the pool, and they import torch while the notebook imports MLflow and opens the run.
         POOL.refill(config.num_processes)
 
     def start(self, job: WorkerJob, emit: Emit) -> RunningJob:
