@@ -148,6 +148,7 @@ class TrainContext:
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, directory: str | None = None, **client_state: Any) -> None:
         """Save model, optimizer and ``client_state`` through the strategy (every rank must call it)."""
+        self._require_prepared("save_checkpoint")
         directory = self._checkpoint_dir(directory)
         self.strategy.save_checkpoint(directory, client_state)
         self.barrier()
@@ -161,12 +162,19 @@ class TrainContext:
             directory = self._checkpoints.latest()
         if directory is None or not os.path.isdir(directory):
             return None
+        self._require_prepared("load_checkpoint")
         return self.strategy.load_checkpoint(directory)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's full-precision state dict (ZeRO-3/FSDP shards gathered), loadable into the plain
         model; every rank must call it (it is a collective), save it on rank 0."""
         return self.strategy.full_state_dict()
+
+    def _require_prepared(self, method: str) -> None:
+        if self.strategy.model is None:
+            raise RuntimeError(
+                f"ctx.{method}() saves and restores the prepared model: call ctx.prepare(model, optimizer) first"
+            )
 
     def _checkpoint_dir(self, directory: str | None) -> str:
         if directory is not None:

@@ -25,7 +25,6 @@ import shutil
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from typing import Any
 
@@ -197,7 +196,9 @@ def _start_embedded_once(num_cpus: int) -> None:
             log_to_driver=False,  # worker output comes over the run's channel
             configure_logging=False,
             _node_ip_address="127.0.0.1",
-            _temp_dir=temp_dir,
+            # Ray makes its temp dir world-writable (0777, for shared clusters); inside ours (0700, the
+            # user's alone) nobody else can reach its sockets, logs or spilled objects.
+            _temp_dir=os.path.join(temp_dir, "r"),
         )
     except BaseException as exc:
         try:
@@ -352,7 +353,10 @@ class RayJob(RunningJob):
         self._cancelled = False
         self._lock = threading.Lock()
         self.storage = storage_path(config.storage)  # Ray Train's storage_path
-        self.name = f"dtrain_{job.run_id or uuid.uuid4().hex}"
+        # Ray Train's run directory is the run's checkpoint root, so its checkpoints and ctx's are one place.
+        self.name = os.path.basename(job.checkpoint_root) if job.checkpoint_root else f"dtrain_{uuid.uuid4().hex}"
+        if "://" not in self.storage:  # Ray Train would create it 0755: the run's files are the user's alone
+            os.makedirs(os.path.join(self.storage, self.name), mode=0o700, exist_ok=True)
         self.trainer = _make_trainer_class()(
             _train_loop,
             train_loop_config={"job": job, "cwd": os.getcwd()},
@@ -458,6 +462,9 @@ class RayLauncher(Launcher):
                     "CUDA is not available here and no Ray cluster is given; use --cpu, or --ray-address of a "
                     "cluster with GPUs",
                 )
+
+    def warm_up(self, config: RunConfig) -> None:
+        connect(config)  # ray.init (seconds, cold) while the MLflow run opens
 
     def channel_host(self, config: RunConfig) -> str:
         import ray

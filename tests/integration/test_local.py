@@ -307,28 +307,6 @@ def test_rerun_uses_the_warm_pool_of_fresh_interpreters(shell):
     assert set(second.values) == idle
 
 
-def test_a_cold_run_starts_its_interpreters_while_mlflow_opens_the_run(shell, monkeypatch):
-    """The first run in a kernel (no idle interpreters): they are spawned before the MLflow run is opened,
-    so the two start-ups overlap, and the run uses exactly them."""
-    from dtrain_magic.launchers.local import POOL
-    from dtrain_magic.tracking import RunTracker
-
-    POOL.shutdown()
-    seen = {}
-    opened = RunTracker.start.__func__
-
-    def start(cls, config):
-        seen["idle_when_mlflow_opens"] = POOL.idle_pids()
-        return opened(cls, config)
-
-    monkeypatch.setattr(RunTracker, "start", classmethod(start))
-    cell = "%%distribute --backend local -n 2 --no-ui\nimport os\ndef train(ctx):\n    return os.getpid()\n"
-    result = shell.run(cell)
-    assert result.error_in_exec is None, result.error_in_exec
-    assert len(seen["idle_when_mlflow_opens"]) == 2
-    assert set(result.result.values) == seen["idle_when_mlflow_opens"]
-
-
 def test_idle_pool_exits_when_the_notebook_process_dies(tmp_path):
     import subprocess
     import sys
@@ -420,3 +398,9 @@ def test_kill_without_restarts_is_a_short_error(shell):
     assert isinstance(result.error_in_exec, WorkerError) and result.error_in_exec.rank == 1
     assert "SIGKILL" in str(result.error_in_exec)
     assert_nothing_left()
+
+
+def test_checkpoint_before_prepare_says_what_to_do(shell):
+    result = shell.run("%%distribute --backend local -n 1 --no-ui\ndef train(ctx):\n    ctx.save_checkpoint(step=1)\n")
+    error = result.error_in_exec
+    assert isinstance(error, WorkerError) and "call ctx.prepare(model, optimizer) first" in str(error), error

@@ -98,7 +98,10 @@ def test_auto_backend_picks_the_initialised_ray(shell, capsys):
     assert "2 Ray Train worker(s)" in capsys.readouterr().out
 
 
-def test_two_workers_match_the_local_backend(shell, mlflow, reference_weights, tmp_path):
+def test_two_workers_match_the_local_backend(shell, mlflow, reference_weights, tmp_path, monkeypatch):
+    from dtrain_magic.launchers import ray as ray_launcher
+
+    monkeypatch.setenv("MY_API_TOKEN", "tok-planted-secret-ray")
     result = shell.run(cell())
     assert result.error_in_exec is None, result.error_in_exec
     run = result.result
@@ -108,10 +111,22 @@ def test_two_workers_match_the_local_backend(shell, mlflow, reference_weights, t
     # ctx.log reached MLflow through the channel, every step, like on every backend
     assert [m.step for m in mlflow.get_metric_history(run.run_id, "loss")] == list(range(STEPS))
     assert mlflow.get_run(run.run_id).info.status == "FINISHED"
-    # checkpoints went to Ray Train's storage under ./dtrain_runs/<run>
-    run_dir = tmp_path / "dtrain_runs" / f"dtrain_{run.run_id}"
+    # checkpoints went to Ray Train's storage under ./dtrain_runs/<run>, named in the MLflow run
+    run_dir = tmp_path / "dtrain_runs" / os.path.basename(run.checkpoint_root)
+    assert mlflow.get_run(run.run_id).data.tags["dtrain_magic.checkpoint_root"] == str(run_dir)
     assert sorted(p.name for p in run_dir.glob("checkpoint_*/checkpoint.pt")), list(run_dir.rglob("*"))
     assert wait_dead(pids(tmp_path), 15) == []
+    # private to the user: the run's checkpoints, and the embedded Ray's session (the pickled job's objects)
+    for private in (run_dir, ray_launcher._Embedded.temp_dir):  # Ray's own session: "r" inside, 0777
+        assert oct(os.stat(private).st_mode & 0o777) == "0o700", private
+    # a planted token in the notebook's environment reaches no param, tag or artifact
+    artifacts = mlflow.list_artifacts(run.run_id)
+    assert artifacts
+    stored = mlflow.get_run(run.run_id)
+    everything = repr(stored.data.params) + repr(stored.data.tags)
+    for artifact in artifacts:
+        everything += open(mlflow.download_artifacts(run.run_id, artifact.path)).read()
+    assert "tok-planted-secret-ray" not in everything
 
 
 
@@ -182,6 +197,23 @@ def train(ctx):
     # the same Ray instance runs the next cell
     again = shell.run(cell(steps=2, save=False))
     assert again.error_in_exec is None, again.error_in_exec
+
+
+def test_timeout_stops_every_worker(shell, mlflow, tmp_path):
+    from dtrain_magic.errors import RunTimeout
+
+    started = time.monotonic()
+    result = shell.run(
+        "%%distribute --backend ray -n 2 --no-ui --timeout 30\nimport os, time\ndef train(ctx):\n"
+        "    open(f'pid_{ctx.rank}', 'a').write(f'{os.getpid()}\\n')\n    time.sleep(300)\n"
+    )
+    error = result.error_in_exec
+    assert isinstance(error, RunTimeout) and "--timeout 30" in str(error), error
+    assert 30 <= time.monotonic() - started < 60
+    assert len(pids(tmp_path)) == 2  # both workers were running (hanging) when the timeout came
+    assert wait_dead(pids(tmp_path), 10) == []
+    run = mlflow.search_runs(experiment_ids=[mlflow.get_experiment_by_name("dtrain_magic").experiment_id])[0]
+    assert run.info.status == "FAILED" and "--timeout 30" in run.data.tags["dtrain_magic.failure"]
 
 
 def test_python_error_in_a_worker_is_the_same_short_error(shell, mlflow):

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from dtrain_magic.config import RunConfig
-from dtrain_magic.errors import ConfigError, RunInterrupted, WorkerError
+from dtrain_magic.errors import ConfigError, RunInterrupted, RunTimeout, WorkerError
 from dtrain_magic.launchers import get_launcher
 from workloads import (
     EVERY, KILL_RANK1_CELL, STEPS, TRAIN_HELPERS, assert_strategy_run, restart_cell, strategy_cell, train_cell,
@@ -157,7 +157,7 @@ def test_second_run_reuses_the_session(spark_launcher, shell, capsys):
 
 def test_checkpoints_land_where_every_backend_puts_them(spark_launcher, shell):
     """ctx.save_checkpoint() without a directory works on Spark as on local and Ray: numbered checkpoints
-    under ./dtrain_runs/dtrain_<run id>, the same function trains to the same weights on both backends."""
+    under ./dtrain_runs/dtrain_<run key>, the same function trains to the same weights on both backends."""
     import torch
 
     spark = shell.run(restart_cell("spark", save=True))
@@ -167,7 +167,8 @@ def test_checkpoints_land_where_every_backend_puts_them(spark_launcher, shell):
     for name, value in local.result.value.items():
         assert torch.allclose(value, spark.result.value[name], atol=1e-5, rtol=0), name
     for result in (spark.result, local.result):
-        root = os.path.join(os.getcwd(), "dtrain_runs", f"dtrain_{result.run_id}")
+        root = result.checkpoint_root
+        assert os.path.dirname(root) == os.path.join(os.getcwd(), "dtrain_runs"), root
         saved = sorted(d for d in os.listdir(root) if d.startswith("checkpoint_"))
         assert saved == [f"checkpoint_{i:06d}" for i in range(STEPS // EVERY)], saved
         assert all(os.path.exists(os.path.join(root, d, ".complete")) for d in saved)
@@ -216,6 +217,47 @@ def test_killed_worker_names_its_rank_and_signal(spark_launcher, shell, mlflow):
     assert last_run(mlflow).info.status == "FAILED"
     assert_no_torchrun_left()
     assert_no_spark_job_running(spark_launcher)
+
+
+def test_timeout_stops_every_torchrun_process(spark_launcher, shell, mlflow, tmp_path):
+    spark_launcher.session(RunConfig(backend="spark"))  # started already unless this test runs alone
+    started = time.monotonic()
+    result = shell.run(
+        "%%distribute --backend spark -n 2 --no-ui --timeout 10\nimport os, time\ndef train(ctx):\n"
+        f"    open(os.path.join({str(tmp_path)!r}, f'pid_{{ctx.rank}}'), 'w').write(str(os.getpid()))\n"
+        "    time.sleep(300)\n"
+    )
+    error = result.error_in_exec
+    assert isinstance(error, RunTimeout) and "--timeout 10" in str(error), error
+    assert 10 <= time.monotonic() - started < 30
+    pids = [int((tmp_path / f"pid_{rank}").read_text()) for rank in (0, 1)]  # the workers were running
+    assert_no_torchrun_left()
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
+    assert_no_spark_job_running(spark_launcher)
+    run = last_run(mlflow)
+    assert run.info.status == "FAILED" and "--timeout 10" in run.data.tags["dtrain_magic.failure"]
+
+
+def test_secrets_are_not_logged_and_run_files_are_private(spark_launcher, shell, mlflow, monkeypatch):
+    """A planted token in the notebook's environment reaches no param, tag or artifact; TorchDistributor's
+    directory (the pickled function) and the run's checkpoints are the user's alone (0700)."""
+    monkeypatch.setenv("MY_API_TOKEN", "tok-planted-secret-spark")
+    result = shell.run(
+        "%%distribute --backend spark -n 2 --no-ui\nimport os, stat, sys, torch\ndef train(ctx):\n"
+        "    ctx.prepare(torch.nn.Linear(2, 1))\n    ctx.save_checkpoint(step=1)\n"
+        "    return oct(stat.S_IMODE(os.stat(os.path.dirname(os.path.abspath(sys.argv[0]))).st_mode))\n"
+    )
+    assert result.error_in_exec is None, result.error_in_exec
+    assert result.result.value == "0o700"  # where TorchDistributor put the pickled function and its script
+    assert oct(os.stat(result.result.checkpoint_root).st_mode & 0o777) == "0o700"
+    run_id = result.result.run_id
+    run = mlflow.get_run(run_id)
+    artifacts = mlflow.list_artifacts(run_id)
+    assert artifacts  # the result is one: the scan below reads what the run stored
+    everything = repr(run.data.params) + repr(run.data.tags)
+    for artifact in artifacts:
+        everything += open(mlflow.download_artifacts(run_id, artifact.path)).read()
+    assert "tok-planted-secret-spark" not in everything
 
 
 def test_gpu_setting_problems_are_clear_errors(spark_launcher, shell, mlflow):
