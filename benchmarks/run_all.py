@@ -135,7 +135,11 @@ def ratio_reason(data: dict, backend: str, mode: str) -> str:
     if "spark_session" in mp or "spark_session" in rp:
         text += (f"; SparkSession start {mp.get('spark_session', 0):.2f} s (magic) vs {rp.get('spark_session', 0):.2f} s "
                  f"(raw), the same JVM start on both sides")
-    if mode == "cold" and backend == "local" and mp.get("proc_start_vs_call") is not None:
+    if mp.get("mlflow_after_launch", 0) > 0.05:  # the run opened after the launch: MLflow was off the path
+        text += (f". MLflow was off the critical path: the run opened {mp['mlflow_after_launch']:.2f} s after the "
+                 f"launch (import {mp.get('mlflow_import', 0):.2f} s, run creation {mp.get('mlflow_run', 0):.2f} s, "
+                 f"in the background), so the difference is the workers' own start")
+    elif mode == "cold" and backend == "local" and mp.get("proc_start_vs_call") is not None:
         started = mp["proc_start_vs_call"]
         if started <= rp.get("proc_start_vs_call", 0) + 0.1:  # Launcher.warm_up spawned them at the call
             text += (f". The workers start {started:.2f} s after the call (raw's {rp.get('proc_start_vs_call', 0):.2f} s) "

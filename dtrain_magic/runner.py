@@ -31,7 +31,7 @@ _POLL_S = 0.05
 _ERROR_GRACE_S = 1.0  # after the first worker error, let the others report before stopping them
 # Workers started before the MLflow run: it opens once they are past their start (a metric, a result,
 # an error), or after this long; their metrics wait for it, their output does not.
-_EARLY_START_HOLD_S = 5.0
+_EARLY_START_HOLD_S = 10.0
 
 
 def check(config: RunConfig) -> None:
@@ -49,7 +49,7 @@ def _starts_before_tracking(launcher: Any, config: RunConfig) -> bool:
     nothing can go wrong with the run that a look at the store did not already rule out (a writable SQLite
     file, the experiment not deleted): a kernel's first run then does not wait for MLflow's import (about
     2 s of CPU here), which waits until the workers are past their start so it does not slow them either."""
-    return launcher.starts_before_tracking and sqlite_experiment_stage(
+    return launcher.starts_before_tracking(config) and sqlite_experiment_stage(
         resolve_tracking_uri(config), config.experiment
     ) in ("active", "absent")
 

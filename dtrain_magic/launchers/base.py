@@ -76,9 +76,6 @@ class Launcher(ABC):
     """One backend. Subclasses set ``name`` and are found through the registry."""
 
     name: ClassVar[str]
-    # The workers may start before the MLflow run exists (they never read ``WorkerJob.run_id``): the
-    # runner then opens the run beside their start instead of before it.
-    starts_before_tracking: ClassVar[bool] = False
 
     def check(self, config: RunConfig) -> None:
         """Validate in the notebook, before any MLflow run or process exists (deps, resources)."""
@@ -87,6 +84,11 @@ class Launcher(ABC):
         """Called after `check`, while the MLflow run opens in the background: start what the workers
         need before the run exists (interpreters importing torch, a Ray connection), so a cold run pays
         the MLflow start and the backend's start side by side, not one after the other. Default: nothing."""
+
+    def starts_before_tracking(self, config: RunConfig) -> bool:
+        """May the workers start before the MLflow run exists (they never read ``WorkerJob.run_id``)? The
+        runner then opens the run once they are past their start instead of before it. Default: no."""
+        return False
 
     def channel_host(self, config: RunConfig) -> str:
         """The address the notebook's channel listens on: loopback unless workers are on other hosts."""

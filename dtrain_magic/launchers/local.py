@@ -315,7 +315,9 @@ class LocalLauncher(Launcher):
     """torch.distributed on this machine; needs neither Spark nor Ray."""
 
     name = "local"
-    starts_before_tracking = True
+
+    def starts_before_tracking(self, config: RunConfig) -> bool:
+        return True
 
     def check(self, config: RunConfig) -> None:
         if config.use_gpu:

@@ -463,6 +463,9 @@ class RayLauncher(Launcher):
                     "cluster with GPUs",
                 )
 
+    def starts_before_tracking(self, config: RunConfig) -> bool:
+        return True  # Ray Train's run is named after the checkpoint root, not the MLflow run
+
     def warm_up(self, config: RunConfig) -> None:
         connect(config)  # ray.init (seconds, cold) while the MLflow run opens
 

@@ -601,6 +601,9 @@ class SparkLauncher(Launcher):
                 "or add executors",
             )
 
+    def starts_before_tracking(self, config: RunConfig) -> bool:
+        return config.local_mode  # on a cluster, each node's first worker records system metrics in the run
+
     def channel_host(self, config: RunConfig) -> str:
         if config.local_mode:
             return "127.0.0.1"
