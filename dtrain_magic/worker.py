@@ -240,9 +240,24 @@ def _warm_up_ddp() -> None:
         pass
 
 
+def _exit_with_the_notebook(notebook_pid: int, every_s: float = 1.0) -> None:
+    """A local worker whose notebook went away (killed, or exited while this worker was still tearing
+    down) exits too, instead of waiting on peers that will never answer (gloo waits 30 minutes). The
+    workers run in their own sessions, so no hangup signal would reach them."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == notebook_pid:
+            time.sleep(every_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="dtrain-notebook-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of a local worker: ``python -m dtrain_magic.worker JOB_FILE`` or ``--pool``."""
     argv = sys.argv[1:] if argv is None else argv
+    _exit_with_the_notebook(os.getppid())
     path = _wait_for_job() if argv[0] == "--pool" else argv[0]
     if path is None:
         return 0

@@ -45,3 +45,28 @@ def test_quickstart_notebook_runs_through_a_real_kernel(tmp_path):
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     history = client.get_metric_history(runs[0].info.run_id, "loss")
     assert len(history) == 40 and history[-1].value < history[0].value
+    assert_no_worker_left_in(tmp_path)
+
+
+def assert_no_worker_left_in(directory: Path, within_s: float = 10.0) -> None:
+    """The kernel is gone: so is every local worker it started (idle pool, or still tearing down)."""
+    import time
+
+    import psutil
+
+    def left():
+        found = []
+        for proc in psutil.process_iter(["cmdline", "cwd"]):
+            try:
+                if "dtrain_magic.worker" in " ".join(proc.info["cmdline"] or []) and (proc.info["cwd"] or "").startswith(
+                    str(directory)
+                ) and proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(proc.pid)
+            except psutil.Error:
+                pass
+        return found
+
+    deadline = time.monotonic() + within_s
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left() == [], "local workers outlived the notebook's kernel"

@@ -307,12 +307,13 @@ def test_rerun_uses_the_warm_pool_of_fresh_interpreters(shell):
     assert set(second.values) == idle
 
 
-def test_idle_pool_exits_when_the_notebook_process_dies(tmp_path):
+def test_workers_exit_when_the_notebook_process_dies(tmp_path):
+    """A kernel killed (no atexit) with its idle pool, and one killed mid-run: no worker outlives it."""
     import subprocess
     import sys
 
     script = (
-        "import os, sys\n"
+        "import os, sys, threading, time\n"
         "from IPython.core.interactiveshell import InteractiveShell\n"
         "sh = InteractiveShell.instance()\n"
         "sh.run_cell('%load_ext dtrain_magic')\n"
@@ -320,16 +321,22 @@ def test_idle_pool_exits_when_the_notebook_process_dies(tmp_path):
         "assert r.error_in_exec is None, r.error_in_exec\n"
         "from dtrain_magic.launchers.local import POOL\n"
         "print(' '.join(map(str, POOL.idle_pids())), flush=True)\n"
+        "if sys.argv[1] == 'mid-run':\n"
+        "    threading.Timer(5, lambda: os._exit(0)).start()\n"
+        "    sh.run_cell('%%distribute --backend local -n 2 --no-ui\\nimport time\\ndef train(ctx):\\n'\n"
+        "                '    ctx.barrier()\\n    time.sleep(300 if ctx.rank else 0)\\n    ctx.barrier()\\n')\n"
         "os._exit(0)  # no atexit: like a kernel that is killed\n"
     )
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'm.db'}")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
-    pids = [int(p) for p in proc.stdout.strip().splitlines()[-1].split()]
-    assert len(pids) == 2, proc.stdout + proc.stderr
-    deadline = time.monotonic() + 60  # they may still be importing torch when their stdin closes
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-        assert time.monotonic() < deadline, "idle pool processes outlived the notebook"
-        time.sleep(0.2)
+    for case in ("idle", "mid-run"):
+        proc = subprocess.run([sys.executable, "-c", script, case], capture_output=True, text=True, cwd=tmp_path,
+                              env=env, timeout=300)
+        pids = [int(p) for p in proc.stdout.strip().splitlines()[-1].split()]
+        assert len(pids) == 2, proc.stdout + proc.stderr
+        deadline = time.monotonic() + 60  # they may still be importing torch when their notebook goes
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            assert time.monotonic() < deadline, f"{case}: worker processes outlived the notebook"
+            time.sleep(0.2)
 
 
 def test_processes_bind_only_to_loopback(shell):
