@@ -21,7 +21,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # generous: a loaded 
 
 ray = pytest.importorskip("ray")
 
-from workloads import EVERY, STEPS, assert_strategy_run, restart_cell, strategy_cell
+from workloads import (
+    EVERY, MIXED_CELL, STEPS, assert_nothing_grew, assert_strategy_run, notebook_snapshot, restart_cell, strategy_cell,
+)
 
 
 def cell(backend="ray", flags="", kill=False, save=True, steps=STEPS):
@@ -214,6 +216,22 @@ def test_timeout_stops_every_worker(shell, mlflow, tmp_path):
     assert wait_dead(pids(tmp_path), 10) == []
     run = mlflow.search_runs(experiment_ids=[mlflow.get_experiment_by_name("dtrain_magic").experiment_id])[0]
     assert run.info.status == "FAILED" and "--timeout 30" in run.data.tags["dtrain_magic.failure"]
+
+
+def test_runs_in_a_row_leave_nothing_growing(shell):
+    """Ray Train runs in one kernel, after a first one (one-off imports, threads), one failing and one not:
+    no open file, thread or listening socket accumulates in the notebook (a Ray run costs ~15 s here; the
+    local backend's 50-run soak is test_soak.py, Spark's six runs test_spark.py)."""
+    outcomes = []
+    for i in range(3):
+        shell.user_ns["FAIL"] = i == 1
+        result = shell.run(MIXED_CELL.format(backend="ray"))
+        outcomes.append(type(result.error_in_exec).__name__ if result.error_in_exec else "ok")
+        if i == 0:
+            before = notebook_snapshot()
+    after = notebook_snapshot()
+    assert outcomes == ["ok", "WorkerError", "ok"], outcomes
+    assert_nothing_grew(before, after)
 
 
 def test_python_error_in_a_worker_is_the_same_short_error(shell, mlflow):

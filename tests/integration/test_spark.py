@@ -18,7 +18,8 @@ from dtrain_magic.config import RunConfig
 from dtrain_magic.errors import ConfigError, RunInterrupted, RunTimeout, WorkerError
 from dtrain_magic.launchers import get_launcher
 from workloads import (
-    EVERY, KILL_RANK1_CELL, STEPS, TRAIN_HELPERS, assert_strategy_run, restart_cell, strategy_cell, train_cell,
+    EVERY, KILL_RANK1_CELL, MIXED_CELL, STEPS, TRAIN_HELPERS, assert_nothing_grew, assert_strategy_run, notebook_snapshot,
+    restart_cell, strategy_cell, train_cell,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -258,6 +259,24 @@ def test_secrets_are_not_logged_and_run_files_are_private(spark_launcher, shell,
     for artifact in artifacts:
         everything += open(mlflow.download_artifacts(run_id, artifact.path)).read()
     assert "tok-planted-secret-spark" not in everything
+
+
+def test_runs_in_a_row_leave_nothing_growing(spark_launcher, shell):
+    """Six runs through TorchDistributor in one kernel, every third failing: no torchrun process, open file,
+    thread or listening socket accumulates in the notebook (the local backend's 50-run soak: test_soak.py)."""
+    outcomes = []
+    for i in range(6):
+        shell.user_ns["FAIL"] = i % 3 == 2
+        result = shell.run(MIXED_CELL.format(backend="spark"))
+        outcomes.append(type(result.error_in_exec).__name__ if result.error_in_exec else "ok")
+        if i == 1:  # after the first runs' one-off imports and threads
+            assert_no_torchrun_left()
+            before = notebook_snapshot()
+    assert_no_torchrun_left()
+    after = notebook_snapshot()
+    assert outcomes == ["ok", "ok", "WorkerError"] * 2, outcomes
+    assert_nothing_grew(before, after)
+    assert_no_spark_job_running(spark_launcher)
 
 
 def test_gpu_setting_problems_are_clear_errors(spark_launcher, shell, mlflow):

@@ -191,3 +191,39 @@ def assert_close(a: dict, b: dict, atol: float, rtol: float) -> float:
     return worst
 
 
+
+
+# A cell that succeeds or, with FAIL set in the notebook, fails on rank 1: runs in a row must leave nothing growing.
+MIXED_CELL = """%%distribute --backend {backend} -n 2 --no-ui
+def train(ctx):
+    import torch
+    model, opt = ctx.prepare(torch.nn.Linear(4, 1), None)
+    ctx.log(loss=float(ctx.rank))
+    if FAIL and ctx.rank == 1:
+        raise RuntimeError("planned failure")
+    return ctx.rank
+"""
+
+
+def notebook_snapshot() -> dict:
+    """What a long-lived kernel must not accumulate: its open files, threads, listening sockets, memory."""
+    import gc
+    import threading
+
+    import psutil
+
+    gc.collect()
+    me = psutil.Process()
+    return {
+        "fds": me.num_fds(),
+        "threads": threading.active_count(),
+        "rss_mb": me.memory_info().rss / 2**20,
+        "listening": len([c for c in me.net_connections("inet") if c.status == "LISTEN"]),
+    }
+
+
+def assert_nothing_grew(before: dict, after: dict, rss_mb: float = 150) -> None:
+    assert after["listening"] == before["listening"], (before, after)
+    assert after["fds"] <= before["fds"] + 5, (before, after)
+    assert after["threads"] <= before["threads"] + 2, (before, after)
+    assert after["rss_mb"] <= before["rss_mb"] + rss_mb, (before, after)
