@@ -263,7 +263,8 @@ def test_secrets_are_not_logged_and_run_files_are_private(spark_launcher, shell,
 
 def test_runs_in_a_row_leave_nothing_growing(spark_launcher, shell):
     """Six runs through TorchDistributor in one kernel, every third failing: no torchrun process, open file,
-    thread or listening socket accumulates in the notebook (the local backend's 50-run soak: test_soak.py)."""
+    thread or listening socket accumulates in the notebook (the local backend's 50-run soak: test_soak.py;
+    Ray: its interrupt test)."""
     outcomes = []
     for i in range(6):
         shell.user_ns["FAIL"] = i % 3 == 2
