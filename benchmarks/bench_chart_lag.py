@@ -2,7 +2,9 @@
 
 A real ``%%distribute --backend local -n 2 --ui`` run in an IPython shell logs a metric every 50 ms;
 the monitor's chart poller (reading MLflow) records, for every point, the time it first saw it minus
-the worker's timestamp for it. Reports median, p95 and max.
+the worker's timestamp for it. Reports median, p95 and max, for the first run of a fresh process (its
+MLflow run opens only once the workers are past their start, so its first points wait for MLflow's
+import) and for a second run (MLflow loaded: the lag of every later run).
 
     .venv/bin/python benchmarks/bench_chart_lag.py --steps 200 --json benchmarks/results/chart_lag.json
 """
@@ -49,18 +51,21 @@ def main() -> None:
     shell = InteractiveShell.instance()
     shell.run_cell("%load_ext dtrain_magic", store_history=False)
     shell.user_ns["STEPS"] = args.steps
-    outcome = shell.run_cell(CELL, store_history=False, silent=True)
-    if outcome.error_in_exec is not None:
-        raise outcome.error_in_exec
-    charts = observers[-1].charts
-    charts.wait(timeout=30)
-    lag = lag_summary(charts.lags_s)
-    print(f"chart lag over {int(lag['n'])} points: median {lag['median_s']:.3f} s, p95 {lag['p95_s']:.3f} s, "
-          f"max {lag['max_s']:.3f} s (poll interval {charts.interval_s} s)")
+    lags = {}
+    for which in ("first", "later"):
+        outcome = shell.run_cell(CELL, store_history=False, silent=True)
+        if outcome.error_in_exec is not None:
+            raise outcome.error_in_exec
+        charts = observers[-1].charts
+        charts.wait(timeout=30)
+        lags[which] = lag = lag_summary(charts.lags_s)
+        print(f"chart lag, {which} run, over {int(lag['n'])} points: median {lag['median_s']:.3f} s, p95 "
+              f"{lag['p95_s']:.3f} s, max {lag['max_s']:.3f} s (poll interval {charts.interval_s} s)")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as handle:
-            json.dump({"chart_lag": lag, "poll_interval_s": charts.interval_s}, handle, indent=2)
+            json.dump({"chart_lag": lags["first"], "chart_lag_later": lags["later"], "poll_interval_s": charts.interval_s},
+                      handle, indent=2)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ def run(name: str, script: str, extra: list[str]) -> dict:
         capture_output=True, text=True, timeout=3600,
     )
     entry = {"script": script, "args": extra, "seconds": round(time.monotonic() - started, 1), "rc": proc.returncode}
-    summary = [line for line in proc.stdout.splitlines() if not line.startswith(("[rank", "dtrain_magic:", "step ", "Out["))]
+    summary = [line for line in proc.stdout.splitlines() if not line.startswith(("[rank", "dtrain_magic:", "step ", "Out[", "VBox("))]
     entry["summary"] = summary[-60:]
     if proc.returncode != 0:
         entry["error"] = proc.stderr[-3000:]
@@ -249,9 +249,14 @@ def targets(results: dict, n: int) -> list[dict]:
     log_cost = (local or {}).get("log_cost")
     add("local: cost of ctx.log every step", "≤ 2 %", 100 * log_cost if log_cost is not None else None, 2.0, False,
         " %", lambda: log_reason(local), "{:.1f}")
-    lag = (_data(results, "chart_lag") or {}).get("chart_lag", {})
-    add("live chart lag (ctx.log on a worker → chart data), median", "≤ 1 s", lag.get("median_s"), 1.0, False, " s",
-        lambda: f"p95 {lag.get('p95_s', 0):.2f} s, max {lag.get('max_s', 0):.2f} s over {int(lag.get('n', 0))} points.")
+    lags = _data(results, "chart_lag") or {}
+    for key, which in (("chart_lag", "a kernel's first run"), ("chart_lag_later", "later runs")):
+        lag = lags.get(key, {})
+        if key == "chart_lag_later" and not lag:
+            continue
+        add(f"live chart lag (ctx.log on a worker → chart data), median, {which}", "≤ 1 s", lag.get("median_s"), 1.0,
+            False, " s", lambda lag=lag: f"p95 {lag.get('p95_s', 0):.2f} s, max {lag.get('max_s', 0):.2f} s over "
+            f"{int(lag.get('n', 0))} points.")
     return rows
 
 
