@@ -87,7 +87,7 @@ def execute(
             try:
                 held: list[tuple] = []
                 if tracker is None:
-                    held = outcome.hold(_EARLY_START_HOLD_S, stop)
+                    held = outcome.hold(running, _EARLY_START_HOLD_S, stop)
                     opening.workers_started = True
                     tracker = opening.wait()
                 observer.started(config, tracker.run_id, tracker.ui_link(), launcher.describe(config))
@@ -140,10 +140,10 @@ class _Pump:
         self.hellos: set = set()
         self.first_metric_s: float | None = None
 
-    def hold(self, limit_s: float, stop: threading.Event | None) -> list[tuple]:
+    def hold(self, running: Any, limit_s: float, stop: threading.Event | None) -> list[tuple]:
         """Before the MLflow run exists: handle the workers' messages (output streams on) until the first
-        metric, result or error, or until ``limit_s`` passed: the workers are past their start. Returns
-        the metric, which waits for the run."""
+        metric, result or error, until the launcher sees the workers end or fail, or until ``limit_s``
+        passed: the workers are past their start. Returns the metric, which waits for the run."""
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline:
             message = self.channel.get(timeout=_POLL_S)
@@ -153,6 +153,11 @@ class _Pump:
                 self.handle(message)
                 if message[0] in (ch.RESULT, ch.ERROR):
                     break
+            state = running.poll()
+            if state.restarted:
+                self._forget_attempt(keep_last=False)
+            if state.finished or state.failures:
+                break  # `run` sees it again and ends the run
             if stop is not None and stop.is_set():
                 raise RunInterrupted("the run was stopped from the panel; every worker was stopped")
         return []

@@ -132,6 +132,22 @@ def test_killed_worker_gives_short_error_and_stops_the_others(shell, mlflow):
     assert [m.value for m in mlflow.get_metric_history(run.info.run_id, "loss")] == [1.0]  # nothing lost
 
 
+def test_worker_killed_before_it_logs_is_reported_at_once(shell, tmp_path):
+    """Before its first metric a run has no MLflow run yet (it opens once the workers are past their start):
+    a worker dying then is still noticed at once, not when that wait ends."""
+    marker = tmp_path / "killed_at"
+    result = shell.run(
+        "%%distribute --backend local -n 2 --no-ui\nimport os, signal, time\ndef train(ctx):\n"
+        f"    if ctx.rank == 1:\n        open({str(marker)!r}, 'w').write(str(time.time()))\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n    time.sleep(60)  # rank 0 never notices by itself\n"
+    )
+    returned = time.time()
+    error = result.error_in_exec
+    assert isinstance(error, WorkerError) and error.rank == 1 and "SIGKILL" in str(error), error
+    assert returned - float(marker.read_text()) < 4.0
+    assert_nothing_left()
+
+
 def test_timeout_stops_every_worker(shell, mlflow):
     started = time.monotonic()
     result = shell.run(
