@@ -36,10 +36,6 @@ from .base import Emit, Failure, Launcher, LaunchState, RunningJob
 
 _ABORT_WAIT_S = 4.0  # controller.abort() before we kill the controller actor outright
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
-# Two runs at once from one kernel (the panel's Run, twice): one of them connects or starts Ray, and the
-# instance is never restarted under a run that is using it.
-_CONNECT_LOCK = threading.RLock()
-_FITS: set[threading.Thread] = set()  # the TorchTrainer.fit threads of this kernel's runs
 
 
 # -- worker side ---------------------------------------------------------------------------------------
@@ -246,15 +242,6 @@ def _host_port(address: str) -> tuple[str, str]:
 
 def connect(config: RunConfig) -> str:
     """Make sure this kernel is connected to the right Ray; returns how ("running", "joined", "embedded")."""
-    with _CONNECT_LOCK:
-        return _connect(config)
-
-
-def _runs_in_progress() -> bool:
-    return any(thread.is_alive() for thread in list(_FITS))
-
-
-def _connect(config: RunConfig) -> str:
     import ray
 
     address = config.ray_address or os.environ.get("RAY_ADDRESS") or None
@@ -267,11 +254,6 @@ def _connect(config: RunConfig) -> str:
             current and _host_port(address) == _host_port(current)
         ):
             return "embedded" if _Embedded.temp_dir else ("joined" if _Embedded.joined else "running")
-        if _runs_in_progress():
-            raise LaunchError(
-                f"another run of this kernel is using Ray at {current}; wait for it to end before switching to "
-                f"--ray-address {address}"
-            )
         if _Embedded.joined:  # a cluster this launcher joined: leave it for the requested one
             ray.shutdown()
         elif _Embedded.temp_dir is None:
@@ -296,18 +278,13 @@ def _connect(config: RunConfig) -> str:
 
 def _ensure_capacity(config: RunConfig, how: str) -> None:
     """A run that asks for more than the cluster has would wait forever: fail now (or grow our instance)."""
-    with _CONNECT_LOCK:
-        _ensure_capacity_locked(config, how)
-
-
-def _ensure_capacity_locked(config: RunConfig, how: str) -> None:
     import ray
 
     resource = "GPU" if config.use_gpu else "CPU"
     have = ray.cluster_resources().get(resource, 0)
     if have >= config.num_processes:
         return
-    if how == "embedded" and not config.use_gpu and not _runs_in_progress():
+    if how == "embedded" and not config.use_gpu:
         _shutdown_embedded()
         _start_embedded(max(4, config.num_processes + 1))
         return
@@ -391,7 +368,6 @@ class RayJob(RunningJob):
             ),
         )
         self._thread = threading.Thread(target=self._fit, name="dtrain-ray-fit", daemon=True)
-        _FITS.add(self._thread)
         self._thread.start()
 
     def _fit(self) -> None:
@@ -399,8 +375,6 @@ class RayJob(RunningJob):
             self.trainer.fit()
         except BaseException as exc:  # noqa: BLE001 - reported through poll()
             self._error = exc
-        finally:
-            _FITS.discard(threading.current_thread())
 
     def poll(self) -> LaunchState:
         if self._thread.is_alive():

@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from dtrain_magic.errors import CaptureError, ConfigError, RunInterrupted, RunTimeout, WorkerError
-from workloads import KILL_RANK1_CELL, TRAIN_HELPERS, restart_cell, train_cell, two_runs_at_once
+from workloads import KILL_RANK1_CELL, TRAIN_HELPERS, restart_cell, train_cell
 
 pytestmark = pytest.mark.slow
 
@@ -371,7 +371,20 @@ def test_processes_bind_only_to_loopback(shell):
 
 
 def test_two_runs_at_once_use_separate_channels_and_mlflow_runs(tracking_uri):
-    two_runs_at_once("local", tracking_uri)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dtrain_magic import runner
+    from dtrain_magic.capture import capture
+    from dtrain_magic.config import RunConfig
+    from dtrain_magic.observer import RunObserver
+
+    payload, _ = capture("import time\ndef train(ctx):\n    time.sleep(1)\n    return ctx.rank\n", {})
+    config = RunConfig(num_processes=2, tracking_uri=tracking_uri)
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(runner.execute, config, payload, RunObserver()) for _ in range(2)]
+        results = [f.result(timeout=240) for f in futures]
+    assert [r.values for r in results] == [[0, 1], [0, 1]]
+    assert results[0].run_id != results[1].run_id
     assert_nothing_left()
 
 

@@ -23,7 +23,6 @@ ray = pytest.importorskip("ray")
 
 from workloads import (
     EVERY, MIXED_CELL, STEPS, assert_nothing_grew, assert_strategy_run, notebook_snapshot, restart_cell, strategy_cell,
-    two_runs_at_once,
 )
 
 
@@ -233,16 +232,6 @@ def test_runs_in_a_row_leave_nothing_growing(shell):
     after = notebook_snapshot()
     assert outcomes == ["ok", "WorkerError"], outcomes
     assert_nothing_grew(before, after)
-
-
-def test_two_runs_at_once_start_one_ray_and_run_side_by_side(tracking_uri):
-    """Both runs find no Ray yet: one starts the local instance, both use it (this raced: 'ray.init twice')."""
-    from dtrain_magic.launchers import ray as ray_launcher
-
-    ray_launcher._shutdown_embedded()
-    assert not ray.is_initialized()
-    two_runs_at_once("ray", tracking_uri)
-    assert ray_launcher._Embedded.temp_dir is not None  # the instance stays for the next cells
 
 
 def test_python_error_in_a_worker_is_the_same_short_error(shell, mlflow):

@@ -19,7 +19,7 @@ from dtrain_magic.errors import ConfigError, RunInterrupted, RunTimeout, WorkerE
 from dtrain_magic.launchers import get_launcher
 from workloads import (
     EVERY, KILL_RANK1_CELL, MIXED_CELL, STEPS, TRAIN_HELPERS, assert_nothing_grew, assert_strategy_run, notebook_snapshot,
-    restart_cell, strategy_cell, train_cell, two_runs_at_once,
+    restart_cell, strategy_cell, train_cell,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -277,12 +277,6 @@ def test_runs_in_a_row_leave_nothing_growing(spark_launcher, shell):
     after = notebook_snapshot()
     assert outcomes == ["ok", "ok", "WorkerError"] * 2, outcomes
     assert_nothing_grew(before, after)
-    assert_no_spark_job_running(spark_launcher)
-
-
-def test_two_runs_at_once_run_side_by_side(spark_launcher, tracking_uri):
-    two_runs_at_once("spark", tracking_uri)
-    assert_no_torchrun_left()
     assert_no_spark_job_running(spark_launcher)
 
 

@@ -227,22 +227,3 @@ def assert_nothing_grew(before: dict, after: dict, rss_mb: float = 150) -> None:
     assert after["fds"] <= before["fds"] + 5, (before, after)
     assert after["threads"] <= before["threads"] + 2, (before, after)
     assert after["rss_mb"] <= before["rss_mb"] + rss_mb, (before, after)
-
-
-def two_runs_at_once(backend: str, tracking_uri: str) -> list:
-    """Two runs started together from one kernel (the panel's Run, twice), each in its own thread."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from dtrain_magic import runner
-    from dtrain_magic.capture import capture
-    from dtrain_magic.config import RunConfig
-    from dtrain_magic.observer import RunObserver
-
-    payload, _ = capture("import time\ndef train(ctx):\n    time.sleep(1)\n    return ctx.rank\n", {})
-    config = RunConfig(backend=backend, num_processes=2, tracking_uri=tracking_uri)
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(runner.execute, config, payload, RunObserver()) for _ in range(2)]
-        results = [f.result(timeout=300) for f in futures]
-    assert [r.values for r in results] == [[0, 1], [0, 1]]
-    assert results[0].run_id != results[1].run_id
-    return results
