@@ -127,6 +127,11 @@ def execute(
         opening.close(status, reason, {"dtrain_magic.wall_time_s": f"{time.monotonic() - started:.3f}"})
 
 
+def _raise_if_stopped(stop: threading.Event | None) -> None:
+    if stop is not None and stop.is_set():
+        raise RunInterrupted("the run was stopped from the panel; every worker was stopped")
+
+
 class _Pump:
     """Moves channel messages to the observer and the tracker until the launcher says the run ended."""
 
@@ -158,8 +163,7 @@ class _Pump:
                 self._forget_attempt(keep_last=False)
             if state.finished or state.failures:
                 break  # `run` sees it again and ends the run
-            if stop is not None and stop.is_set():
-                raise RunInterrupted("the run was stopped from the panel; every worker was stopped")
+            _raise_if_stopped(stop)
         return []
 
     def run(self, running: Any, stop: threading.Event | None) -> bool:
@@ -186,8 +190,7 @@ class _Pump:
             if first_error_at is not None and now - first_error_at > _ERROR_GRACE_S:
                 self.failures = state.failures or self.failures
                 return False  # the caller cancels the remaining workers
-            if stop is not None and stop.is_set():
-                raise RunInterrupted("the run was stopped from the panel; every worker was stopped")
+            _raise_if_stopped(stop)
             if self.config.timeout and now - self.t0 > self.config.timeout:
                 raise RunTimeout(
                     f"--timeout {self.config.timeout:g}: the run took longer than {self.config.timeout:g} s; "

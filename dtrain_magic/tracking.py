@@ -155,15 +155,6 @@ def gpu_metrics_note(use_gpu: bool) -> str | None:
     return None
 
 
-def lower_thread_priority(niceness: int = 10) -> None:
-    """Let this thread yield the CPU to busy processes (workers importing torch, training): Linux threads
-    have their own nice value. A no-op where that is not supported."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
-    except (AttributeError, OSError):
-        pass
-
-
 _import_thread: threading.Thread | None = None
 _import_lock = threading.Lock()
 
@@ -217,7 +208,10 @@ class _MetricWriter(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        lower_thread_priority()  # busy CPU workers on this machine go first
+        try:  # Linux threads have their own nice value: let busy CPU workers on this machine go first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (AttributeError, OSError):
+            pass
         done = False
         while not done:
             batch = self.queue.get()
@@ -349,8 +343,8 @@ class RunOpening:
     """`RunTracker.start` and its system-metrics monitor, in a background thread.
 
     A kernel's first run imports MLflow (about 2 s of CPU here, as long as torch's whole launch): opened
-    this way, the backend can start meanwhile. ``deferred``: wait for `go` before even importing MLflow
-    (the local backend's workers first get the machine's cores to themselves). `wait` gives the tracker
+    this way, the backend can start meanwhile. ``deferred``: do nothing, not even import MLflow, until
+    `wait` or `close` is called (workers started first get the machine's cores to themselves). `wait` gives the tracker
     (or raises what opening it raised); `close` ends the run whether or not anyone waited for it, so no
     run is left RUNNING.
     """
@@ -368,10 +362,6 @@ class RunOpening:
             self._go.set()
         self._thread = threading.Thread(target=self._open, name="dtrain-mlflow-open", daemon=True)
         self._thread.start()
-
-    def go(self) -> None:
-        """Open the run now (a ``deferred`` opening waits for this)."""
-        self._go.set()
 
     def _open(self) -> None:
         self._go.wait()
