@@ -3,8 +3,8 @@
 ``run_worker`` connects to the notebook's channel, sends its Python-level output there line by line,
 joins (or reuses) the torch.distributed process group, builds the strategy and the `TrainContext`,
 calls the user's function and sends back its result or its error (with a traceback trimmed to the
-user's frames and labelled with the notebook's cell numbers). Run as ``python -m dtrain_magic.worker
-JOB_FILE`` by the local launcher; called directly by the Spark and Ray launchers.
+user's frames and labelled with the notebook's cell numbers). `run_job_file` is what the local
+launcher's forked workers run; the Spark and Ray launchers call `run_worker` directly.
 """
 
 from __future__ import annotations
@@ -200,67 +200,11 @@ def run_worker(job: WorkerJob, ranks: RankInfo | None = None, checkpoints: Any =
         link.close()
 
 
-def _wait_for_job() -> str | None:
-    """Warm-pool mode: import the heavy modules now, then wait for one job line on stdin.
+def run_job_file(path: str) -> int:
+    """Run the pickled `WorkerJob` at ``path`` on this process's rank (from the environment); the exit code.
 
-    The line is JSON ``{"job": path, "env": {...}}``; the environment replaces ours so the worker sees
-    the notebook's environment as it is at launch time. EOF (the notebook went away) ends the process.
-    """
-    import json
-
-    import torch  # noqa: F401  (the point of the pool: pay this import before the run)
-    import torch.distributed  # noqa: F401
-
-    from . import context  # noqa: F401
-    from .strategies import ddp  # noqa: F401
-
-    _warm_up_ddp()
-    line = sys.stdin.readline()
-    if not line.strip():
-        return None
-    request = json.loads(line)
-    os.environ.clear()
-    os.environ.update(request["env"])
-    return request["job"]
-
-
-def _warm_up_ddp() -> None:
-    """Pay DistributedDataParallel's first-use imports (torch._dynamo, sympy: about 1 s on 2 cores)
-    before the job arrives, on a throwaway one-process group that needs no port."""
-    import torch
-    import torch.distributed as dist
-
-    try:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        try:
-            torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
-        finally:
-            dist.destroy_process_group()
-    except Exception:  # a warm-up only: the real run reports real problems
-        pass
-
-
-def _exit_with_the_notebook(notebook_pid: int, every_s: float = 1.0) -> None:
-    """A local worker whose notebook went away (killed, or exited while this worker was still tearing
-    down) exits too, instead of waiting on peers that will never answer (gloo waits 30 minutes). The
-    workers run in their own sessions, so no hangup signal would reach them."""
-    import threading
-
-    def watch() -> None:
-        while os.getppid() == notebook_pid:
-            time.sleep(every_s)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="dtrain-notebook-watch", daemon=True).start()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of a local worker: ``python -m dtrain_magic.worker JOB_FILE`` or ``--pool``."""
-    argv = sys.argv[1:] if argv is None else argv
-    _exit_with_the_notebook(os.getppid())
-    path = _wait_for_job() if argv[0] == "--pool" else argv[0]
-    if path is None:
-        return 0
+    What a local worker runs (forked by the local launcher's fork server, which then leaves with
+    ``os._exit``: no interpreter teardown that could hang on a peer that is gone)."""
     with open(path, "rb") as handle:
         job: WorkerJob = cloudpickle.load(handle)
     try:
@@ -268,6 +212,15 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:
         return 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dtrain_magic.worker JOB_FILE``: one worker by hand (the launchers do not use this)."""
+    argv = sys.argv[1:] if argv is None else argv
+    code = run_job_file(argv[0])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -1,25 +1,26 @@
-"""``--backend local``: N fresh Python processes on this machine (spawn semantics, never fork).
+"""``--backend local``: N fresh worker processes on this machine, forked by a fork server.
 
-Each worker is ``python -m dtrain_magic.worker`` in its own process group, with torchrun's
-environment variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT). The
-process group rendezvous goes through a file in the run's private directory (a FileStore: no port
-listening on every interface, no port race); gloo/nccl sockets are bound to the loopback interface.
-Output written below Python (C extensions, crashes) is read from the processes' pipes and shown with
-the rank prefix; Python-level output travels over the channel. Cancel = SIGTERM to every process
-group, then SIGKILL after a grace period.
+Each worker runs with torchrun's environment variables (RANK, LOCAL_RANK, WORLD_SIZE,
+MASTER_ADDR=127.0.0.1, a free MASTER_PORT) in its own process group. The process group rendezvous goes
+through a file in the run's private directory (a FileStore: no port listening on every interface, no
+port race); gloo/nccl sockets are bound to the loopback interface. Output written below Python (C
+extensions, crashes) is read from the processes' pipes and shown with the rank prefix; Python-level
+output travels over the channel. Cancel = SIGTERM to every process group, then SIGKILL after a grace
+period; once every rank has sent its result the workers are killed at once (nothing of theirs is
+needed, and their teardown can hang).
 
-Warm pool: after a run, N fresh interpreters are started in the background that import torch and
-wait for the next job on stdin, so a re-run does not pay interpreter start-up and ``import torch``
-again (the same idea as a spawn-safe worker pool; every run still gets new processes, so no state
-leaks between runs). Idle pool processes exit when the notebook goes away (stdin closes).
-``DTRAIN_MAGIC_WARM_POOL=0`` turns the pool off.
+Workers come from `forkserver`: one idle interpreter per kernel that imported torch (and what DDP
+imports lazily) and forks each run's workers in milliseconds, so a re-run, even one started the moment
+the last one ended, does not pay interpreter start-up and ``import torch`` again; every run still gets
+new processes, so no state leaks between runs. When the notebook's process goes, the server kills every
+worker it forked. ``DTRAIN_MAGIC_WARM_POOL=0`` makes the server import nothing (each worker imports
+torch itself).
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
-import json
 import os
 import shutil
 import signal
@@ -37,6 +38,7 @@ from ..config import RunConfig
 from ..errors import ConfigError, LaunchError
 from ..worker import WorkerJob
 from .base import Emit, Failure, Launcher, LaunchState, RunningJob, loopback_interface
+from .forkserver import ForkedProcess, ForkServer
 
 _GRACE_S = 3.0
 _MAX_PROCESSES_PER_CORE = 4
@@ -49,7 +51,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def base_environment(threads: int) -> dict[str, str]:
+def base_environment(threads: int | None = None) -> dict[str, str]:
     """The notebook's environment plus what every local worker needs, whatever its rank."""
     env = dict(os.environ)
     env.update(
@@ -57,7 +59,8 @@ def base_environment(threads: int) -> dict[str, str]:
         # Same imports as the notebook: its sys.path (working directory, editable installs) first.
         PYTHONPATH=os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p and os.path.isdir(p)),
     )
-    env.setdefault("OMP_NUM_THREADS", str(threads))
+    if threads is not None:
+        env.setdefault("OMP_NUM_THREADS", str(threads))
     env.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     env.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())
     return env
@@ -83,85 +86,73 @@ def _threads(num_processes: int) -> int:
     return max(1, (os.cpu_count() or 1) // num_processes)
 
 
-def _spawn(args: list[str], env: dict[str, str], stdin: int) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "dtrain_magic.worker", *args],
-        env=env,
-        stdin=stdin,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,  # its own process group, so cancel reaches its children too
-        cwd=os.getcwd(),
-    )
+# Variables read once, when torch and numpy load (thread pools, preloaded libraries, hashing): the fork
+# server imported them, so a change in the notebook's value means a new server. (Not every TORCH_*
+# variable: most are read when used, and launchers such as torch elastic set some in the calling process.)
+_IMPORT_TIME_ENV = ("OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO", "LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONHASHSEED")
 
 
-class WarmPool:
-    """Idle worker interpreters (torch already imported), keyed by what they were started with."""
+class WorkerPool:
+    """The fork server this kernel's local runs take their workers from (started once, kept between runs).
+
+    ``DTRAIN_MAGIC_WARM_POOL=0``: the server imports nothing, so every worker imports torch itself, like
+    a freshly spawned interpreter (slower; for debugging import-time effects)."""
 
     def __init__(self) -> None:
-        self._idle: dict[tuple, list[subprocess.Popen]] = {}
+        self._server: ForkServer | None = None
+        self._key: tuple | None = None
         self._lock = threading.Lock()
         atexit.register(self.shutdown)
 
     @staticmethod
-    def enabled() -> bool:
+    def preload() -> bool:
         return os.environ.get("DTRAIN_MAGIC_WARM_POOL", "1") not in ("0", "false", "no")
 
-    @staticmethod
-    def key(num_processes: int) -> tuple:
-        return (num_processes, sys.executable, os.getcwd(), tuple(sys.path), os.environ.get("OMP_NUM_THREADS"))
+    def _wanted_key(self) -> tuple:
+        env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_ENV)))
+        return (sys.executable, self.preload(), env)
 
-    def take(self, num_processes: int) -> list[subprocess.Popen] | None:
+    def server(self) -> ForkServer:
+        """The running server, (re)started when there is none or what it imported at start has changed."""
+        key = self._wanted_key()
         with self._lock:
-            procs = self._idle.pop(self.key(num_processes), None)
-        if procs and all(p.poll() is None for p in procs):
-            return procs
-        for proc in procs or []:
-            _stop(proc)
-        return None
-
-    def refill(self, num_processes: int) -> None:
-        """Start the next run's interpreters now, in the background; at most one idle set is kept."""
-        if not self.enabled():
-            return
-        key = self.key(num_processes)
-        env = base_environment(_threads(num_processes))
-        with self._lock:
-            if key in self._idle:
-                return
-            stale = [p for procs in self._idle.values() for p in procs]
-            self._idle.clear()
-            self._idle[key] = [_spawn(["--pool"], env, subprocess.PIPE) for _ in range(num_processes)]
-        for proc in stale:
-            _stop(proc)
+            if self._server is not None and self._server.alive() and self._key == key:
+                return self._server
+            old, self._server, self._key = self._server, ForkServer(base_environment(), self.preload()), key
+        if old is not None:
+            threading.Thread(target=old.shutdown, name="dtrain-forkserver-stop", daemon=True).start()
+        return self._server
 
     def idle_pids(self) -> set[int]:
+        """The server's own pid (it runs no training itself)."""
         with self._lock:
-            return {p.pid for procs in self._idle.values() for p in procs}
+            return {self._server.pid} if self._server is not None and self._server.alive() else set()
+
+    def server_pid(self) -> int | None:
+        with self._lock:
+            return self._server.pid if self._server is not None else None
 
     def shutdown(self) -> None:
         with self._lock:
-            procs = [p for group in self._idle.values() for p in group]
-            self._idle.clear()
-        for proc in procs:
-            _stop(proc)
+            server, self._server, self._key = self._server, None, None
+        if server is not None:
+            server.shutdown()
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    for stream in (proc.stdin, proc.stdout, proc.stderr):
+def _stop(proc: ForkedProcess) -> None:
+    for stream in (proc.stdout, proc.stderr):
         try:
-            if stream:
-                stream.close()
+            stream.close()
         except OSError:
             pass
-    _signal_group(proc, signal.SIGKILL)
+    proc.signal_group(signal.SIGKILL)
     try:
         proc.wait(5)
     except subprocess.TimeoutExpired:
         pass
 
 
-POOL = WarmPool()
+POOL = WorkerPool()
 
 
 class LocalJob(RunningJob):
@@ -185,7 +176,7 @@ class LocalJob(RunningJob):
         fd = os.open(self._job_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as handle:
             cloudpickle.dump(job, handle)
-        self.processes: list[subprocess.Popen] = []
+        self.processes: list[ForkedProcess] = []
         self._pumps: list[threading.Thread] = []
         self._launch()
 
@@ -194,19 +185,13 @@ class LocalJob(RunningJob):
         store_file = os.path.join(self._run_dir, f"rendezvous_{self._attempt}")
         port = free_port()  # MASTER_PORT for user code that reads it; the rendezvous itself is the file
         envs = [worker_environment(rank, n, port, _threads(n), store_file) for rank in range(n)]
-        warm = POOL.take(n) if POOL.enabled() and self._attempt == 0 else None
-        processes: list[subprocess.Popen] = []
+        server = POOL.server()
+        processes: list[ForkedProcess] = []
         try:
-            if warm is not None:
-                for proc, env in zip(warm, envs):
-                    proc.stdin.write((json.dumps({"job": self._job_file, "env": env}) + "\n").encode())
-                    proc.stdin.close()
-                processes = warm
-            else:
-                for env in envs:
-                    processes.append(_spawn([self._job_file], env, subprocess.DEVNULL))
+            for env in envs:
+                processes.append(server.spawn(self._job_file, env))
         except BaseException:
-            for proc in [*(warm or []), *processes]:
+            for proc in processes:
                 _stop(proc)
             raise
         self.processes = processes
@@ -222,24 +207,25 @@ class LocalJob(RunningJob):
         stream.close()
 
     def release(self) -> None:
-        """Every rank sent its result: let the interpreters finish tearing down in the background,
-        then reap them (SIGKILL after a grace period) and clean up, off the cell's critical path."""
-        POOL.refill(self._num_processes)  # the next run's interpreters start importing torch now
-        threading.Thread(target=self._reap, name="dtrain-local-reaper", daemon=True).start()
+        """Every rank sent its result (after its output): nothing of the run is needed any more, so the
+        workers are killed now rather than left to tear down (which can hang on a peer that is gone)."""
+        threading.Thread(target=self._kill_now, name="dtrain-local-release", daemon=True).start()
 
-    def _reap(self) -> None:
-        deadline = time.monotonic() + 10.0
+    def _kill_now(self) -> None:
+        with self._lock:
+            if self._cancelled:
+                return
+            self._cancelled = True
         for proc in self.processes:
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        self.cancel()
+            proc.signal_group(signal.SIGKILL)
+        self._reap_all(5.0)
+        self._cleanup()
 
     def poll(self) -> LaunchState:
         codes = [proc.poll() for proc in self.processes]
         failures = [
-            Failure(rank, _describe_exit(code)) for rank, code in enumerate(codes) if code not in (None, 0)
+            Failure(rank, proc.error or _describe_exit(code))
+            for rank, (proc, code) in enumerate(zip(self.processes, codes)) if code not in (None, 0)
         ]
         if failures and self._restarts_left > 0 and not self._cancelled:
             self._restart(failures[0])
@@ -263,7 +249,7 @@ class LocalJob(RunningJob):
     def _stop_all(self) -> None:
         alive = [p for p in self.processes if p.poll() is None]
         for proc in alive:
-            _signal_group(proc, signal.SIGTERM)
+            proc.signal_group(signal.SIGTERM)
         deadline = time.monotonic() + _GRACE_S
         for proc in alive:
             try:
@@ -271,9 +257,14 @@ class LocalJob(RunningJob):
             except subprocess.TimeoutExpired:
                 pass
         for proc in self.processes:
-            _signal_group(proc, signal.SIGKILL)  # also reaches grandchildren left in the group
+            proc.signal_group(signal.SIGKILL)  # also reaches grandchildren left in the group
+        self._reap_all(5.0)
+
+    def _reap_all(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for proc in self.processes:
             try:
-                proc.wait(5)
+                proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
         for pump in self._pumps:
@@ -291,14 +282,6 @@ class LocalJob(RunningJob):
     def _cleanup(self) -> None:
         if os.path.isdir(self._run_dir):
             shutil.rmtree(self._run_dir, ignore_errors=True)
-            POOL.refill(self._num_processes)
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _describe_exit(code: int) -> str:
@@ -341,9 +324,9 @@ class LocalLauncher(Launcher):
             )
 
     def warm_up(self, config: RunConfig) -> None:
-        # The first run in a kernel has no warm interpreters yet: start them now; `start` takes them from
-        # the pool, and they import torch while the notebook imports MLflow and opens the run.
-        POOL.refill(config.num_processes)
+        # The first run in a kernel has no fork server yet: start it now, so it imports torch while the
+        # notebook captures the cell and imports MLflow.
+        POOL.server()
 
     def start(self, job: WorkerJob, emit: Emit) -> RunningJob:
         run_dir = tempfile.mkdtemp(prefix="dtrain_run_")  # mode 0700: the pickled job is private

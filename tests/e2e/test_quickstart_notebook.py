@@ -14,7 +14,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quickstart_notebook_runs_through_a_real_kernel(tmp_path):
-    env = dict(os.environ)
+    from leftovers import new_tag, tagged_env
+
+    tag = new_tag()  # inherited by the kernel and everything it starts
+    env = tagged_env(tag)
     env.pop("MLFLOW_TRACKING_URI", None)  # the notebook must use the embedded default: ./mlflow.db
     notebook = tmp_path / "quickstart.ipynb"
     notebook.write_bytes((ROOT / "notebooks" / "quickstart.ipynb").read_bytes())
@@ -45,28 +48,12 @@ def test_quickstart_notebook_runs_through_a_real_kernel(tmp_path):
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     history = client.get_metric_history(runs[0].info.run_id, "loss")
     assert len(history) == 40 and history[-1].value < history[0].value
-    assert_no_worker_left_in(tmp_path)
+    assert_nothing_left(tag)
 
 
-def assert_no_worker_left_in(directory: Path, within_s: float = 10.0) -> None:
-    """The kernel is gone: so is every local worker it started (idle pool, or still tearing down)."""
-    import time
+def assert_nothing_left(tag: str, within_s: float = 10.0) -> None:
+    """The kernel is gone: so is every process it started (the fork server, its workers)."""
+    from leftovers import wait_until_none_left
 
-    import psutil
-
-    def left():
-        found = []
-        for proc in psutil.process_iter(["cmdline", "cwd"]):
-            try:
-                if "dtrain_magic.worker" in " ".join(proc.info["cmdline"] or []) and (proc.info["cwd"] or "").startswith(
-                    str(directory)
-                ) and proc.status() != psutil.STATUS_ZOMBIE:
-                    found.append(proc.pid)
-            except psutil.Error:
-                pass
-        return found
-
-    deadline = time.monotonic() + within_s
-    while left() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert left() == [], "local workers outlived the notebook's kernel"
+    left = wait_until_none_left(tag, within_s)
+    assert left == [], f"processes outlived the notebook's kernel: {left}"

@@ -144,7 +144,11 @@ def test_worker_killed_before_it_logs_is_reported_at_once(shell, tmp_path):
     returned = time.time()
     error = result.error_in_exec
     assert isinstance(error, WorkerError) and error.rank == 1 and "SIGKILL" in str(error), error
-    assert returned - float(marker.read_text()) < 4.0
+    noticed_s = returned - float(marker.read_text())
+    print(f"SIGKILL -> the cell's WorkerError: {noticed_s:.2f} s")
+    # About 2 s when idle (1 s of grace for the other ranks to report, the stop, the MLflow run's close);
+    # without the prompt check it was 14 s (the 10 s hold, then the run's opening). Room for a loaded machine.
+    assert noticed_s < 9.0
     assert_nothing_left()
 
 
@@ -312,21 +316,55 @@ def test_result_that_cannot_be_pickled_is_a_clear_error(shell):
     assert_nothing_left()
 
 
-def test_rerun_uses_the_warm_pool_of_fresh_interpreters(shell):
+def test_rerun_gets_fresh_workers_forked_by_one_warm_server(shell):
+    """Each run's workers are new processes (no state carried over), forked by the kernel's one fork
+    server, which is already there for a re-run."""
     from dtrain_magic.launchers.local import POOL
 
-    cell = "%%distribute --backend local -n 2 --no-ui\nimport os\ndef train(ctx):\n    return os.getpid()\n"
+    cell = "%%distribute --backend local -n 2 --no-ui\nimport os\ndef train(ctx):\n    return os.getpid(), os.getppid()\n"
     first = shell.run(cell).result
-    idle = POOL.idle_pids()
-    assert len(idle) == 2 and not idle & set(first.values)  # new interpreters, not the ones that ran
+    server = POOL.server_pid()
     second = shell.run(cell).result
-    assert set(second.values) == idle
+    assert POOL.server_pid() == server
+    assert {parent for _, parent in first.values + second.values} == {server}
+    pids = [pid for pid, _ in first.values + second.values]
+    assert len(set(pids)) == 4 and server not in pids
+
+
+def test_back_to_back_runs_start_at_once_and_state_does_not_leak(shell):
+    """Runs started the moment the last one returned reach their first step in well under a second (a
+    fork of the warm server, not an interpreter start), and a module-level change made by one run's
+    workers is not seen by the next's (fresh processes)."""
+    cell = (
+        "%%distribute --backend local -n 2 --no-ui\n"
+        "import json, time\n"
+        "def train(ctx):\n"
+        "    seen = getattr(json, 'dtrain_test_mark', None)\n"
+        "    json.dtrain_test_mark = 'set by an earlier run'\n"
+        "    ctx.log(loss=1.0)\n"
+        "    return seen\n"
+    )
+    shell.run(cell)  # the server is up and has imported torch
+    firsts = []
+    for _ in range(3):
+        result = shell.run(cell)
+        assert result.error_in_exec is None, result.error_in_exec
+        assert result.result.values == [None, None]
+        firsts.append(result.result.time_to_first_step_s)
+    print("back-to-back call -> first step (s):", [round(t, 3) for t in firsts])
+    # 0.1 s here when idle; the bound leaves room for a loaded 2-core machine (an interpreter start plus
+    # `import torch` alone is 2-4 s, which is what this would be without the warm server)
+    assert max(firsts) < 1.5, firsts
 
 
 def test_workers_exit_when_the_notebook_process_dies(tmp_path):
-    """A kernel killed (no atexit) with its idle pool, and one killed mid-run: no worker outlives it."""
+    """A kernel killed (no atexit) with an idle fork server, and one killed mid-run: nothing it started
+    outlives it (the server sees its socket close and SIGKILLs the workers; a killed server takes its
+    workers along through PR_SET_PDEATHSIG)."""
     import subprocess
     import sys
+
+    from leftovers import kill_tagged, new_tag, tagged_env, wait_until_none_left
 
     script = (
         "import os, sys, threading, time\n"
@@ -335,24 +373,24 @@ def test_workers_exit_when_the_notebook_process_dies(tmp_path):
         "sh.run_cell('%load_ext dtrain_magic')\n"
         "r = sh.run_cell('%%distribute --backend local -n 2 --no-ui\\ndef train(ctx):\\n    return 1\\n')\n"
         "assert r.error_in_exec is None, r.error_in_exec\n"
-        "from dtrain_magic.launchers.local import POOL\n"
-        "print(' '.join(map(str, POOL.idle_pids())), flush=True)\n"
+        "print('VERDICT ran', flush=True)\n"
         "if sys.argv[1] == 'mid-run':\n"
         "    threading.Timer(5, lambda: os._exit(0)).start()\n"
         "    sh.run_cell('%%distribute --backend local -n 2 --no-ui\\nimport time\\ndef train(ctx):\\n'\n"
         "                '    ctx.barrier()\\n    time.sleep(300 if ctx.rank else 0)\\n    ctx.barrier()\\n')\n"
         "os._exit(0)  # no atexit: like a kernel that is killed\n"
     )
-    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'm.db'}")
     for case in ("idle", "mid-run"):
-        proc = subprocess.run([sys.executable, "-c", script, case], capture_output=True, text=True, cwd=tmp_path,
-                              env=env, timeout=300)
-        pids = [int(p) for p in proc.stdout.strip().splitlines()[-1].split()]
-        assert len(pids) == 2, proc.stdout + proc.stderr
-        deadline = time.monotonic() + 60  # they may still be importing torch when their notebook goes
-        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-            assert time.monotonic() < deadline, f"{case}: worker processes outlived the notebook"
-            time.sleep(0.2)
+        tag = new_tag()
+        try:
+            env = tagged_env(tag, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'm.db'}")
+            proc = subprocess.run([sys.executable, "-c", script, case], capture_output=True, text=True, cwd=tmp_path,
+                                  env=env, timeout=300)
+            assert "VERDICT ran" in proc.stdout, proc.stdout + proc.stderr
+            left = wait_until_none_left(tag, within_s=10)
+            assert left == [], f"{case}: processes outlived the notebook: {left}"
+        finally:
+            kill_tagged(tag)
 
 
 def test_processes_bind_only_to_loopback(shell):

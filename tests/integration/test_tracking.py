@@ -120,13 +120,11 @@ def local_workers() -> list:
 
     from dtrain_magic.launchers.local import POOL
 
-    idle = POOL.idle_pids()
+    server = POOL.server_pid()
     found = []
     for child in psutil.Process().children(recursive=True):
-        try:
-            if child.pid not in idle and child.status() != psutil.STATUS_ZOMBIE and "dtrain_magic.worker" in " ".join(
-                child.cmdline()
-            ):
+        try:  # the workers: the fork server's children
+            if server is not None and child.ppid() == server and child.status() != psutil.STATUS_ZOMBIE:
                 found.append(child)
         except psutil.Error:
             pass
