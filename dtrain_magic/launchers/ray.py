@@ -159,6 +159,10 @@ class _Embedded:
     joined_gcs: str | None = None  # ... and the GCS address Ray reported for it
     joined_job: str | None = None  # ... and the driver job of that connection (a new ray.init() is a new job)
     registered = False
+    sweeper: Any = None  # the watchdog process that removes the instance if this kernel's process goes
+
+
+_INSTANCE_ENV = "DTRAIN_RAY_INSTANCE"  # set while the local instance starts: every process of it inherits it
 
 
 def _shutdown_embedded() -> None:
@@ -170,9 +174,22 @@ def _shutdown_embedded() -> None:
         if ray.is_initialized():
             ray.shutdown()
     finally:
+        _stop_sweeper()
         shutil.rmtree(_Embedded.temp_dir, ignore_errors=True)
         _Embedded.temp_dir = None
         _Embedded.num_cpus = 0
+
+
+def _stop_sweeper() -> None:
+    """After ray.shutdown(): the watchdog removes whatever of the instance is left (Ray's agents) and exits."""
+    sweeper, _Embedded.sweeper = _Embedded.sweeper, None
+    if sweeper is None:
+        return
+    try:
+        sweeper.stdin.close()
+        sweeper.wait(10)
+    except Exception:
+        pass
 
 
 def _start_embedded(num_cpus: int, attempts: int = 2) -> None:
@@ -188,7 +205,14 @@ def _start_embedded(num_cpus: int, attempts: int = 2) -> None:
 def _start_embedded_once(num_cpus: int) -> None:
     import ray
 
+    from .. import watchdog
+
     temp_dir = tempfile.mkdtemp(prefix="dtr_ray_", dir="/tmp" if os.path.isdir("/tmp") else None)  # short: unix sockets
+    marker = f"{_INSTANCE_ENV}={temp_dir}"
+    # Started first, so that nothing of the instance can outlive this process, even if it is killed
+    # while Ray starts: its stdin closes with this process, and it SIGKILLs every process carrying the mark.
+    _Embedded.sweeper = watchdog.start("sweep", marker, "--rmtree", temp_dir)
+    os.environ[_INSTANCE_ENV] = temp_dir  # inherited by the GCS, the raylet, and through it by every worker
     try:
         ray.init(
             num_cpus=num_cpus,
@@ -201,13 +225,16 @@ def _start_embedded_once(num_cpus: int) -> None:
             _temp_dir=os.path.join(temp_dir, "r"),
         )
     except BaseException as exc:
+        os.environ.pop(_INSTANCE_ENV, None)
         try:
             ray.shutdown()  # whatever half-started
         finally:
+            _stop_sweeper()
             shutil.rmtree(temp_dir, ignore_errors=True)
         if isinstance(exc, Exception):
             raise LaunchError(f"could not start a local Ray instance: {_one_line(exc)}") from None
         raise
+    os.environ.pop(_INSTANCE_ENV, None)  # only the instance's processes carry it, not what starts later
     _Embedded.temp_dir, _Embedded.num_cpus = temp_dir, num_cpus
     if not _Embedded.registered:
         atexit.register(_shutdown_embedded)

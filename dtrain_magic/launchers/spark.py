@@ -23,6 +23,7 @@ rank 0's).
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import shutil
@@ -186,7 +187,7 @@ def _spark_train_fn(job: WorkerJob, tracking_uri: str | None = None, watch: tupl
     if os.environ.get("MASTER_ADDR", "").startswith("127.") or os.environ.get("MASTER_ADDR") == "localhost":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     rank = int(os.environ.get("RANK", "0"))
-    link = _start_watchdog(watch, rank) if watch else None  # raises (→ a Spark error) if the notebook is unreachable
+    guard = _start_watchdog(watch, rank) if watch else None
     # Per-node system metrics in cluster mode; in local mode the workers run on the driver, whose own
     # monitor (started by the notebook) already samples this machine, and importing MLflow here would
     # only delay the first step.
@@ -197,9 +198,10 @@ def _spark_train_fn(job: WorkerJob, tracking_uri: str | None = None, watch: tupl
     except BaseException:
         pass  # already reported over the channel by run_worker
     finally:
-        if link is not None:
-            try:
-                link.send(("done", rank))  # ended in Python (result or reported error), not killed
+        if guard is not None:
+            try:  # ended in Python (result or reported error), not killed
+                guard.stdin.write(b"done\n")
+                guard.stdin.flush()
             except Exception:
                 pass
         _finish_node_metrics(monitor)
@@ -207,23 +209,13 @@ def _spark_train_fn(job: WorkerJob, tracking_uri: str | None = None, watch: tupl
 
 
 def _start_watchdog(watch: tuple, rank: int) -> Any:
-    """Connect to the launcher's `_RankWatch`; exit this worker when the notebook closes it (run over,
-    cancelled, kernel gone) while the worker is still running. Returns the connection."""
-    from multiprocessing.connection import Client
+    """A watchdog process (`dtrain_magic.watchdog`, rank-watch mode) for this worker: it holds this rank's
+    connection to the launcher's `_RankWatch` and SIGKILLs this process when the notebook closes it (run
+    over, cancelled, notebook gone), whatever this process is doing, even blocked in native code."""
+    from .. import watchdog
 
     host, port, authkey = watch
-    conn = Client((host, port), authkey=authkey)
-    conn.send(("start", rank))
-
-    def watch() -> None:
-        try:
-            conn.recv()  # the notebook never sends: this returns only when the channel closes
-        except BaseException:
-            pass
-        os._exit(3)
-
-    threading.Thread(target=watch, name="dtrain-watchdog", daemon=True).start()
-    return conn
+    return watchdog.start("rank-watch", host, str(port), str(rank), str(os.getpid()), secret=authkey)
 
 
 class _NodeMetrics:
@@ -314,7 +306,14 @@ class _RankWatch:
 
 
 class SparkJob(RunningJob):
-    """One ``TorchDistributor.run`` in a background thread, under its own Spark job group."""
+    """One ``TorchDistributor.run`` in a background thread, under its own Spark job group.
+
+    Early release: once every rank's result is in, the cell returns; `release` gives torchrun a few
+    seconds to end by itself, then cancels what is left (a worker whose interpreter teardown hangs is
+    killed by its watchdog when the rank watch closes)."""
+
+    early_release = True
+    _RELEASE_GRACE_S = 5.0
 
     def __init__(self, launcher: "SparkLauncher", spark: Any, job: WorkerJob, emit: Emit, tracking_uri: str | None):
         self._spark = spark
@@ -375,6 +374,27 @@ class SparkJob(RunningJob):
             return running
         except Exception:
             return []
+
+    def release(self) -> None:
+        threading.Thread(target=self._release, name="dtrain-spark-release", daemon=True).start()
+
+    def _release(self) -> None:
+        """Not `cancel`: its sweep of this machine's torchrun trees could reach the next run's, which may
+        already be starting. Every worker of this run has a watchdog: closing the rank watch kills those
+        still alive (a teardown that hangs), and torchrun then ends by itself."""
+        self._thread.join(self._RELEASE_GRACE_S)
+        with self._lock:
+            if self._cancel_called:
+                return
+            self._cancel_called = True
+            self._cancelled = self._thread.is_alive()
+        self._watch.close()
+        self._thread.join(10.0)
+        if self._thread.is_alive() or self.active_jobs():
+            try:
+                self._sc.cancelJobGroup(self.group)
+            except Exception:
+                pass
 
     def cancel(self) -> None:
         with self._lock:
@@ -467,6 +487,7 @@ class SparkLauncher(Launcher):
         self._lock = threading.Lock()
         self.session_start_s: float | None = None  # how long this launcher's last session start took
         self.session_starts = 0  # how many sessions this launcher started (a warm run starts none)
+        self._exit_hook = False
 
     # -- the session ---------------------------------------------------------------------------------
     @staticmethod
@@ -497,6 +518,12 @@ class SparkLauncher(Launcher):
             check_java()
             t0 = time.monotonic()
             self._session = self._build(config.spark_master or "local[*]")
+            if not self._exit_hook:
+                # Registered after pyspark's own hooks, so it runs before them: the session is stopped
+                # while the JVM is still whole (a local-cluster stopped by the JVM's own shutdown prints
+                # hundreds of lines of executor-launch stack traces).
+                atexit.register(self.shutdown_quietly)
+                self._exit_hook = True
             self.session_start_s = time.monotonic() - t0
             self.session_starts += 1
             return self._session
@@ -541,6 +568,17 @@ class SparkLauncher(Launcher):
     def shutdown(self) -> None:
         """Stop the SparkSession this launcher started (never a session it found active)."""
         with self._lock:
+            self._stop_own()
+
+    def shutdown_quietly(self) -> None:
+        """At the kernel's exit: stop our session with the JVM's logging off (executors being torn down
+        report every lost connection as an error otherwise)."""
+        with self._lock:
+            if self._session is not None and self._alive(self._session):
+                try:
+                    self._session.sparkContext.setLogLevel("OFF")
+                except Exception:
+                    pass
             self._stop_own()
 
     # -- Launcher interface -------------------------------------------------------------------------

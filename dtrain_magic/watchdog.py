@@ -1,0 +1,132 @@
+"""A worker's (or a backend instance's) life, tied to the notebook's by a separate small process.
+
+A Python thread cannot do this job: a worker can block forever in native code that holds the GIL (a DDP
+reducer's destructor joining gloo threads whose peer is gone), and then no thread of that process runs
+again. This module runs as its own interpreter (``python -S -I watchdog.py ...``: the standard library
+only, no site packages, so it starts in a few milliseconds and never imports torch), so it acts
+whatever the watched process is doing. Two modes:
+
+``rank-watch HOST PORT RANK PID`` (authkey as hex on the first stdin line)
+    For a worker on any host (Spark's torchrun processes, local or on executors): connect to the
+    notebook's rank watch (authenticated ``multiprocessing.connection``) and say ``("start", RANK)``.
+    The worker writes ``done`` to our stdin when it ended in Python (result or reported error), and its
+    exit closes our stdin. If the notebook's side closes (run over, cancelled, notebook process gone),
+    the worker PID is SIGKILLed. If the worker dies first, our connection closes without ``done``, which
+    tells the notebook that the worker died without reporting.
+
+``sweep KEY=VALUE [--rmtree DIR]``
+    For a backend instance the magic started on this machine (its local Ray): when our stdin closes
+    (the notebook closed it at shutdown, or its process went away), SIGKILL every process started with
+    ``KEY=VALUE`` in its environment (set while the instance starts, so all of its processes inherit it;
+    their command lines are rewritten by setproctitle, their environments are not) and remove DIR.
+    Ray's own fate-sharing stops its GCS and raylet with the notebook, but not its agents.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.abspath(__file__)
+
+
+def command(*args: str) -> list[str]:
+    """The command line that runs this watchdog with ``args``."""
+    return [sys.executable, "-S", "-I", HERE, *args]
+
+
+def start(*args: str, secret: bytes | None = None) -> subprocess.Popen:
+    """Start a watchdog in its own session (no signal for the notebook's or the worker's group reaches
+    it); its stdin is a pipe that only the caller holds (the pipe is not inherited by other children)."""
+    proc = subprocess.Popen(
+        command(*args), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True, close_fds=True,
+    )
+    if secret is not None:
+        proc.stdin.write(secret.hex().encode() + b"\n")
+        proc.stdin.flush()
+    return proc
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _rank_watch(host: str, port: int, rank: int, pid: int) -> None:
+    from multiprocessing.connection import Client
+
+    stdin = sys.stdin.buffer
+    secret = bytes.fromhex(stdin.readline().strip().decode())
+    try:
+        conn = Client((host, port), authkey=secret)
+        conn.send(("start", rank))
+    except Exception:
+        _kill(pid)  # the notebook is not there (any more): nothing this worker does can reach it
+        return
+    fd = stdin.fileno()
+    while True:
+        readable, _, _ = select.select([conn.fileno(), fd], [], [])
+        if conn.fileno() in readable:
+            try:
+                conn.recv()  # the notebook never sends: readable means its side closed
+            except Exception:
+                pass
+            _kill(pid)
+            return
+        data = os.read(fd, 256)
+        if not data:
+            return  # the worker exited: our connection closes (without "done" if it died)
+        if b"done" in data:
+            try:
+                conn.send(("done", rank))
+            except Exception:
+                pass
+
+
+def processes_with_env(entry: str) -> list[int]:
+    """Pids of this machine's processes started with ``entry`` (``KEY=VALUE``) in their environment."""
+    found = []
+    me = os.getpid()
+    wanted = entry.encode()
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != me:
+            try:
+                with open(f"/proc/{name}/environ", "rb") as handle:
+                    if wanted in handle.read().split(b"\0"):
+                        found.append(int(name))
+            except OSError:
+                pass
+    return found
+
+
+def _sweep(entry: str, rmtree: str | None) -> None:
+    while sys.stdin.buffer.read(4096):
+        pass
+    if os.path.isdir("/proc"):
+        for _ in range(3):  # a process that was being started during the first pass
+            for pid in processes_with_env(entry):
+                _kill(pid)
+            time.sleep(0.2)
+    if rmtree:
+        shutil.rmtree(rmtree, ignore_errors=True)
+
+
+def main(argv: list[str]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if argv[0] == "rank-watch":
+        _rank_watch(argv[1], int(argv[2]), int(argv[3]), int(argv[4]))
+    elif argv[0] == "sweep":
+        rmtree = argv[3] if len(argv) > 3 and argv[2] == "--rmtree" else None
+        _sweep(argv[1], rmtree)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
