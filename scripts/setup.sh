@@ -21,7 +21,13 @@ pip_install() {  # pip, minus the "Location ... is ignored" lines this machine's
 }
 stamp=".venv/.dtrain_magic-installed"
 want="$(cat requirements.txt requirements-test.txt constraints.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
+ops=".venv/var/dtrain_magic/torch_extensions/deepspeed_shm_comm/deepspeed_shm_comm.so"
+build_ops() {  # DeepSpeed's CPU op, compiled once here so that no notebook cell ever compiles C++
+    echo "setup: building DeepSpeed's CPU op for this environment (about a minute on 2 cores, once)"
+    DS_ACCELERATOR=cpu .venv/bin/python -m dtrain_magic.extensions
+}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import dtrain_magic, torch, deepspeed, ray, pyspark, mlflow" 2>/dev/null; then
+    [ -f "$ops" ] || build_ops
     echo "setup: .venv is up to date"
     exit 0
 fi
@@ -34,5 +40,6 @@ echo "setup: installing the stack (deepspeed, ray, pyspark, mlflow, widgets, tes
 pip_install -r requirements.txt -r requirements-test.txt -c constraints.txt
 # The editable build's setuptools warnings are noise here; show them only if it fails.
 "${PIP[@]}" install --no-deps -e . > .venv/editable-install.log 2>&1 || { cat .venv/editable-install.log >&2; exit 1; }
+build_ops
 echo "$want" > "$stamp"
 echo "setup: done in $(( $(date +%s) - start )) s"

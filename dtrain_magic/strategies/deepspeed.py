@@ -32,6 +32,7 @@ import torch
 
 from ..config import RunConfig
 from ..errors import ConfigError, MissingDependencyError
+from ..extensions import load_deepspeed_cpu_ops, use_private_extensions_dir
 from .base import Strategy
 
 _FLAG_KEYS = (
@@ -188,6 +189,7 @@ class DeepSpeedStrategy(Strategy):
         super().__init__(*args, **kwargs)
         if not self.config.use_gpu:
             os.environ["DS_ACCELERATOR"] = "cpu"  # before deepspeed is imported in this process
+            use_private_extensions_dir()  # its CPU op is built once per environment, not per machine
         elif os.environ.get("DS_ACCELERATOR") == "cpu":
             os.environ["DS_ACCELERATOR"] = "cuda"  # a CPU setting inherited from the notebook (tests set it)
         # DeepSpeed 0.19 calls collectives torch 2.13 deprecated; one warning per call floods the cell
@@ -231,6 +233,8 @@ class DeepSpeedStrategy(Strategy):
         self.ds_config = build_config(self.config, self.world_size, loader_batch)
         if optimizer is None:
             raise ValueError("--strategy deepspeed needs an optimizer: ctx.prepare(model, optimizer, ...)")
+        if not self.config.use_gpu:
+            load_deepspeed_cpu_ops()  # what initialize would JIT-build, under a lock that cannot go stale
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=copy.deepcopy(self.ds_config), dist_init_required=False
         )
