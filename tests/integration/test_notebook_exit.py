@@ -1,0 +1,178 @@
+"""Nothing outlives the notebook: real notebook processes (an IPython shell in a subprocess) that run
+cells back to back and exit, or are killed while a worker is frozen in native code.
+
+Every process a notebook starts inherits a tag in its environment (tests/leftovers.py), so "no worker of
+any kind" covers the local fork server and its workers, TorchDistributor's torchrun processes and Spark's
+JVMs, and the local Ray instance's GCS, raylet, agents and workers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from leftovers import kill_tagged, new_tag, tagged_env, wait_until_none_left
+
+pytestmark = pytest.mark.slow
+
+NOTEBOOK = textwrap.dedent('''
+    import os, sys, time
+    from IPython.core.interactiveshell import InteractiveShell
+    shell = InteractiveShell.instance()
+    shell.run_cell("%load_ext dtrain_magic")
+    CELL = """%%distribute --backend {backend} -n 2 --no-ui
+    import torch
+    def train(ctx):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = ctx.prepare(model, opt)
+        for step in range(20):
+            loss = model(torch.ones(8, 4)).pow(2).mean()
+            ctx.backward(loss)
+            ctx.step()
+            ctx.log(loss=loss.item())
+        return ctx.rank
+    """
+    for i in range({cells}):
+        result = shell.run_cell(CELL)
+        if result.error_in_exec is not None:
+            print("VERDICT failed", repr(result.error_in_exec), flush=True)
+            sys.exit(1)
+        assert result.result.values == [0, 1], result.result.values
+    print("VERDICT ok", flush=True)
+''')
+
+
+def run_notebook(script: str, tag: str, cwd, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = tagged_env(tag, MLFLOW_TRACKING_URI=f"sqlite:///{cwd}/mlflow.db")
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("backend", ["local", "spark", "ray"])
+def test_back_to_back_cells_then_exit_leave_no_process(backend, tmp_path):
+    """Three notebooks in a row, each running three cells back to back and exiting at once: 15 s after
+    each exit, no process any of them started is alive."""
+    cells = 3
+    for notebook in range(3):
+        tag = new_tag()
+        try:
+            proc = run_notebook(NOTEBOOK.format(backend=backend, cells=cells), tag, tmp_path)
+            assert "VERDICT ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+            left = wait_until_none_left(tag, within_s=15)
+            assert left == [], f"{backend}, notebook {notebook + 1}: processes outlived it: {left}"
+        finally:
+            kill_tagged(tag)
+
+
+FROZEN = textwrap.dedent('''
+    import os, signal, sys, threading, time
+    from IPython.core.interactiveshell import InteractiveShell
+    shell = InteractiveShell.instance()
+    shell.run_cell("%load_ext dtrain_magic")
+    ready = {ready!r}
+
+    def die_when_frozen():
+        while not os.path.exists(ready):
+            time.sleep(0.1)
+        time.sleep(1.0)  # rank 1 stops itself right after writing the file; rank 0 is inside all_reduce
+        print("VERDICT frozen", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no cleanup: like a kernel that is killed
+
+    threading.Thread(target=die_when_frozen, daemon=True).start()
+    shell.run_cell("""%%distribute --backend {backend} -n 2 --no-ui
+    import os, signal, time, torch
+    import torch.distributed as dist
+    def train(ctx):
+        ctx.barrier()
+        if ctx.rank == 1:
+            open({ready!r}, "w").close()
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen: its peer waits for it forever
+        dist.all_reduce(torch.ones(4))  # rank 0 blocks here, in gloo's native code
+    """)
+    print("VERDICT returned", flush=True)
+''')
+
+
+@pytest.mark.parametrize("backend", ["local", "spark"])
+def test_worker_frozen_in_native_code_dies_with_the_notebook(backend, tmp_path):
+    """A worker blocked in a collective whose peer is SIGSTOPped, and the notebook is SIGKILLed: every
+    process it started (the frozen one, the blocked one, servers, torchrun, JVM) is gone within 10 s."""
+    tag = new_tag()
+    ready = str(tmp_path / "rank1-frozen")
+    try:
+        proc = run_notebook(FROZEN.format(backend=backend, ready=ready), tag, tmp_path, timeout=240)
+        died_at = time.monotonic()
+        assert proc.returncode == -signal.SIGKILL and "VERDICT frozen" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+        left = wait_until_none_left(tag, within_s=10)
+        assert left == [], f"{backend}: alive {time.monotonic() - died_at:.1f} s after the notebook died: {left}"
+    finally:
+        kill_tagged(tag)
+
+
+SPARK_CLUSTER = textwrap.dedent('''
+    from IPython.core.interactiveshell import InteractiveShell
+    shell = InteractiveShell.instance()
+    shell.run_cell("%load_ext dtrain_magic")
+    result = shell.run_cell("""%%distribute --backend spark --cluster -n 2 --spark-master local-cluster[2,1,1024] --no-ui
+    def train(ctx):
+        return ctx.rank * 10
+    """)
+    print("VERDICT", "ok" if result.error_in_exec is None and result.result.values == [0, 10] else repr(result.error_in_exec), flush=True)
+''')
+
+
+def test_kernel_exit_after_a_spark_cluster_run_is_quiet(tmp_path):
+    """The SparkSession the magic started (a local-cluster with two executor JVMs) is stopped before the
+    JVM's own shutdown: the exit prints no Java stack trace, and nothing is left."""
+    tag = new_tag()
+    try:
+        proc = run_notebook(SPARK_CLUSTER, tag, tmp_path)
+        assert "VERDICT ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+        java_trace = [line for line in proc.stderr.splitlines() if line.lstrip().startswith("at org.apache.")
+                      or "Exception" in line or "Shutdown hooks" in line or "AppClient" in line]
+        assert java_trace == [], "\n".join(java_trace[:20])
+        assert wait_until_none_left(tag, within_s=15) == []
+    finally:
+        kill_tagged(tag)
+
+
+def test_stale_deepspeed_build_lock_does_not_hang_a_run(shell):
+    """A build killed half-way leaves torch's ``lock`` file: the next DeepSpeed run removes it (nobody
+    holds the environment's flock) and trains, instead of waiting on it forever."""
+    from dtrain_magic.extensions import extensions_dir
+
+    build_dir = os.path.join(extensions_dir(), "deepspeed_shm_comm")
+    os.makedirs(build_dir, exist_ok=True)
+    stale = os.path.join(build_dir, "lock")
+    open(stale, "w").close()
+    shell.user_ns["STEPS"] = 3
+    started = time.monotonic()
+    result = shell.run(textwrap.dedent('''\
+        %%distribute --backend local -n 2 --zero 1 --no-ui --timeout 240
+        import torch
+        def train(ctx):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(4, 1)
+            model, opt = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            losses = []
+            for _ in range(STEPS):
+                loss = model(torch.ones(8, 4)).pow(2).mean()
+                ctx.backward(loss)
+                ctx.step()
+                losses.append(loss.item())
+            return losses
+        '''))
+    assert result.error_in_exec is None, result.error_in_exec
+    losses = result.result.value
+    assert losses[-1] < losses[0]
+    assert not os.path.exists(stale)
+    print(f"DeepSpeed run with a stale build lock: {time.monotonic() - started:.1f} s")
