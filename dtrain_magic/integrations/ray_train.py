@@ -4,8 +4,8 @@ On ``--backend ray`` the user's function runs inside Ray Train's own ``train_loo
 ``ray.train.get_context()``, ``ray.train.torch.prepare_model`` / ``prepare_data_loader``,
 ``ray.train.report(metrics, checkpoint=...)``, ``ray.train.get_checkpoint()`` and
 ``FailureConfig(max_failures)`` (``--max-restarts``) are Ray's own. The one addition: what rank 0
-reports also goes to the magic's MLflow run and live charts, at step ``metrics["step"]`` when that is
-an int, else the number of earlier reports with metrics.
+reports also goes to the magic's MLflow run and live charts, at step ``metrics["step"]`` (or
+``metrics["epoch"]``) when that is an int, else the number of earlier reports with metrics.
 
 On local and Spark there is no Ray Train session: the worker functions raise a short
 `UnsupportedCodeError` saying to use ``--backend ray`` (the notebook refuses such a function before
@@ -34,9 +34,7 @@ def patch_report() -> None:
 
     def report(metrics: dict, checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         if metrics:
-            step = metrics.get("step")
-            if not isinstance(step, int) or isinstance(step, bool):
-                step = state["count"]
+            step = report_step(metrics, state["count"])
             state["count"] += 1
             log_metrics(metrics, step)
         return original(metrics, checkpoint, *args, **kwargs)
@@ -44,6 +42,16 @@ def patch_report() -> None:
     report.__wrapped__ = original  # type: ignore[attr-defined]
     report.__module__, report.__qualname__ = "ray.train", "report"  # pickled by reference like Ray's own
     patch(ray.train, "report", report)
+
+
+def report_step(metrics: dict, count: int) -> int:
+    """The MLflow step of a report: its int ``step``, else its int ``epoch`` (so a restarted group that
+    reports a resumed epoch again writes that epoch's step again), else the number of earlier reports."""
+    for key in ("step", "epoch"):
+        value = metrics.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return count
 
 
 def refusal(name: str) -> Any:
