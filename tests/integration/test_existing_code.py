@@ -114,3 +114,15 @@ def test_lightning_ddp_runs_in_the_magics_processes(shell):
     assert loss_fell(values[0]["losses"]), values[0]["losses"]
     # DDP kept the replicas identical (Lightning's own sampler and step order: not compared with one process)
     assert_close(values[1]["weights"], values[0]["weights"], atol=0, rtol=0)
+
+
+def test_plain_ctx_runs_import_none_of_the_optional_libraries(shell):
+    """transformers, accelerate, lightning and ray are hooked only when the user's code imports them: a
+    plain run imports none of them (so it works as before where they are not installed)."""
+    result = shell.run(
+        "%%distribute --backend local -n 2 --no-ui\nimport sys\ndef train(ctx):\n"
+        "    return sorted(m for m in ('transformers', 'accelerate', 'lightning', 'pytorch_lightning', 'ray')"
+        " if m in sys.modules)\n"
+    )
+    assert result.error_in_exec is None, result.error_in_exec
+    assert result.result.values == [[], []]
