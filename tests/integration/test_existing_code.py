@@ -126,3 +126,18 @@ def test_plain_ctx_runs_import_none_of_the_optional_libraries(shell):
     )
     assert result.error_in_exec is None, result.error_in_exec
     assert result.result.values == [[], []]
+
+
+def test_ray_train_called_from_an_imported_module_fails_short_in_the_worker(shell, tmp_path, monkeypatch):
+    """The notebook cannot see ray.train calls inside an imported module: the worker's ray.train
+    functions themselves then raise the short error, before any training."""
+    (tmp_path / "ray_loop_module.py").write_text(
+        "def loop():\n    import ray.train\n    rank = ray.train.get_context().get_world_rank()\n    return rank\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))  # importable in the notebook, hence on the workers' path
+    result = shell.run("%%distribute --backend local -n 2 --no-ui\nimport ray_loop_module\ndef train():\n"
+                       "    return ray_loop_module.loop()\n")
+    error = result.error_in_exec
+    assert isinstance(error, WorkerError), error
+    assert "UnsupportedCodeError: ray.train.get_context() works only inside Ray Train" in error.summary
+    assert "--backend ray" in error.summary
