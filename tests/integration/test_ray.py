@@ -440,3 +440,16 @@ def test_hf_trainer_runs_on_ray_into_the_magics_run(shell, mlflow):
     runs = mlflow.search_runs(experiment_ids=experiments)
     assert [r.info.run_id for r in runs] == [result.result.run_id]  # HF's report_to="mlflow" made no run of its own
     assert len(mlflow.get_metric_history(result.result.run_id, "loss")) == values[0]["steps"] == 32
+
+
+def test_lightning_ddp_runs_on_ray_without_launching_its_own(shell):
+    from workloads import EXISTING_HELPERS, assert_close, lightning_cell, loss_fell
+
+    assert shell.run(EXISTING_HELPERS).error_in_exec is None
+    result = shell.run(lightning_cell("ray"))
+    assert result.error_in_exec is None, result.error_in_exec
+    values = result.result.values
+    assert [v["rank"] for v in values] == [0, 1] and values[0]["world_size"] == 2
+    assert values[0]["pid"] != values[1]["pid"]  # the two Ray Train workers, no processes of Lightning's own
+    assert loss_fell(values[0]["losses"]), values[0]["losses"]
+    assert_close(values[1]["weights"], values[0]["weights"], atol=0, rtol=0)

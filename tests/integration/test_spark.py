@@ -223,6 +223,20 @@ def test_hf_trainer_runs_into_the_magics_run(spark_launcher, shell, mlflow):
     assert [m.step for m in mlflow.get_metric_history(result.result.run_id, "loss")] == list(range(1, 17))
 
 
+def test_lightning_ddp_runs_without_launching_its_own(spark_launcher, shell):
+    from workloads import EXISTING_HELPERS, assert_close, lightning_cell, loss_fell
+
+    assert shell.run(EXISTING_HELPERS).error_in_exec is None
+    result = shell.run(lightning_cell("spark"))
+    assert result.error_in_exec is None, result.error_in_exec
+    values = result.result.values
+    assert [v["rank"] for v in values] == [0, 1] and values[0]["world_size"] == 2
+    assert values[0]["pid"] != values[1]["pid"]  # torchrun's two processes, no processes of Lightning's own
+    assert loss_fell(values[0]["losses"]), values[0]["losses"]
+    assert_close(values[1]["weights"], values[0]["weights"], atol=0, rtol=0)
+    assert_no_torchrun_left()
+
+
 def test_worker_failure_is_short_and_leaves_nothing_running(spark_launcher, shell, mlflow, capsys):
     spark_launcher.session(RunConfig(backend="spark"))  # started already unless this test runs alone
     started = time.monotonic()
