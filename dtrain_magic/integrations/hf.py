@@ -69,11 +69,12 @@ def patch_trainer(module: Any, config: Any) -> None:
     callback_cls = _callback_class(module.TrainerCallback)
 
     def __init__(self: Any, model: Any = None, args: Any = None, *rest: Any, **kwargs: Any) -> None:
-        if args is None:  # what the Trainer would build, so the flags can apply to it
+        if args is None and (config.precision != "fp32" or config.grad_accum != 1):
             from transformers import TrainingArguments
 
-            args = TrainingArguments(output_dir="tmp_trainer")
-        apply_flags(args, config.precision, config.grad_accum)
+            args = TrainingArguments(output_dir="tmp_trainer")  # the Trainer's own default, with the flags
+        if args is not None:
+            apply_flags(args, config.precision, config.grad_accum)
         original(self, model, args, *rest, **kwargs)
         try:
             from transformers.integrations import MLflowCallback

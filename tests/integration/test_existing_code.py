@@ -19,7 +19,7 @@ def all_runs(mlflow):
     return mlflow.search_runs(experiment_ids=experiments)
 
 
-def assert_torchdistributor_run(result, port_check: bool = True) -> dict:
+def assert_torchdistributor_run(result) -> dict:
     """Every rank's value came back, torchrun's variables were there, the loss fell, and the final weights
     are one process's (fp32, 1e-5)."""
     assert result.error_in_exec is None, result.error_in_exec
@@ -40,7 +40,12 @@ def assert_torchdistributor_run(result, port_check: bool = True) -> dict:
 def test_torchdistributor_style_function_runs_unchanged_and_matches_one_process(shell, mlflow):
     assert shell.run(EXISTING_HELPERS).error_in_exec is None
     result = shell.run(torchdistributor_cell("local"))
+    values = result.result.values
     assert_torchdistributor_run(result)
+    # its init_process_group started no TCPStore on MASTER_PORT: the private FileStore rendezvous stayed
+    # the only one, and nothing in the workers listens beyond loopback
+    for value in values:
+        assert set(value["listening"]) <= {"127.0.0.1"}, value["listening"]
     assert mlflow.get_run(result.result.run_id).info.status == "FINISHED"
     assert result.result.config.backend == "local"
 

@@ -262,6 +262,8 @@ def train(lr, epochs=1):
     {init}
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     env = {{k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}}
+    import psutil
+    listening = sorted({{c.laddr.ip for c in psutil.Process().net_connections("inet") if c.status == "LISTEN"}})
     torch.manual_seed(0)
     model = DDP(make_model())
     opt = torch.optim.Adam(model.parameters(), lr=lr)
@@ -278,7 +280,7 @@ def train(lr, epochs=1):
             losses.append(loss.item())
     weights = {{k: v.detach().clone() for k, v in model.module.state_dict().items()}}
     dist.destroy_process_group()
-    return {{"env": env, "losses": losses, "weights": weights, "group_alive": dist.is_initialized()}}
+    return {{"env": env, "losses": losses, "weights": weights, "group_alive": dist.is_initialized(), "listening": listening}}
 
 train({lr}, epochs={epochs})
 """
