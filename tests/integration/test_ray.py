@@ -408,7 +408,7 @@ def test_ray_train_loop_runs_unchanged_with_report_checkpoints_and_restarts(shel
 def test_torchdistributor_style_and_accelerate_run_unchanged_on_ray(shell, mlflow):
     """Ray Train has joined the group already: the function's own init_process_group (with device_id) is
     adopted and its destroy deferred; then an accelerate loop in the same Ray instance. Both match one process."""
-    from workloads import EXISTING_HELPERS, accelerate_cell, assert_close, existing_reference, torchdistributor_cell
+    from workloads import EXISTING_HELPERS, accelerate_cell, assert_close, existing_reference, loss_fell, torchdistributor_cell
 
     assert shell.run(EXISTING_HELPERS).error_in_exec is None
     result = shell.run(torchdistributor_cell(
@@ -417,6 +417,7 @@ def test_torchdistributor_style_and_accelerate_run_unchanged_on_ray(shell, mlflo
     values = result.result.values
     assert [v["env"]["RANK"] for v in values] == ["0", "1"] and values[0]["env"]["WORLD_SIZE"] == "2"
     assert values[0]["env"]["MASTER_ADDR"] and int(values[0]["env"]["MASTER_PORT"]) > 0
+    assert loss_fell(values[0]["losses"]), values[0]["losses"]
     assert_close(values[0]["weights"], existing_reference(), atol=1e-5, rtol=0)
     assert all(v["group_alive"] for v in values)
 
@@ -424,6 +425,7 @@ def test_torchdistributor_style_and_accelerate_run_unchanged_on_ray(shell, mlflo
     assert result.error_in_exec is None, result.error_in_exec
     values = result.result.values
     assert [v["rank"] for v in values] == [0, 1] and values[0]["num_processes"] == 2
+    assert loss_fell(values[0]["losses"]), values[0]["losses"]
     assert_close(values[0]["weights"], existing_reference(), atol=1e-5, rtol=0)
     assert [m.step for m in mlflow.get_metric_history(result.result.run_id, "loss")] == list(range(12))
 

@@ -206,6 +206,7 @@ def test_torchdistributor_style_and_accelerate_run_unchanged(spark_launcher, she
     assert result.error_in_exec is None, result.error_in_exec
     values = result.result.values
     assert [v["rank"] for v in values] == [0, 1] and values[0]["num_processes"] == 2
+    assert loss_fell(values[0]["losses"]), values[0]["losses"]
     assert_close(values[0]["weights"], existing_reference(), atol=1e-5, rtol=0)
     assert [m.step for m in mlflow.get_metric_history(result.result.run_id, "loss")] == list(range(12))
 
