@@ -409,17 +409,38 @@ def refers_to_ray_train(fn: Callable[..., Any], _seen: set | None = None) -> boo
         names = each.co_names
         if any(n == "ray.train" or n.startswith("ray.train.") for n in names):
             return True  # import ray.train / from ray.train import ...
+        if _loads_ray_dot_train(each, closure, globals_):
+            return True  # ray.train.<x> through `import ray`
         for name in names:
             obj = closure.get(name, globals_.get(name))
             if obj is None:
                 continue
             module = getattr(obj, "__name__", "") if inspect.ismodule(obj) else getattr(obj, "__module__", "") or ""
-            if inspect.ismodule(obj) and module == "ray" and "train" in names:
-                return True  # ray.train.<x> through `import ray`
             if module == "ray.train" or module.startswith("ray.train."):
                 return True
             if inspect.isfunction(obj) and obj.__module__ == "__main__" and refers_to_ray_train(obj, seen):
                 return True
+    return False
+
+
+def _loads_ray_dot_train(code: types.CodeType, closure: dict, globals_: dict) -> bool:
+    """The bytecode reads ``.train`` off the ``ray`` module (``ray.train.report(...)``)."""
+    import dis
+
+    previous = None
+    local_ray: set[str] = set()  # local names bound by `import ray` inside the function
+    for instruction in dis.get_instructions(code):
+        if previous is not None and previous.opname == "IMPORT_NAME" and previous.argval == "ray" \
+                and instruction.opname in ("STORE_FAST", "STORE_NAME", "STORE_DEREF", "STORE_GLOBAL"):
+            local_ray.add(instruction.argval)
+        if instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and instruction.argval == "train" and previous is not None:
+            if previous.opname in ("LOAD_FAST", "LOAD_DEREF", "LOAD_NAME", "LOAD_GLOBAL") and previous.argval in local_ray:
+                return True
+            if previous.opname in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF"):
+                obj = closure.get(previous.argval, globals_.get(previous.argval))
+                if inspect.ismodule(obj) and obj.__name__ == "ray":
+                    return True
+        previous = instruction
     return False
 
 

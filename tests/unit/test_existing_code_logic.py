@@ -155,7 +155,9 @@ def test_refers_to_ray_train():
     exec("def helper():\n    train_mod.get_context()\ndef d():\n    helper()\n", ns)
     exec("def e(ctx):\n    ctx.log(loss=1)\n    import os\n    return os.environ['RANK']\n", ns)
     exec("def f():\n    def inner():\n        from ray.train import report\n    inner()\n", ns)
-    assert [refers_to_ray_train(ns[n]) for n in "abcdef"] == [True, True, True, True, False, True]
+    exec("def train(): pass\ndef g():\n    ray.init()\n    train()\n", ns)  # ray and a `train`, not ray.train
+    exec("def h():\n    import ray\n    ray.train.get_context()\n", ns)
+    assert [refers_to_ray_train(ns[n]) for n in "abcdefgh"] == [True, True, True, True, False, True, False, True]
 
 
 def test_report_step():
