@@ -17,6 +17,7 @@ from .errors import (
     MissingDependencyError,
     RunInterrupted,
     RunTimeout,
+    UnsupportedCodeError,
     WorkerError,
 )
 from .result import RunResult
@@ -46,5 +47,5 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CaptureError", "ConfigError", "DistributeError", "LaunchError", "MissingDependencyError", "RunConfig",
-    "RunInterrupted", "RunResult", "RunTimeout", "TrainContext", "WorkerError", "load_ipython_extension",
+    "RunInterrupted", "RunResult", "RunTimeout", "TrainContext", "UnsupportedCodeError", "WorkerError", "load_ipython_extension",
 ]

@@ -5,6 +5,13 @@ IPython keeps in ``linecache`` and padded so line numbers are the cell's own (li
 ``%%distribute`` line). The chosen function is pickled by value with cloudpickle, together with what
 it uses from the notebook's namespace, and with the source of every notebook cell it refers to so a
 worker's traceback can show the cell's lines.
+
+The call form: a cell whose last statement calls the function to ship, ``train(1e-3, use_gpu=False)``,
+runs it with those arguments on every worker, as ``TorchDistributor.run(train, 1e-3, use_gpu=False)``
+would. That last statement is not run in the notebook; its arguments are evaluated there (after the
+rest of the cell), checked against the function's signature and pickled; the bare name ``ctx`` as an
+argument stands for the worker's `TrainContext`. It applies when the called name is the cell's last
+top-level ``def``, or the ``--fn`` name, or (in a cell with no ``def``) a function from earlier cells.
 """
 
 from __future__ import annotations
@@ -33,12 +40,48 @@ class Payload:
     takes_ctx: bool
     sources: dict[str, list[str]] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)  # cell file name -> "Cell In[N]"
+    call_args: bytes | None = None  # the call form's pickled (args, kwargs), `CTX` standing for ctx
+    call_text: str | None = None  # the call as written in the cell, e.g. "train(1e-3, use_gpu=False)"
+    uses_ray_train: bool = False  # the function (or a notebook helper it calls) refers to ray.train
 
     def load(self) -> Callable[..., Any]:
-        """Unpickle the function (in the worker) and make the cells' source visible to tracebacks."""
+        """Unpickle the function (in the worker) and make the cells' source visible to tracebacks.
+
+        With the call form, the result is the function bound to the cell's arguments, called as
+        ``fn(ctx)`` when ``ctx`` is one of them (``takes_ctx``), else ``fn()``."""
         for filename, lines in self.sources.items():
             linecache.cache[filename] = (sum(map(len, lines)), None, list(lines), filename)
-        return cloudpickle.loads(self.function_bytes)
+        fn = cloudpickle.loads(self.function_bytes)
+        if self.call_args is None:
+            return fn
+        args, kwargs = cloudpickle.loads(self.call_args)
+        return BoundCall(fn, tuple(args), dict(kwargs))
+
+
+class _CtxPlaceholder:
+    """Stands for the worker's ``ctx`` among the call form's arguments (pickled by reference)."""
+
+    def __reduce__(self) -> str:
+        return "CTX"
+
+    def __repr__(self) -> str:
+        return "ctx"
+
+
+CTX = _CtxPlaceholder()
+
+
+class BoundCall:
+    """The shipped function with the cell's arguments; ``CTX`` among them becomes the worker's ctx."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict):
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.__name__ = getattr(fn, "__name__", "fn")
+
+    def __call__(self, ctx: Any = None) -> Any:
+        args = [ctx if a is CTX else a for a in self.args]
+        kwargs = {k: ctx if v is CTX else v for k, v in self.kwargs.items()}
+        return self.fn(*args, **kwargs)
 
 
 def _rebuild_code(rebuild: Callable[..., types.CodeType], args: tuple, filename: str) -> types.CodeType:
@@ -74,10 +117,11 @@ def last_function_name(cell: str) -> str | None:
     return names[-1] if names else None
 
 
-def run_cell(cell: str, namespace: dict, shell: Any = None) -> str:
+def run_cell(cell: str, namespace: dict, shell: Any = None, drop_last: bool = False) -> str:
     """Execute the cell body in ``namespace``, returning the file name its code was compiled under.
 
     A blank first line stands for the ``%%distribute`` line so tracebacks use the cell's line numbers.
+    ``drop_last``: do not run the last statement (the call form's call, which runs on the workers).
     """
     source = "\n" + cell
     if shell is not None and hasattr(shell, "compile"):
@@ -86,7 +130,10 @@ def run_cell(cell: str, namespace: dict, shell: Any = None) -> str:
         filename = f"<distribute-cell-{abs(hash(source)):x}>"
         linecache.cache[filename] = (len(source), None, [ln + "\n" for ln in source.splitlines()], filename)
     try:
-        code = compile(source, filename, "exec")
+        tree = ast.parse(source, filename)
+        if drop_last and tree.body:
+            tree.body = tree.body[:-1]
+        code = compile(tree, filename, "exec")
     except SyntaxError as exc:
         raise CaptureError(f"the cell has a syntax error at line {exc.lineno}: {exc.msg}") from None
     try:
@@ -135,7 +182,8 @@ def takes_context(fn: Callable[..., Any]) -> bool:
     if any(p.kind == p.KEYWORD_ONLY for p in required) or len(required) > 1:
         raise CaptureError(
             f"{name}{sig}: the training function must take one parameter (ctx) or none; "
-            f"it requires {', '.join(p.name for p in required)}"
+            f"it requires {', '.join(p.name for p in required)}. To pass arguments, end the cell with the "
+            f"call, e.g. `{name}({', '.join(p.name for p in required)})`"
         )
     return bool(required) or bool(positional) or has_varargs
 
@@ -169,9 +217,15 @@ def cell_labels(shell: Any) -> dict[str, str]:
     return {name: f"Cell In[{number}]" for name, number in mapping.items()}
 
 
-def serialize(fn: Callable[..., Any], cell_files: tuple[str, ...] = (), labels: dict[str, str] | None = None) -> Payload:
-    """Pickle ``fn`` by value; an object that cannot be pickled is named in the error."""
-    takes_ctx = takes_context(fn)
+def serialize(
+    fn: Callable[..., Any],
+    cell_files: tuple[str, ...] = (),
+    labels: dict[str, str] | None = None,
+    call: "CallForm | None" = None,
+) -> Payload:
+    """Pickle ``fn`` by value (and the call form's arguments); an object that cannot be pickled is named."""
+    takes_ctx = takes_context(fn) if call is None else call.takes_ctx
+    call_args = None if call is None else _pickle_arguments(call)
     module = getattr(fn, "__module__", None)
     registered = None
     if module and module not in ("__main__", "builtins") and inspect.getmodule(fn) is not None:
@@ -188,7 +242,10 @@ def serialize(fn: Callable[..., Any], cell_files: tuple[str, ...] = (), labels: 
     finally:
         if registered is not None:
             cloudpickle.unregister_pickle_by_value(registered)
-    return Payload(data, getattr(fn, "__name__", "fn"), takes_ctx, _notebook_sources(fn, cell_files), labels or {})
+    return Payload(
+        data, getattr(fn, "__name__", "fn"), takes_ctx, _notebook_sources(fn, cell_files), labels or {},
+        call_args=call_args, call_text=None if call is None else call.text, uses_ray_train=refers_to_ray_train(fn),
+    )
 
 
 def _is_installed(module: Any) -> bool:
@@ -222,7 +279,173 @@ def _find_unpicklable_global(fn: Callable[..., Any]) -> tuple[str, Any] | None:
 
 
 def capture(cell: str, namespace: dict, fn_name: str | None = None, shell: Any = None) -> tuple[Payload, Callable]:
-    """Run the cell in the notebook, choose its function and serialize it."""
-    filename = run_cell(cell, namespace, shell)
-    fn = select_function(cell, namespace, fn_name)
-    return serialize(fn, (filename,), cell_labels(shell)), fn
+    """Run the cell in the notebook, choose its function and serialize it (with the call form's
+    arguments when the cell ends with a call of it)."""
+    call_node = call_statement(cell, namespace, fn_name)
+    filename = run_cell(cell, namespace, shell, drop_last=call_node is not None)
+    if call_node is None:
+        fn = select_function(cell, namespace, fn_name)
+        return serialize(fn, (filename,), cell_labels(shell)), fn
+    name = call_node.func.id  # type: ignore[attr-defined]
+    fn = select_function(cell, namespace, name)
+    call = evaluate_call(call_node, cell, fn, namespace)
+    return serialize(fn, (filename,), cell_labels(shell), call), fn
+
+
+# -- the call form ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CallForm:
+    """The cell's last line ``fn(args...)``, its arguments evaluated in the notebook."""
+
+    text: str
+    args: tuple
+    kwargs: dict
+    takes_ctx: bool
+
+
+def call_statement(cell: str, namespace: dict, fn_name: str | None = None) -> ast.Call | None:
+    """The cell's last statement when it is the call form (see the module's docstring), else None."""
+    try:
+        tree = ast.parse(cell)
+    except SyntaxError:
+        return None  # run_cell reports it
+    if not tree.body:
+        return None
+    last = tree.body[-1]
+    if not (isinstance(last, ast.Expr) and isinstance(last.value, ast.Call) and isinstance(last.value.func, ast.Name)):
+        return None
+    name = last.value.func.id
+    defs = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    if fn_name is not None:
+        if name != fn_name:
+            return None
+    elif defs:
+        if name != defs[-1]:
+            return None
+    elif not inspect.isfunction(namespace.get(name)):
+        return None
+    return last.value
+
+
+def evaluate_call(node: ast.Call, cell: str, fn: Callable[..., Any], namespace: dict) -> CallForm:
+    """Evaluate the call's arguments in the notebook (``ctx`` stands for the worker's context) and check
+    them against ``fn``'s signature, so a wrong call fails before anything is launched."""
+    text = ast.get_source_segment(cell, node) or ast.unparse(node)
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+
+    def value(expr: ast.expr) -> Any:
+        if isinstance(expr, ast.Name) and expr.id == "ctx":
+            return CTX
+        source = ast.get_source_segment(cell, expr) or ast.unparse(expr)
+        try:
+            return eval(compile(ast.Expression(expr), "<distribute-call>", "eval"), namespace)
+        except Exception as exc:
+            hint = " (ctx can be passed only as a bare argument, `ctx`)" if "ctx" in source else ""
+            raise CaptureError(f"{text}: evaluating the argument `{source}` failed: {summary(exc)}{hint}") from None
+
+    for arg in node.args:
+        if isinstance(arg, ast.Starred):
+            args.extend(value(arg.value))
+        else:
+            args.append(value(arg))
+    for keyword in node.keywords:
+        if keyword.arg is None:
+            kwargs.update(value(keyword.value))
+        else:
+            kwargs[keyword.arg] = value(keyword.value)
+    try:
+        inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise CaptureError(
+            f"{text}: the arguments do not fit {getattr(fn, '__name__', 'fn')}{inspect.signature(fn)}: {exc}; "
+            "nothing was launched"
+        ) from None
+    except ValueError:  # no signature (a builtin): let the call decide
+        pass
+    takes_ctx = any(a is CTX for a in args) or any(v is CTX for v in kwargs.values())
+    return CallForm(text, tuple(args), kwargs, takes_ctx)
+
+
+def _pickle_arguments(call: CallForm) -> bytes:
+    try:
+        return dumps((call.args, call.kwargs))
+    except Exception:
+        pass
+    named = [(f"argument {i + 1}", a) for i, a in enumerate(call.args)] + [(k, v) for k, v in call.kwargs.items()]
+    for label, obj in named:
+        try:
+            dumps(obj)
+        except Exception as exc:
+            raise CaptureError(
+                f"{call.text}: the {label} ({type(obj).__name__}) cannot be pickled to send it to the workers "
+                f"({type(exc).__name__}: {exc}); pass something that can (data, paths, numbers), or build it "
+                "inside the function"
+            ) from None
+    raise CaptureError(f"{call.text}: the arguments cannot be pickled to send them to the workers")
+
+
+# -- which backend a function needs -------------------------------------------------------------------
+
+
+def refers_to_ray_train(fn: Callable[..., Any], _seen: set | None = None) -> bool:
+    """True when ``fn`` (or a notebook function it uses, or one defined inside it) refers to ``ray.train``:
+    ``ray.train.report(...)``, ``from ray.train import ...``, ``import ray.train.torch``, or a global
+    bound to ray.train's module or functions. Such a Ray Train loop runs only under ``--backend ray``."""
+    seen = set() if _seen is None else _seen
+    code = getattr(fn, "__code__", None)
+    if code is None or id(code) in seen:
+        return False
+    seen.add(id(code))
+    globals_ = getattr(fn, "__globals__", {}) or {}
+    closure = {}
+    try:
+        closure = dict(inspect.getclosurevars(fn).nonlocals)
+    except (TypeError, ValueError):
+        pass
+    for each in _code_objects(code):
+        names = each.co_names
+        if any(n == "ray.train" or n.startswith("ray.train.") for n in names):
+            return True  # import ray.train / from ray.train import ...
+        if _loads_ray_dot_train(each, closure, globals_):
+            return True  # ray.train.<x> through `import ray`
+        for name in names:
+            obj = closure.get(name, globals_.get(name))
+            if obj is None:
+                continue
+            module = getattr(obj, "__name__", "") if inspect.ismodule(obj) else getattr(obj, "__module__", "") or ""
+            if module == "ray.train" or module.startswith("ray.train."):
+                return True
+            if inspect.isfunction(obj) and obj.__module__ == "__main__" and refers_to_ray_train(obj, seen):
+                return True
+    return False
+
+
+def _loads_ray_dot_train(code: types.CodeType, closure: dict, globals_: dict) -> bool:
+    """The bytecode reads ``.train`` off the ``ray`` module (``ray.train.report(...)``)."""
+    import dis
+
+    previous = None
+    local_ray: set[str] = set()  # local names bound by `import ray` inside the function
+    for instruction in dis.get_instructions(code):
+        if previous is not None and previous.opname == "IMPORT_NAME" and previous.argval == "ray" \
+                and instruction.opname in ("STORE_FAST", "STORE_NAME", "STORE_DEREF", "STORE_GLOBAL"):
+            local_ray.add(instruction.argval)
+        if instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and instruction.argval == "train" and previous is not None:
+            if previous.opname in ("LOAD_FAST", "LOAD_DEREF", "LOAD_NAME", "LOAD_GLOBAL") and previous.argval in local_ray:
+                return True
+            if previous.opname in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF"):
+                obj = closure.get(previous.argval, globals_.get(previous.argval))
+                if inspect.ismodule(obj) and obj.__name__ == "ray":
+                    return True
+        previous = instruction
+    return False
+
+
+def _code_objects(code: types.CodeType):
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)

@@ -72,3 +72,11 @@ class RunTimeout(DistributeError):
     """The run exceeded ``--timeout``."""
 
     title = "RunTimeout"
+
+
+class UnsupportedCodeError(DistributeError, RuntimeError):
+    """The user's function does something that cannot work in this run (raised in the worker, e.g.
+    ``init_process_group("nccl")`` on CPU, or ``ray.train`` outside ``--backend ray``), or the cell's
+    call line cannot be used; the message says what to change."""
+
+    title = "UnsupportedCodeError"

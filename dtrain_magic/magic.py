@@ -49,6 +49,7 @@ class DistributeMagics(Magics):
             return show_panel(config, cell, self.shell)
         runner.check(config)  # bad input: a clear error before the cell runs or anything launches
         payload, _ = capture(cell, self.shell.user_ns, config.fn, self.shell)
+        runner.check_payload(config, payload)  # e.g. a Ray Train loop off --backend ray: before --dry-run too
         if config.dry_run:
             print(runner.plan(config, payload))
             return None

@@ -19,7 +19,7 @@ from .capture import Payload
 from .channel import Channel
 from .checkpoints import run_checkpoint_root
 from .config import RunConfig
-from .errors import DistributeError, LaunchError, RunInterrupted, RunTimeout, WorkerError
+from .errors import ConfigError, DistributeError, LaunchError, RunInterrupted, RunTimeout, WorkerError
 from .launchers import get_launcher
 from .observer import RunObserver, TextObserver
 from .result import RunResult
@@ -42,6 +42,18 @@ def check(config: RunConfig) -> None:
     launcher.check(config)
     get_strategy(config.strategy).check(config)
     check_tracking_uri(config)  # last: it may wait up to a few seconds for an http(s) server
+
+
+def check_payload(config: RunConfig, payload: Payload) -> None:
+    """What the captured function needs of the backend, before launch: a Ray Train loop (it calls
+    ``ray.train``) runs only under ``--backend ray``, where Ray Train's own session exists."""
+    if payload.uses_ray_train and config.backend != "ray":
+        raise ConfigError(
+            "--backend",
+            f"{payload.call_text or payload.name} calls Ray Train (ray.train.report / get_context / prepare_model ...), "
+            f"which works only inside Ray Train: run it with --backend ray, where it runs unchanged, not --backend "
+            f"{config.backend} (or use ctx.rank, ctx.prepare, ctx.log instead). Nothing was launched",
+        )
 
 
 def _starts_before_tracking(launcher: Any, config: RunConfig) -> bool:
@@ -69,6 +81,7 @@ def execute(
     launcher = get_launcher(config.backend)
     if not checked:
         check(config)
+    check_payload(config, payload)
     # ctx.save_checkpoint() without a directory: one directory per run, the same on every backend (Ray
     # Train keeps its own checkpoints there); named before the MLflow run exists, recorded in a tag.
     root = run_checkpoint_root(config.storage, uuid.uuid4().hex)
@@ -257,7 +270,7 @@ class _Pump:
 def plan(config: RunConfig, payload: Payload) -> str:
     """What ``--dry-run`` prints: the validated config and what would be launched."""
     launcher = get_launcher(config.backend)
-    call = f"{payload.name}(ctx)" if payload.takes_ctx else f"{payload.name}()"
+    call = payload.call_text or (f"{payload.name}(ctx)" if payload.takes_ctx else f"{payload.name}()")
     lines = [
         "dtrain_magic dry run: nothing launched.",
         f"  would run {call} on {launcher.describe(config)}",

@@ -14,6 +14,11 @@ def short_traceback(exc: BaseException, labels: dict[str, str] | None = None) ->
     frames = traceback.extract_tb(exc.__traceback__)
     while frames and frames[0].filename.startswith(_PACKAGE_DIR):
         frames.pop(0)
+    from .errors import DistributeError
+
+    if isinstance(exc, DistributeError):  # raised by dtrain_magic's own adapters: the user's line is the point
+        while len(frames) > 1 and frames[-1].filename.startswith(_PACKAGE_DIR):
+            frames.pop()
     lines = ["Traceback (most recent call last):\n"]
     for frame in frames:
         where = labels.get(frame.filename)

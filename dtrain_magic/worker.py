@@ -22,6 +22,7 @@ from typing import Any
 import cloudpickle
 
 from . import channel as ch
+from . import integrations
 from .capture import Payload
 from .channel import ChannelAddress, WorkerLink
 from .config import RunConfig
@@ -161,6 +162,10 @@ def run_worker(job: WorkerJob, ranks: RankInfo | None = None, checkpoints: Any =
             send=link.send,
             checkpoint_store=checkpoints if checkpoints is not None else checkpoint_store(job.checkpoint_root),
         )
+        # Existing code runs unchanged: its own init/destroy_process_group adopt the run's group, and
+        # Hugging Face / Ray Train metrics reach the run (dtrain_magic/integrations). Before the load:
+        # names the cell imported (init_process_group, ray.train.report) resolve to the adapted ones.
+        integrations.install(job.config, ctx, job.config.backend)
         fn = job.payload.load()
         link.send((ch.STATUS, ranks.rank, "running", ""))
         value = fn(ctx) if job.payload.takes_ctx else fn()
@@ -187,6 +192,7 @@ def run_worker(job: WorkerJob, ranks: RankInfo | None = None, checkpoints: Any =
         raise
     finally:
         sys.stdout, sys.stderr = streams
+        integrations.uninstall()  # torch's own destroy_process_group again, for the teardown below
         if strategy is not None:
             try:
                 strategy.teardown()

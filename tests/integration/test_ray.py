@@ -379,3 +379,79 @@ def test_existing_cluster_with_ray_address(shell, head_node, reference_weights, 
 
     assert ray_launcher.connect(RunConfig(backend="ray", use_gpu=False)) == "joined"
     assert ray_launcher._Embedded.joined == head_node
+
+
+# -- existing code, unchanged (issue #13; the local backend's: test_existing_code.py) -------------------
+def test_ray_train_loop_runs_unchanged_with_report_checkpoints_and_restarts(shell, mlflow, tmp_path, capsys):
+    """A Ray Train loop (get_context, prepare_model, prepare_data_loader, report with a checkpoint,
+    get_checkpoint), called with its config dict; rank 1 is SIGKILLed once at epoch 2 and Ray restarts the
+    group (--max-restarts 1), which resumes from the last reported checkpoint. The final weights equal one
+    plain process's (fp32, 1e-5), and what rank 0 reported is in the magic's MLflow run."""
+    from workloads import EXISTING_HELPERS, assert_close, existing_reference, ray_loop_cell
+
+    assert shell.run(EXISTING_HELPERS).error_in_exec is None
+    result = shell.run(ray_loop_cell(flags="--max-restarts 1", kill=True, epochs=4))
+    assert result.error_in_exec is None, result.error_in_exec
+    assert (tmp_path / "killed").exists()
+    assert "resumed at epoch" in capsys.readouterr().out
+    values = result.result.values
+    assert [v["rank"] for v in values] == [0, 1]
+    assert_close(values[0]["weights"], existing_reference(epochs=4), atol=1e-5, rtol=0)
+    assert_close(values[1]["weights"], values[0]["weights"], atol=0, rtol=0)
+    history = mlflow.get_metric_history(result.result.run_id, "loss")
+    assert {m.step for m in history} == {0, 1, 2, 3}  # step = the reported "epoch"; a resumed epoch again
+    by_step = {m.step: m.value for m in history}
+    assert by_step[3] < 0.5 * by_step[0], by_step  # the loss fell
+    assert mlflow.get_run(result.result.run_id).info.status == "FINISHED"
+
+
+def test_torchdistributor_style_and_accelerate_run_unchanged_on_ray(shell, mlflow):
+    """Ray Train has joined the group already: the function's own init_process_group (with device_id) is
+    adopted and its destroy deferred; then an accelerate loop in the same Ray instance. Both match one process."""
+    from workloads import EXISTING_HELPERS, accelerate_cell, assert_close, existing_reference, loss_fell, torchdistributor_cell
+
+    assert shell.run(EXISTING_HELPERS).error_in_exec is None
+    result = shell.run(torchdistributor_cell(
+        "ray", init='dist.init_process_group(dist.Backend.GLOO, device_id=torch.device("cpu"))'))
+    assert result.error_in_exec is None, result.error_in_exec
+    values = result.result.values
+    assert [v["env"]["RANK"] for v in values] == ["0", "1"] and values[0]["env"]["WORLD_SIZE"] == "2"
+    assert values[0]["env"]["MASTER_ADDR"] and int(values[0]["env"]["MASTER_PORT"]) > 0
+    assert loss_fell(values[0]["losses"]), values[0]["losses"]
+    assert_close(values[0]["weights"], existing_reference(), atol=1e-5, rtol=0)
+    assert all(v["group_alive"] for v in values)
+
+    result = shell.run(accelerate_cell("ray"))
+    assert result.error_in_exec is None, result.error_in_exec
+    values = result.result.values
+    assert [v["rank"] for v in values] == [0, 1] and values[0]["num_processes"] == 2
+    assert loss_fell(values[0]["losses"]), values[0]["losses"]
+    assert_close(values[0]["weights"], existing_reference(), atol=1e-5, rtol=0)
+    assert [m.step for m in mlflow.get_metric_history(result.result.run_id, "loss")] == list(range(12))
+
+
+def test_hf_trainer_runs_on_ray_into_the_magics_run(shell, mlflow):
+    from workloads import hf_trainer_cell
+
+    result = shell.run(hf_trainer_cell("ray"))
+    assert result.error_in_exec is None, result.error_in_exec
+    values = result.result.values
+    assert [v["rank"] for v in values] == [0, 1] and values[0]["world_size"] == 2
+    assert values[0]["losses"][-1] < 0.7 * values[0]["losses"][0], values[0]["losses"]
+    experiments = [e.experiment_id for e in mlflow.search_experiments()]
+    runs = mlflow.search_runs(experiment_ids=experiments)
+    assert [r.info.run_id for r in runs] == [result.result.run_id]  # HF's report_to="mlflow" made no run of its own
+    assert len(mlflow.get_metric_history(result.result.run_id, "loss")) == values[0]["steps"] == 32
+
+
+def test_lightning_ddp_runs_on_ray_without_launching_its_own(shell):
+    from workloads import EXISTING_HELPERS, assert_close, lightning_cell, loss_fell
+
+    assert shell.run(EXISTING_HELPERS).error_in_exec is None
+    result = shell.run(lightning_cell("ray"))
+    assert result.error_in_exec is None, result.error_in_exec
+    values = result.result.values
+    assert [v["rank"] for v in values] == [0, 1] and values[0]["world_size"] == 2
+    assert values[0]["pid"] != values[1]["pid"]  # the two Ray Train workers, no processes of Lightning's own
+    assert loss_fell(values[0]["losses"]), values[0]["losses"]
+    assert_close(values[1]["weights"], values[0]["weights"], atol=0, rtol=0)

@@ -184,6 +184,60 @@ def test_strategies_run_unchanged_through_torchdistributor(spark_launcher, shell
     assert_no_torchrun_left()
 
 
+# -- existing code, unchanged (issue #13; the local backend's: test_existing_code.py) -------------------
+def test_torchdistributor_style_and_accelerate_run_unchanged(spark_launcher, shell, mlflow):
+    """A function as written for TorchDistributor.run (its own init_process_group("gloo", env://), DDP,
+    destroy_process_group, arguments from the cell's call), then an accelerate loop: both on the shared
+    session, both matching one plain process (fp32, 1e-5)."""
+    from workloads import EXISTING_HELPERS, accelerate_cell, assert_close, existing_reference, loss_fell, torchdistributor_cell
+
+    assert shell.run(EXISTING_HELPERS).error_in_exec is None
+    result = shell.run(torchdistributor_cell("spark", init='dist.init_process_group(backend="gloo", init_method="env://")'))
+    assert result.error_in_exec is None, result.error_in_exec
+    values = result.result.values
+    assert [v["env"]["RANK"] for v in values] == ["0", "1"] and [v["env"]["LOCAL_RANK"] for v in values] == ["0", "1"]
+    assert {v["env"]["WORLD_SIZE"] for v in values} == {"2"} and int(values[0]["env"]["MASTER_PORT"]) > 0
+    assert loss_fell(values[0]["losses"]), values[0]["losses"]
+    assert_close(values[0]["weights"], existing_reference(), atol=1e-5, rtol=0)
+    assert all(v["group_alive"] for v in values)
+    assert_no_torchrun_left()
+
+    result = shell.run(accelerate_cell("spark"))
+    assert result.error_in_exec is None, result.error_in_exec
+    values = result.result.values
+    assert [v["rank"] for v in values] == [0, 1] and values[0]["num_processes"] == 2
+    assert loss_fell(values[0]["losses"]), values[0]["losses"]
+    assert_close(values[0]["weights"], existing_reference(), atol=1e-5, rtol=0)
+    assert [m.step for m in mlflow.get_metric_history(result.result.run_id, "loss")] == list(range(12))
+
+
+def test_hf_trainer_runs_into_the_magics_run(spark_launcher, shell, mlflow):
+    from workloads import hf_trainer_cell
+
+    result = shell.run(hf_trainer_cell("spark", flags="--grad-accum 2"))
+    assert result.error_in_exec is None, result.error_in_exec
+    values = result.result.values
+    assert [v["rank"] for v in values] == [0, 1] and values[0]["world_size"] == 2 and values[0]["accum"] == 2
+    assert values[0]["losses"][-1] < 0.7 * values[0]["losses"][0], values[0]["losses"]
+    experiments = [e.experiment_id for e in mlflow.search_experiments()]
+    assert [r.info.run_id for r in mlflow.search_runs(experiment_ids=experiments)] == [result.result.run_id]
+    assert [m.step for m in mlflow.get_metric_history(result.result.run_id, "loss")] == list(range(1, 17))
+
+
+def test_lightning_ddp_runs_without_launching_its_own(spark_launcher, shell):
+    from workloads import EXISTING_HELPERS, assert_close, lightning_cell, loss_fell
+
+    assert shell.run(EXISTING_HELPERS).error_in_exec is None
+    result = shell.run(lightning_cell("spark"))
+    assert result.error_in_exec is None, result.error_in_exec
+    values = result.result.values
+    assert [v["rank"] for v in values] == [0, 1] and values[0]["world_size"] == 2
+    assert values[0]["pid"] != values[1]["pid"]  # torchrun's two processes, no processes of Lightning's own
+    assert loss_fell(values[0]["losses"]), values[0]["losses"]
+    assert_close(values[1]["weights"], values[0]["weights"], atol=0, rtol=0)
+    assert_no_torchrun_left()
+
+
 def test_worker_failure_is_short_and_leaves_nothing_running(spark_launcher, shell, mlflow, capsys):
     spark_launcher.session(RunConfig(backend="spark"))  # started already unless this test runs alone
     started = time.monotonic()

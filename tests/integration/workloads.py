@@ -227,3 +227,241 @@ def assert_nothing_grew(before: dict, after: dict, rss_mb: float = 150) -> None:
     assert after["fds"] <= before["fds"] + 5, (before, after)
     assert after["threads"] <= before["threads"] + 2, (before, after)
     assert after["rss_mb"] <= before["rss_mb"] + rss_mb, (before, after)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Existing code, unchanged (issue #13): functions written for TorchDistributor / torchrun, Ray Train
+# loops, Hugging Face Trainer, accelerate and Lightning. Every style trains the same tiny regression
+# (EXISTING_HELPERS) where it can, with a global batch of 16, so its final weights can be compared with
+# one plain process (`existing_reference`, fp32, atol 1e-5).
+
+EXISTING_HELPERS = """
+import torch
+
+def make_model():
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+def make_data(n=64):
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(n, 8, generator=g)
+    return torch.utils.data.TensorDataset(X, 0.5 * X.sum(1, keepdim=True) + 0.1)
+"""
+
+GLOBAL_BATCH, EXISTING_LR, EXISTING_EPOCHS = 16, 0.02, 3
+
+# Written as TorchDistributor's examples are: its own init_process_group ({init}), DDP, a
+# DistributedSampler from RANK/WORLD_SIZE, destroy_process_group at the end; called with arguments.
+TORCHDISTRIBUTOR_CELL = """%%distribute --backend {backend} -n 2 --no-ui
+import os
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+def train(lr, epochs=1):
+    {init}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    env = {{k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}}
+    import psutil
+    listening = sorted({{c.laddr.ip for c in psutil.Process().net_connections("inet") if c.status == "LISTEN"}})
+    torch.manual_seed(0)
+    model = DDP(make_model())
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    data = make_data()
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
+    loader = DataLoader(data, batch_size=16 // world, sampler=sampler)
+    losses = []
+    for epoch in range(epochs):
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    weights = {{k: v.detach().clone() for k, v in model.module.state_dict().items()}}
+    dist.destroy_process_group()
+    return {{"env": env, "losses": losses, "weights": weights, "group_alive": dist.is_initialized(), "listening": listening}}
+
+train({lr}, epochs={epochs})
+"""
+
+
+def torchdistributor_cell(backend: str, init: str = 'dist.init_process_group("gloo")') -> str:
+    return TORCHDISTRIBUTOR_CELL.format(backend=backend, init=init, lr=EXISTING_LR, epochs=EXISTING_EPOCHS)
+
+
+# A Ray Train loop as Ray's docs write it: get_context, prepare_model, prepare_data_loader, report with a
+# checkpoint from rank 0, get_checkpoint to resume; rank 1 SIGKILLs itself once at epoch KILL_EPOCH when
+# KILL is set (a marker file makes it once). Called with its config dict, as TorchTrainer would.
+RAY_LOOP_CELL = """%%distribute --backend ray -n 2 --no-ui {flags}
+import os, signal, tempfile
+import torch
+import ray.train
+import ray.train.torch
+from torch.utils.data import DataLoader
+
+KILL, KILL_EPOCH = {kill}, 2
+
+def train_loop_per_worker(config):
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    torch.manual_seed(0)
+    model = ray.train.torch.prepare_model(make_model())
+    opt = torch.optim.Adam(model.parameters(), lr=config["lr"])
+    loader = ray.train.torch.prepare_data_loader(DataLoader(make_data(), batch_size=16 // world))
+    start = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as directory:
+            state = torch.load(os.path.join(directory, "state.pt"))
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = state["epoch"] + 1
+        print(f"resumed at epoch {{start}}")
+    for epoch in range(start, config["epochs"]):
+        if KILL and epoch == KILL_EPOCH and rank == 1 and not os.path.exists("killed"):
+            open("killed", "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        total = 0.0
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += loss.item()
+        with tempfile.TemporaryDirectory() as directory:
+            checkpoint = None
+            if rank == 0:
+                torch.save({{"model": model.module.state_dict(), "opt": opt.state_dict(), "epoch": epoch}},
+                           os.path.join(directory, "state.pt"))
+                checkpoint = ray.train.Checkpoint.from_directory(directory)
+            ray.train.report({{"loss": total / len(loader), "epoch": epoch}}, checkpoint=checkpoint)
+    return {{"rank": rank, "weights": {{k: v.detach().clone() for k, v in model.module.state_dict().items()}}}}
+
+train_loop_per_worker({{"lr": {lr}, "epochs": {epochs}}})
+"""
+
+
+def ray_loop_cell(flags: str = "", kill: bool = False, epochs: int = 4) -> str:
+    return RAY_LOOP_CELL.format(flags=flags, kill=kill, lr=EXISTING_LR, epochs=epochs)
+
+
+def existing_reference(epochs: int = EXISTING_EPOCHS, lr: float = EXISTING_LR) -> dict:
+    """One plain process on the same model, data and seed, batches of GLOBAL_BATCH contiguous samples."""
+    namespace: dict = {}
+    exec(EXISTING_HELPERS, namespace)
+    torch.manual_seed(0)
+    model = namespace["make_model"]()
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    X, Y = namespace["make_data"]().tensors
+    for _ in range(epochs):
+        for start in range(0, len(X), GLOBAL_BATCH):
+            loss = torch.nn.functional.mse_loss(model(X[start:start + GLOBAL_BATCH]), Y[start:start + GLOBAL_BATCH])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# A Hugging Face Trainer on a tiny GPT-2 built from a config (no download), on a learnable token pattern
+# made in code; report_to="mlflow" on purpose: the magic must keep it out of a second MLflow run.
+HF_TRAINER_CELL = """%%distribute --backend {backend} -n 2 --no-ui {flags}
+import os
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+def train():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=32, n_positions=16))
+    starts = torch.randint(0, 32, (64,), generator=torch.Generator().manual_seed(1))
+    ids = (starts[:, None] + torch.arange(16)[None, :]) % 32  # each next token is the last + 1
+    data = [{{"input_ids": row, "labels": row}} for row in ids]
+    args = TrainingArguments(
+        output_dir="hf_out", per_device_train_batch_size=4, num_train_epochs=4, learning_rate=5e-3,
+        logging_steps=1, save_strategy="no", report_to="mlflow", use_cpu=True, disable_tqdm=True, seed=0,
+        {args}
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    output = trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return {{"losses": losses, "world_size": trainer.args.world_size, "rank": int(os.environ["RANK"]),
+            "bf16": trainer.args.bf16, "accum": trainer.args.gradient_accumulation_steps,
+            "steps": trainer.state.global_step, "train_loss": output.training_loss}}
+"""
+
+
+def hf_trainer_cell(backend: str, flags: str = "", args: str = "") -> str:
+    return HF_TRAINER_CELL.format(backend=backend, flags=flags, args=args)
+
+
+# An accelerate loop as its docs write it (Accelerator(cpu=True), prepare, accelerator.backward, log).
+ACCELERATE_CELL = """%%distribute --backend {backend} -n 2 --no-ui {flags}
+import torch
+from accelerate import Accelerator
+
+def train():
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.02)
+    loader = torch.utils.data.DataLoader(make_data(), batch_size=16 // accelerator.num_processes)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    losses = []
+    for epoch in range(3):
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            accelerator.backward(loss)
+            opt.step()
+            losses.append(loss.item())
+            accelerator.log({{"loss": loss.item()}}, step=len(losses) - 1)
+    weights = {{k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}}
+    return {{"losses": losses, "num_processes": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
+            "rank": accelerator.process_index, "weights": weights}}
+"""
+
+
+def accelerate_cell(backend: str, flags: str = "") -> str:
+    return ACCELERATE_CELL.format(backend=backend, flags=flags)
+
+
+# Lightning's Trainer(strategy="ddp", devices=2): in the magic's processes, it must not launch its own.
+LIGHTNING_CELL = """%%distribute --backend {backend} -n 2 --no-ui
+import os
+import torch
+import lightning as L
+
+class Regression(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = make_model()
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.02)
+
+def train():
+    torch.manual_seed(0)
+    module = Regression()
+    trainer = L.Trainer(strategy="ddp", devices=2, accelerator="cpu", max_epochs=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, torch.utils.data.DataLoader(make_data(), batch_size=8))
+    return {{"losses": module.losses, "world_size": trainer.world_size, "rank": trainer.global_rank, "pid": os.getpid(),
+            "weights": {{k: v.detach().clone() for k, v in module.net.state_dict().items()}}}}
+"""
+
+
+def lightning_cell(backend: str) -> str:
+    return LIGHTNING_CELL.format(backend=backend)
+
+
+def loss_fell(losses: list, per_epoch: int = 4) -> bool:
+    """The last epoch's mean loss is under half the first epoch's."""
+    first, last = losses[:per_epoch], losses[-per_epoch:]
+    return sum(last) / len(last) < 0.5 * sum(first) / len(first)
