@@ -3,7 +3,9 @@
 What it shows: the plan and the MLflow run id and link, per-rank status (starting, running, done,
 failed), a progress bar with step, steps/s and ETA once the function calls ``ctx.set_total(steps)``,
 the latest metrics, a tail of the workers' output, a Stop button, and the two live charts
-(`charts.RunCharts`, read from MLflow by a background poller).
+(`charts.RunCharts`: fed each metric as it arrives, merged with the MLflow run's history by a
+background poller once the run is open; made at the first metric, in a background thread, after
+plotly's first import).
 
 Headless kernels: nbclient (and any ZMQ kernel without a widget manager) gets ``config.ui = True`` too,
 and nothing tells the kernel whether a front-end will render widgets. So the observer does both: it

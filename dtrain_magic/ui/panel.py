@@ -213,6 +213,9 @@ class ConfigurePanel:
             from ..memory import model_of_cell
 
             model = model_of_cell(cell, getattr(shell, "user_ns", None) or {}, config.fn)
+        from .charts import preload_plotly
+
+        preload_plotly()  # the live charts' first figure costs seconds in a fresh kernel: meanwhile the user chooses
         self.cell, self.shell = cell, shell
         self.state = PanelState(config, checker=checker, model=model)
         opts = self.state.options()
