@@ -388,10 +388,16 @@ class RunCharts:
                                        marker=dict(size=4), visible=visible)
 
     # -- the background poller -------------------------------------------------------------------
-    def start(self) -> "RunCharts":
-        """Poll in a background thread until the run is over in MLflow (see `run_ended`) or `stop`."""
+    def start(self, first_poll: bool = False) -> "RunCharts":
+        """Poll in a background thread until the run is over in MLflow (see `run_ended`) or `stop`;
+        ``first_poll``: poll once here first (before the widget is displayed, its views start complete)."""
         if self._thread is None:
             self._live = True
+            if first_poll:
+                try:
+                    self.poll_once()
+                except Exception as exc:  # the poller tries again
+                    self.error = f"{type(exc).__name__}: {exc}"
             name = f"dtrain-charts-{(self.run_id or 'live')[:8]}"
             self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
             self._thread.start()

@@ -238,12 +238,8 @@ class MonitorObserver(RunObserver):
         try:
             wait_for_plotly()
             charts = RunCharts(None, None, interval_s=self._poll_s)
-            widget = charts.widget
         except Exception as exc:  # charts are a bonus: the run goes on without them
-            with self._charts_lock:
-                self._charts_failed, self._early_metrics = True, []
-            self._charts_box.children = (w.HTML(f"<i>live charts unavailable: {type(exc).__name__}: {exc}</i>"),)
-            self._charts_done.set()
+            self._charts_unavailable(exc)
             return
         with self._charts_lock:
             for step, metrics, stamp in self._early_metrics:
@@ -252,11 +248,22 @@ class MonitorObserver(RunObserver):
             if self._mlflow_run is not None:
                 charts.attach(*self._mlflow_run)
             self.charts = charts
-            ended = self._closed.is_set()
-        self._charts_box.children = (widget,)
-        charts.start()
-        if ended:
+        try:
+            # Draw what came so far *before* the figures are displayed: their first views then start
+            # from complete state (a view that starts while traces are being added may miss them).
+            charts.start(first_poll=True)
+            self._charts_box.children = (charts.widget,)
+        except Exception as exc:
+            self._charts_unavailable(exc)
+            return
+        if self._closed.is_set():
             charts.run_ended()
+        self._charts_done.set()
+
+    def _charts_unavailable(self, exc: BaseException) -> None:
+        with self._charts_lock:
+            self._charts_failed, self._early_metrics = True, []
+        self._charts_box.children = (w.HTML(f"<i>live charts unavailable: {type(exc).__name__}: {exc}</i>"),)
         self._charts_done.set()
 
     def _feed_charts(self, step: int, metrics: dict[str, float], timestamp_ms: int | None) -> None:

@@ -81,3 +81,19 @@ def test_unknown_models_say_why():
     for cell, reason in cases.items():
         found = model_of_cell(cell, {})
         assert not found.found and reason in found.description, (cell, found)
+
+
+def test_dry_run_prints_the_estimate_for_the_cells_model(shell, capsys):
+    cell = ("%%distribute --backend local -n 2 --zero 2 --precision bf16 --dry-run --no-ui\n"
+            "import torch\nclass Net(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+            "        self.fc = torch.nn.Linear(100, 10)\n"
+            "def train(ctx):\n    model, opt = ctx.prepare(Net(), None)\n")
+    result = shell.run(cell)
+    assert result.error_in_exec is None and result.result is None
+    out = capsys.readouterr().out
+    assert "nothing launched" in out and "model: 1,010 parameters, `Net()` from the cell" in out
+    assert "memory estimate (deepspeed ZeRO-2, bf16, 2 processes, 1,010 parameters)" in out
+    assert "gloo on 127.0.0.1" in out and "gloo/nccl" not in out
+    unknown = shell.run("%%distribute --backend local -n 2 --dry-run --no-ui\ndef train(ctx):\n    return 1\n")
+    assert unknown.error_in_exec is None
+    assert "the model is not known before training (train() does not call ctx.prepare" in capsys.readouterr().out
