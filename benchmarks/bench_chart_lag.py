@@ -56,7 +56,7 @@ def main() -> None:
         outcome = shell.run_cell(CELL, store_history=False, silent=True)
         if outcome.error_in_exec is not None:
             raise outcome.error_in_exec
-        charts = observers[-1].charts
+        charts = observers[-1].wait_charts(timeout=60)
         charts.wait(timeout=30)
         lags[which] = lag = lag_summary(charts.lags_s)
         print(f"chart lag, {which} run, over {int(lag['n'])} points: median {lag['median_s']:.3f} s, p95 "

@@ -175,7 +175,8 @@ class RunConfig:
         return params
 
     def flag_line(self) -> str:
-        """The ``%%distribute`` line that reproduces this config."""
+        """The ``%%distribute`` line that reproduces this config (``flags.config_from_line`` reads it back to
+        an equal config). Values with spaces or quotes are quoted (see `quote_flag_value`)."""
         parts = [f"--backend {self.backend}", f"--strategy {self.strategy}"]
         if self.zero is not None:
             parts.append(f"--zero {self.zero}")
@@ -187,17 +188,42 @@ class RunConfig:
             "--timeout": self.timeout, "--spark-master": self.spark_master, "--ray-address": self.ray_address,
             "--storage": self.storage, "--micro-batch": self.micro_batch, "--train-batch": self.train_batch,
         }
-        parts += [f"{flag} {value}" for flag, value in optional.items() if value is not None]
+        parts += [f"{flag} {quote_flag_value(flag, value)}" for flag, value in optional.items() if value is not None]
         if self.experiment != DEFAULT_EXPERIMENT:
-            parts.append(f"--experiment {self.experiment}")
+            parts.append(f"--experiment {quote_flag_value('--experiment', self.experiment)}")
         if not self.local_mode:
             parts.append("--cluster")
         if self.max_restarts:
             parts.append(f"--max-restarts {self.max_restarts}")
         if self.deepspeed_config is not None:
-            parts.append(f"--deepspeed-config '{self.deepspeed_config}'")
+            # JSON text always has spaces or quotes a reader would trip on: always quoted
+            parts.append(f"--deepspeed-config {quote_flag_value('--deepspeed-config', self.deepspeed_config, always=True)}")
         parts.append("--ui" if self.ui else "--no-ui")
         return "%%distribute " + " ".join(parts)
+
+
+_NEEDS_QUOTES = re.compile(r"[\s'\"]")
+
+
+def quote_flag_value(flag: str, value: Any, always: bool = False) -> str:
+    """``value`` as one token of a ``%%distribute`` line.
+
+    IPython splits magic lines with ``shlex`` in non-POSIX mode: quotes group words but are kept, and
+    there are no escapes (``flags.parse_line`` strips one pair of surrounding quotes). So a value with
+    whitespace or a quote is wrapped in the quote character it does not contain; one with both kinds
+    of quotes cannot be written on the line (a `ConfigError` naming the flag).
+    """
+    text = str(value)
+    if not always and text and not _NEEDS_QUOTES.search(text):
+        return text
+    for quote in ("'", '"'):
+        if quote not in text:
+            return f"{quote}{text}{quote}"
+    raise ConfigError(
+        flag,
+        f"got {text!r}, which has both ' and \" quotes: it cannot be written on a %%distribute line "
+        "(IPython's line splitting has no escapes); use a value without one of them",
+    )
 
 
 def redact_uri(uri: str) -> str:

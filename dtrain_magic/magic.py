@@ -51,7 +51,9 @@ class DistributeMagics(Magics):
         payload, _ = capture(cell, self.shell.user_ns, config.fn, self.shell)
         runner.check_payload(config, payload)  # e.g. a Ray Train loop off --backend ray: before --dry-run too
         if config.dry_run:
-            print(runner.plan(config, payload))
+            from .memory import model_of_cell  # the cell ran: its helpers and globals are in the namespace
+
+            print(runner.plan(config, payload, model=model_of_cell(cell, self.shell.user_ns, payload.name)))
             return None
         observer = make_observer(config)
         result = runner.execute(config, payload, observer, stop=getattr(observer, "stop_event", None), checked=True)

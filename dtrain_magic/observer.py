@@ -11,19 +11,37 @@ from .config import RunConfig
 
 
 class RunObserver:
-    """Callbacks from the driver loop; every method is optional to override."""
+    """Callbacks from the driver loop; every method is optional to override.
+
+    Order: `launched` once the workers are being started (the MLflow run may not exist yet), then
+    `output`/`status`/`total`/`metric` as they come, `started` once the MLflow run is open (with a SQLite
+    store the workers start first, so metrics and output may come before it), `finished` at the end.
+    """
+
+    def launched(self, config: RunConfig, plan: str) -> None: ...
 
     def started(self, config: RunConfig, run_id: str, link: str, plan: str) -> None: ...
 
     def output(self, rank: int, stream: str, text: str) -> None: ...
 
-    def metric(self, step: int, metrics: dict[str, float]) -> None: ...
+    def metric(self, step: int, metrics: dict[str, float], timestamp_ms: int | None = None) -> None:
+        """Rank 0's ``ctx.log``; ``timestamp_ms`` is the worker's clock when it logged (the one MLflow records)."""
 
     def status(self, rank: int, state: str, detail: str) -> None: ...
 
     def total(self, steps: int) -> None: ...
 
     def finished(self, result: Any, error: BaseException | None) -> None: ...
+
+
+def comm_backend(config: RunConfig) -> str:
+    """The torch.distributed backend a run's process group uses: nccl with ``--gpu``, else gloo."""
+    return "nccl" if config.use_gpu else "gloo"
+
+
+def plan_with_backend(plan: str, config: RunConfig) -> str:
+    """A launcher's one-line plan, naming the process-group backend in use where it names both."""
+    return plan.replace("gloo/nccl", comm_backend(config))
 
 
 def prefix_lines(rank: int | None, text: str, pending: str = "") -> tuple[str, str]:
@@ -58,6 +76,7 @@ class TextObserver(RunObserver):
 
     def started(self, config: RunConfig, run_id: str, link: str, plan: str) -> None:
         self._t0 = self._last_progress = time.monotonic()
+        plan = plan_with_backend(plan, config)
         print(f"dtrain_magic: {plan}; strategy {config.strategy}, {config.precision}; MLflow run {run_id}", file=self.out)
 
     def output(self, rank: int, stream: str, text: str) -> None:
@@ -71,7 +90,7 @@ class TextObserver(RunObserver):
     def total(self, steps: int) -> None:
         self._total = steps
 
-    def metric(self, step: int, metrics: dict[str, float]) -> None:
+    def metric(self, step: int, metrics: dict[str, float], timestamp_ms: int | None = None) -> None:
         self._steps_seen = max(self._steps_seen, step + 1)
         now = time.monotonic()
         if now - self._last_progress < self._every_s:

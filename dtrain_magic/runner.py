@@ -7,6 +7,7 @@ the calling thread (the cell's), so worker output printed here lands in the cell
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import threading
 import time
 import uuid
@@ -30,7 +31,8 @@ from .worker import WorkerJob
 _POLL_S = 0.05
 _ERROR_GRACE_S = 1.0  # after the first worker error, let the others report before stopping them
 # Workers started before the MLflow run: it opens once they are past their start (a metric, a result,
-# an error), or after this long; their metrics wait for it, their output does not.
+# an error), or after this long; their metrics wait for it (the live charts get them at once), their
+# output does not.
 _EARLY_START_HOLD_S = 10.0
 
 
@@ -89,6 +91,7 @@ def execute(
     opening = RunOpening(config, tags={"dtrain_magic.checkpoint_root": root}, deferred=early)
     started = time.monotonic()
     status, reason = "FAILED", None
+    outcome: _Pump | None = None
     try:
         launcher.warm_up(config)
         with Channel(host=launcher.channel_host(config)) as channel:
@@ -98,15 +101,15 @@ def execute(
             running = launcher.start(job if early else dataclasses.replace(job, run_id=tracker.run_id), channel.put)
             released = False
             try:
-                held: list[tuple] = []
+                described = launcher.describe(config)
+                if hasattr(observer, "launched"):  # observers written before it existed lack it
+                    observer.launched(config, described)
                 if tracker is None:
-                    held = outcome.hold(running, _EARLY_START_HOLD_S, stop)
+                    outcome.hold(running, _EARLY_START_HOLD_S, stop)
                     opening.workers_started = True
-                    tracker = opening.wait()
-                observer.started(config, tracker.run_id, tracker.ui_link(), launcher.describe(config))
-                outcome.tracker = tracker
-                for message in held:
-                    outcome.handle(message)
+                    tracker = outcome.pump_while_opening(opening, running, stop)
+                observer.started(config, tracker.run_id, tracker.ui_link(), described)
+                outcome.attach(tracker)
                 released = outcome.run(running, stop)
             finally:
                 running.release() if released else running.cancel()
@@ -137,7 +140,17 @@ def execute(
         observer.finished(None, error)
         raise error from None
     finally:
-        opening.close(status, reason, {"dtrain_magic.wall_time_s": f"{time.monotonic() - started:.3f}"})
+        # Stopped or failed while the run was opening: the metrics that came meanwhile are still recorded.
+        waiting = outcome.waiting_metrics if outcome is not None else []
+        opening.close(status, reason, {"dtrain_magic.wall_time_s": f"{time.monotonic() - started:.3f}"}, metrics=waiting)
+
+
+def _accepts_keyword(method: Any, name: str) -> bool:
+    try:
+        params = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _raise_if_stopped(stop: threading.Event | None) -> None:
@@ -157,19 +170,19 @@ class _Pump:
         self.failures: list = []
         self.hellos: set = set()
         self.first_metric_s: float | None = None
+        self.waiting_metrics: list[tuple[int, dict, int]] = []  # (step, metrics, stamp) before the run opened
+        self._metric_takes_stamp = _accepts_keyword(observer.metric, "timestamp_ms")
 
-    def hold(self, running: Any, limit_s: float, stop: threading.Event | None) -> list[tuple]:
-        """Before the MLflow run exists: handle the workers' messages (output streams on) until the first
-        metric, result or error, until the launcher sees the workers end or fail, or until ``limit_s``
-        passed: the workers are past their start. Returns the metric, which waits for the run."""
+    def hold(self, running: Any, limit_s: float, stop: threading.Event | None) -> None:
+        """Before the MLflow run may open: handle the workers' messages (output streams, metrics reach the
+        observer and wait for the tracker) until the first metric, result or error, until the launcher sees
+        the workers end or fail, or until ``limit_s`` passed: the workers are past their start."""
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline:
             message = self.channel.get(timeout=_POLL_S)
             if message is not None:
-                if message[0] == ch.METRIC:
-                    return [message]
                 self.handle(message)
-                if message[0] in (ch.RESULT, ch.ERROR):
+                if message[0] in (ch.METRIC, ch.RESULT, ch.ERROR):
                     break
             state = running.poll()
             if state.restarted:
@@ -177,7 +190,38 @@ class _Pump:
             if state.finished or state.failures:
                 break  # `run` sees it again and ends the run
             _raise_if_stopped(stop)
-        return []
+            self._raise_if_timed_out()
+
+    def pump_while_opening(self, opening: RunOpening, running: Any, stop: threading.Event | None) -> RunTracker:
+        """Open the MLflow run in the background and keep handling messages meanwhile (a kernel's first run
+        imports MLflow for seconds): output streams, metrics reach the observer (the live charts) and wait
+        for the tracker, results and errors are kept. What the launcher reports (the run ended, a worker
+        failed) is left to `run`, which sees it again; Stop and ``--timeout`` work as in `run`."""
+        opening.begin()
+        while not opening.settled(timeout=0):
+            message = self.channel.get(timeout=_POLL_S)
+            while message is not None:
+                self.handle(message)
+                message = self.channel.get(timeout=0) if self.channel.pending() else None
+            if running.poll().restarted:
+                self._forget_attempt(keep_last=False)
+            _raise_if_stopped(stop)
+            self._raise_if_timed_out()
+        return opening.wait()
+
+    def attach(self, tracker: RunTracker) -> None:
+        """The MLflow run is open: log the metrics that came before it, in arrival order, then every next one."""
+        self.tracker = tracker
+        waiting, self.waiting_metrics = self.waiting_metrics, []
+        for step, metrics, stamp in waiting:
+            tracker.log_metrics(step, metrics, stamp)
+
+    def _raise_if_timed_out(self) -> None:
+        if self.config.timeout and time.monotonic() - self.t0 > self.config.timeout:
+            raise RunTimeout(
+                f"--timeout {self.config.timeout:g}: the run took longer than {self.config.timeout:g} s; "
+                "every worker was stopped"
+            )
 
     def run(self, running: Any, stop: threading.Event | None) -> bool:
         """Pump until the run ends; True if it returned early with every rank's result in hand."""
@@ -204,11 +248,7 @@ class _Pump:
                 self.failures = state.failures or self.failures
                 return False  # the caller cancels the remaining workers
             _raise_if_stopped(stop)
-            if self.config.timeout and now - self.t0 > self.config.timeout:
-                raise RunTimeout(
-                    f"--timeout {self.config.timeout:g}: the run took longer than {self.config.timeout:g} s; "
-                    "every worker was stopped"
-                )
+            self._raise_if_timed_out()
 
     def _forget_attempt(self, keep_last: bool) -> None:
         """The workers were restarted: the earlier attempt's results and errors no longer count."""
@@ -233,8 +273,15 @@ class _Pump:
             _, rank, step, metrics, stamp = message
             if self.first_metric_s is None:  # when the worker logged it: the loop may have started later
                 self.first_metric_s = stamp / 1000 - self.t0_wall if stamp else time.monotonic() - self.t0
-            self.tracker.log_metrics(step, metrics, stamp)
-            self.observer.metric(step, metrics)
+            stamp = stamp or int(time.time() * 1000)  # one stamp for MLflow and the live charts: they match on it
+            if self.tracker is None:  # the MLflow run is still opening: `attach` logs these
+                self.waiting_metrics.append((step, metrics, stamp))
+            else:
+                self.tracker.log_metrics(step, metrics, stamp)
+            if self._metric_takes_stamp:
+                self.observer.metric(step, metrics, timestamp_ms=stamp)
+            else:  # an observer written before metric() had a timestamp
+                self.observer.metric(step, metrics)
         elif kind == ch.RESULT:
             self.results[message[1]] = message[2]
         elif kind == ch.ERROR:
@@ -267,15 +314,25 @@ class _Pump:
         return [cloudpickle.loads(self.results[rank]) for rank in range(world)]
 
 
-def plan(config: RunConfig, payload: Payload) -> str:
-    """What ``--dry-run`` prints: the validated config and what would be launched."""
+def plan(config: RunConfig, payload: Payload, model: Any = None) -> str:
+    """What ``--dry-run`` prints: the validated config and what would be launched; with ``model`` (a
+    `memory.CellModel`), the memory estimate for the cell's own model, or why it is not known yet."""
+    from .memory import estimate
+    from .observer import plan_with_backend
+
     launcher = get_launcher(config.backend)
     call = payload.call_text or (f"{payload.name}(ctx)" if payload.takes_ctx else f"{payload.name}()")
     lines = [
         "dtrain_magic dry run: nothing launched.",
-        f"  would run {call} on {launcher.describe(config)}",
+        f"  would run {call} on {plan_with_backend(launcher.describe(config), config)}",
         f"  strategy {config.strategy}" + (f" (ZeRO {config.zero_stage})" if config.strategy == "deepspeed" else "")
         + f", precision {config.precision}, grad accumulation {config.grad_accum}",
-        f"  equivalent: {config.flag_line()}",
     ]
+    if model is not None and model.found:
+        est = estimate(model.num_params, config.strategy, config.zero, config.precision, config.num_processes)
+        lines += [f"  model: {model.num_params:,} parameters, {model.description}", f"  {est.line()}"]
+    elif model is not None:
+        lines.append(f"  memory estimate: the model is not known before training ({model.description}); "
+                     "each worker prints it at ctx.prepare")
+    lines.append(f"  equivalent: {config.flag_line()}")
     return "\n".join(lines)

@@ -156,7 +156,8 @@ def gpu_metrics_note(use_gpu: bool) -> str | None:
 
 
 _import_thread: threading.Thread | None = None
-_import_lock = threading.Lock()
+_import_threads: list[threading.Thread] = []  # every background import, MLflow's and others', in start order
+_import_lock = threading.RLock()
 
 
 def preload_mlflow() -> None:
@@ -167,8 +168,27 @@ def preload_mlflow() -> None:
     with _import_lock:
         if _import_thread is not None or "mlflow.system_metrics.system_metrics_monitor" in sys.modules:
             return
-        _import_thread = threading.Thread(target=_import_mlflow, name="dtrain-mlflow-import", daemon=True)
-        _import_thread.start()
+        _import_thread = import_in_background("dtrain-mlflow-import", _import_mlflow)
+
+
+def import_in_background(name: str, target: Any) -> threading.Thread:
+    """Run ``target`` (imports only) in a background thread, after every earlier background import has
+    ended; MLflow's own import waits for it too (`wait_for_preload`). Two threads importing modules they
+    share (numpy, pandas, ...) at once can deadlock on Python's import locks or see a half-initialised
+    module, so background imports never overlap each other. Used for MLflow and for the live charts'
+    plotly (whose first FigureWidget imports nbformat and jsonschema: seconds in a fresh kernel)."""
+    with _import_lock:
+        earlier = [t for t in _import_threads if t.is_alive()]
+
+        def chained() -> None:
+            for thread in earlier:
+                thread.join()
+            target()
+
+        thread = threading.Thread(target=chained, name=name, daemon=True)
+        _import_threads[:] = earlier + [thread]
+        thread.start()
+    return thread
 
 
 def _import_mlflow() -> None:
@@ -181,11 +201,14 @@ def _import_mlflow() -> None:
 
 
 def wait_for_preload() -> None:
-    """Let a running `preload_mlflow` finish before importing MLflow here: two threads importing the
-    same package's modules at once can deadlock on Python's import locks."""
-    thread = _import_thread
-    if thread is not None and thread is not threading.current_thread():
-        thread.join()
+    """Let every running background import (`preload_mlflow`, `import_in_background`) finish before
+    importing MLflow here: two threads importing the same package's modules at once can deadlock on
+    Python's import locks."""
+    with _import_lock:
+        threads = list(_import_threads)
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join()
 
 
 class _MetricWriter(threading.Thread):
@@ -380,7 +403,19 @@ class RunOpening:
             if closing is None:
                 self._tracker = tracker
                 return
-        tracker.finish(*closing)  # the caller gave up waiting (an interrupt): end the run it asked for
+        status, reason, tags, metrics = closing
+        for step, values, stamp in metrics:
+            tracker.log_metrics(step, values, stamp)
+        tracker.finish(status, reason, tags)  # the caller gave up waiting (an interrupt): end the run it asked for
+
+    def begin(self) -> None:
+        """Start opening a deferred run now, in the background (`wait` also does)."""
+        self._go.set()
+
+    def settled(self, timeout: float | None = None) -> bool:
+        """True once opening has ended, with a run or an error (waits up to ``timeout`` seconds)."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def wait(self) -> RunTracker:
         """The open run's tracker; raises the `ConfigError` (or other error) that opening it raised."""
@@ -396,13 +431,17 @@ class RunOpening:
         return self._tracker
 
     def close(self, status: str, reason: str | None = None, tags: Mapping[str, Any] | None = None,
-              timeout: float = 30.0) -> None:
-        """End the run with ``status`` (and ``tags``): now if it is open, else when it opens."""
+              timeout: float = 30.0, metrics: list[tuple[int, Mapping[str, float], int]] = ()) -> None:
+        """End the run with ``status`` (and ``tags``): now if it is open, else when it opens. ``metrics``
+        ((step, values, timestamp_ms), received while it was opening) are logged first."""
+        metrics = list(metrics)
         with self._lock:
-            self._closing = (status, reason, tags)
+            self._closing = (status, reason, tags, metrics)
             tracker, self._tracker = self._tracker, None
         self._go.set()  # a run that never opened is still recorded, with this status
         if tracker is not None:
+            for step, values, stamp in metrics:
+                tracker.log_metrics(step, values, stamp)
             tracker.finish(status, reason, tags)
         else:
             self._thread.join(timeout)  # it ends the run itself if it opens after this

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,45 @@ _log = logging.getLogger(__name__)
 TERMINAL = ("FINISHED", "FAILED", "KILLED")
 _GPU = re.compile(r"^system/(?:(?P<node>[^/]+)/)?gpu_(?P<dev>\d+)_(?P<kind>utilization|memory_usage)_percentage$")
 _CPU = re.compile(r"^system/(?:(?P<node>[^/]+)/)?(?P<kind>cpu_utilization|system_memory_usage)_percentage$")
+
+
+_preload: threading.Thread | None = None
+_preload_lock = threading.Lock()
+
+
+def preload_plotly() -> threading.Thread | None:
+    """Import what the first ``FigureWidget`` needs in the background (`tracking.import_in_background`,
+    so it never overlaps MLflow's import), once per kernel; the thread, or None when already imported.
+
+    In a fresh kernel that first figure costs seconds of CPU (plotly's renderers import nbformat, which
+    imports jsonschema and its format checkers); done here, the driver's message loop goes on meanwhile."""
+    global _preload
+    with _preload_lock:
+        if _preload is None:
+            if "plotly.graph_objs._figurewidget" in sys.modules:
+                return None
+            from ..tracking import import_in_background
+
+            _preload = import_in_background("dtrain-plotly-import", _import_plotly)
+        return _preload
+
+
+def _import_plotly() -> None:
+    try:
+        import plotly.graph_objects as go
+
+        go.FigureWidget  # noqa: B018  (plotly imports it lazily, on first access)
+    except Exception:  # missing or broken: creating the charts says so in the panel
+        _log.debug("importing plotly failed", exc_info=True)
+
+
+def wait_for_plotly(timeout: float | None = None) -> bool:
+    """Wait for `preload_plotly`'s import (if one runs); True when it is over."""
+    thread = _preload
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(timeout)
+        return not thread.is_alive()
+    return True
 
 
 def is_system(key: str) -> bool:
@@ -68,13 +108,36 @@ class Series:
     timestamps: list[int] = field(default_factory=list)
 
 
+Point = tuple[int, float, int]  # (step, value, timestamp in ms): one logged value of a training metric
+LOG_Y_DECADES = 3.0  # automatic log y once the shown metric spans this many powers of ten (all values > 0)
+Y_SCALES = ("auto", "linear", "log")
+
+
+def wants_log_y(values: list[float], decades: float = LOG_Y_DECADES) -> bool:
+    """Automatic y scale of the metrics chart: log when every value is > 0 and they span ``decades``
+    powers of ten (a loss falling from 1 to 1e-6 is a flat line on a linear axis after a few steps)."""
+    finite = [v for v in values if v == v and v not in (float("inf"), float("-inf"))]
+    if len(finite) < 2 or min(finite) <= 0:
+        return False
+    return max(finite) / min(finite) >= 10.0 ** decades
+
+
 class RunCharts:
-    """The two charts of one MLflow run and the poller that keeps them current."""
+    """The two charts of one run and the poller that keeps them current.
+
+    Training metrics come from two places. MLflow's history is the record: what the chart holds once the
+    run is terminal is exactly that history. While the run goes, `feed` adds each value as the notebook
+    receives it from the workers (``RunObserver.metric``), before MLflow has it: a kernel's first run can
+    draw its first points while the MLflow run is still opening (``client``/``run_id`` None until
+    `attach`), and later points do not wait for the writer and the poll. A fed point is identified by
+    (step, worker timestamp), the same pair MLflow stores, so it is shown once: it leaves the fed list
+    when the poll finds it in MLflow's history. System metrics are MLflow's only.
+    """
 
     def __init__(
         self,
-        client: Any,
-        run_id: str,
+        client: Any = None,
+        run_id: str | None = None,
         interval_s: float = 0.25,
         on_update: Callable[["RunCharts"], None] | None = None,
         figure_factory: Callable[..., Any] | None = None,
@@ -87,7 +150,8 @@ class RunCharts:
         common = dict(height=320, width=480, margin=dict(l=50, r=10, t=40, b=40), template="plotly_white",
                       legend=dict(orientation="h", y=-0.2))
         self.metrics_figure = factory(layout=dict(
-            title=dict(text="Training metrics"), xaxis=dict(title=dict(text="step")), **common))
+            title=dict(text="Training metrics"), xaxis=dict(title=dict(text="step")),
+            yaxis=dict(type="linear"), **common))
         self.system_figure = factory(layout=dict(
             title=dict(text="System"), xaxis=dict(title=dict(text="seconds")),
             yaxis=dict(title=dict(text="%"), range=[0, 100]), **common))
@@ -96,27 +160,43 @@ class RunCharts:
         self.status: str | None = None
         self.start_time_ms: int | None = None
         self.lags_s: list[float] = []  # ctx.log on the worker (its timestamp) -> value in the chart data
+        self.fed_shown = 0  # points that reached the chart from `feed` before MLflow had them
         self.polls = 0
         self.error: str | None = None
+        self.y_scale = "auto"  # the metrics chart's y axis: auto (log for a wide positive range), linear, log
         self._live = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._run_ended = threading.Event()
+        self._grace_until = float("inf")
         self._thread: threading.Thread | None = None
         self._widget: Any = None
+        self._scale_control: Any = None
         self._added: set[int] = set()
         self._frames: dict[int, Any] = {}
         self._synced: dict[int, float] = {}
+        self._recorded: dict[str, list[Point]] = {}  # MLflow's history per training metric, sorted
+        self._fed: dict[str, list[Point]] = {}  # received from the workers, not yet seen in MLflow
+        self._fed_lock = threading.Lock()  # `feed` runs in the driver's thread, the poller in its own
+        self._fed_changed: set[str] = set()
+        self._seen: dict[str, set[tuple[int, int]]] = {}  # (step, timestamp) already in the chart data
 
     # -- display ---------------------------------------------------------------------------------
     @property
     def widget(self) -> Any:
-        """Both figures side by side (an ipywidgets HBox)."""
+        """Both figures side by side (an ipywidgets HBox), under the y-scale control of the metrics chart."""
         if self._widget is None:
             import ipywidgets as w
 
             self._frames = {id(f): w.Box([f]) for f in (self.metrics_figure, self.system_figure)}
-            self._widget = w.HBox(list(self._frames.values()), layout=w.Layout(flex_flow="row wrap"))
+            self._scale_control = w.ToggleButtons(
+                options=[(name, name) for name in Y_SCALES], value=self.y_scale, description="loss y axis",
+                tooltips=["log when the values span 1000x or more", "linear", "logarithmic"],
+                style={"button_width": "60px", "description_width": "80px"})
+            self._scale_control.add_class("dtm-y-scale")
+            self._scale_control.observe(lambda change: self.set_y_scale(change["new"]), names="value")
+            figures = w.HBox(list(self._frames.values()), layout=w.Layout(flex_flow="row wrap"))
+            self._widget = w.VBox([self._scale_control, figures])
             self._widget.add_class("dtm-charts")
         return self._widget
 
@@ -127,42 +207,73 @@ class RunCharts:
                 return list(trace.x or ()), list(trace.y or ())
         raise KeyError(name)
 
+    def set_y_scale(self, scale: str) -> None:
+        """The metrics chart's y axis: ``auto`` (log once the shown metric spans 1000x, all > 0), ``linear``, ``log``."""
+        if scale not in Y_SCALES:
+            raise ValueError(f"y scale must be one of {', '.join(Y_SCALES)}, got {scale!r}")
+        with self._lock:
+            self.y_scale = scale
+            self._apply_y_scale()
+        if self._scale_control is not None and self._scale_control.value != scale:
+            self._scale_control.value = scale
+
+    def _apply_y_scale(self) -> None:
+        if self.y_scale == "auto":
+            shown = default_metric(list(self.metrics))
+            log = wants_log_y(self.metrics[shown].y) if shown else False
+        else:
+            log = self.y_scale == "log"
+        wanted = "log" if log else "linear"
+        if self.metrics_figure.layout.yaxis.type != wanted:
+            self.metrics_figure.layout.yaxis.type = wanted
+
+    # -- values from the workers, before MLflow has them ------------------------------------------
+    def feed(self, step: int, metrics: dict[str, float], timestamp_ms: int | None = None) -> None:
+        """One ``ctx.log`` as the notebook received it (cheap: the poller draws it at its next tick).
+
+        ``timestamp_ms`` is the worker's, the one the tracker gives MLflow; without it the point is stamped
+        now and stays beside MLflow's copy until the run's final read."""
+        stamp = int(timestamp_ms) if timestamp_ms else int(time.time() * 1000)
+        with self._fed_lock:
+            for key, value in metrics.items():
+                self._fed.setdefault(key, []).append((int(step), float(value), stamp))
+                self._fed_changed.add(key)
+
+    def attach(self, client: Any, run_id: str) -> None:
+        """The MLflow run exists now: poll it from the next tick on."""
+        with self._lock:
+            self.client, self.run_id = client, run_id
+
     # -- reading MLflow --------------------------------------------------------------------------
     def poll_once(self) -> bool:
-        """Read the run once and update the figures; True if anything changed."""
+        """Read the run once (or, before `attach`, only what `feed` gave) and update the figures; True if
+        anything changed."""
         with self._lock:
-            run = self.client.get_run(self.run_id)
-            self.status = run.info.status
-            self.start_time_ms = run.info.start_time
-            keys = list(run.data.metrics.keys())
-            changed_metrics, changed_system = [], []
-            now = time.time()
-            wanted = system_series([k for k in keys if is_system(k)])
-            for key in keys:
-                if is_system(key) and key not in wanted:
-                    continue
-                history = self.client.get_metric_history(self.run_id, key)
-                target = self.system if is_system(key) else self.metrics
-                old = target.get(key)
-                if old is not None and len(old.timestamps) == len(history):
-                    continue
-                if is_system(key):
-                    history = sorted(history, key=lambda m: (m.timestamp, m.step))
-                    t0 = self.start_time_ms or (history[0].timestamp if history else 0)
-                    series = Series([(m.timestamp - t0) / 1000.0 for m in history], [m.value for m in history],
-                                    [m.timestamp for m in history])
-                    changed_system.append(key)
-                else:
-                    history = sorted(history, key=lambda m: (m.step, m.timestamp))
-                    series = Series([m.step for m in history], [m.value for m in history], [m.timestamp for m in history])
-                    if self._live:
-                        seen = set(old.timestamps) if old else set()
-                        self.lags_s += [now - ts / 1000.0 for ts in series.timestamps if ts not in seen]
-                    changed_metrics.append(key)
-                target[key] = series
+            changed_metrics, changed_system, wanted = [], [], {}
+            histories: dict[str, list[Point]] = {}
+            final = False
+            if self.client is not None and self.run_id is not None:
+                run = self.client.get_run(self.run_id)
+                self.status = run.info.status
+                self.start_time_ms = run.info.start_time
+                final = self.status in TERMINAL  # every metric is flushed before the status is set
+                keys = list(run.data.metrics.keys())
+                wanted = system_series([k for k in keys if is_system(k)])
+                for key in keys:
+                    if is_system(key) and key not in wanted:
+                        continue
+                    history = self.client.get_metric_history(self.run_id, key)
+                    if is_system(key):
+                        if self._update_system(key, history):
+                            changed_system.append(key)
+                    else:
+                        histories[key] = sorted(((m.step, m.value, m.timestamp) for m in history),
+                                                key=lambda p: (p[0], p[2]))
+            changed_metrics = self._merge_metrics(histories, final)
             self.polls += 1
             if changed_metrics:
                 self._draw(self.metrics_figure, self.metrics, changed_metrics, visible_default=default_metric(list(self.metrics)))
+                self._apply_y_scale()
             if changed_system:
                 self._draw(self.system_figure, self.system, changed_system, names=wanted)
                 title = "System (GPU)" if any("gpu_" in k for k in wanted) else "System (CPU / RAM, no GPU)"
@@ -170,10 +281,56 @@ class RunCharts:
                     self.system_figure.layout.title.text = title
                     self._added.add(id(self.system_figure))
             for figure in (self.metrics_figure, self.system_figure):
-                self._sync_initial_state(figure, final=self.status in TERMINAL)
+                self._sync_initial_state(figure, final=final)
             changed = bool(changed_metrics or changed_system)
         if changed and self.on_update is not None:
             self.on_update(self)
+        return changed
+
+    def _update_system(self, key: str, history: list) -> bool:
+        old = self.system.get(key)
+        if old is not None and len(old.timestamps) == len(history):
+            return False
+        history = sorted(history, key=lambda m: (m.timestamp, m.step))
+        t0 = self.start_time_ms or (history[0].timestamp if history else 0)
+        self.system[key] = Series([(m.timestamp - t0) / 1000.0 for m in history], [m.value for m in history],
+                                  [m.timestamp for m in history])
+        return True
+
+    def _merge_metrics(self, histories: dict[str, list[Point]], final: bool) -> list[str]:
+        """Training metric series = MLflow's history + fed points MLflow does not have yet (none once the
+        run is terminal: MLflow is the record). Returns the keys whose series changed."""
+        with self._fed_lock:
+            fed_changed, self._fed_changed = self._fed_changed, set()
+            keys = set(histories) | fed_changed | (set(self._fed) if final else set())
+            merged: dict[str, list[Point]] = {}
+            for key in keys:
+                recorded = histories.get(key, self._recorded.get(key, []))
+                new_record = key in histories and len(recorded) != len(self._recorded.get(key, ()))
+                if not (new_record or key in fed_changed or final):
+                    continue
+                self._recorded[key] = recorded
+                fed = self._fed.get(key, [])
+                if fed:
+                    ids = {(p[0], p[2]) for p in recorded}
+                    fed = [] if final else [p for p in fed if (p[0], p[2]) not in ids]
+                    self._fed[key] = fed
+                merged[key] = sorted(recorded + fed, key=lambda p: (p[0], p[2])) if fed else recorded
+        now = time.time()
+        changed = []
+        for key, points in merged.items():
+            seen = self._seen.setdefault(key, set())
+            if self._live:
+                fresh = [p for p in points if (p[0], p[2]) not in seen]
+                self.lags_s += [now - p[2] / 1000.0 for p in fresh]
+                recorded_ids = {(p[0], p[2]) for p in self._recorded.get(key, ())}
+                self.fed_shown += sum(1 for p in fresh if (p[0], p[2]) not in recorded_ids)
+            seen.update((p[0], p[2]) for p in points)
+            series = Series([p[0] for p in points], [p[1] for p in points], [p[2] for p in points])
+            old = self.metrics.get(key)
+            if old is None or old.x != series.x or old.y != series.y:
+                self.metrics[key] = series
+                changed.append(key)
         return changed
 
     def _sync_initial_state(self, figure: Any, final: bool = False) -> None:
@@ -231,17 +388,25 @@ class RunCharts:
                                        marker=dict(size=4), visible=visible)
 
     # -- the background poller -------------------------------------------------------------------
-    def start(self) -> "RunCharts":
-        """Poll in a background thread until the run is over in MLflow (see `run_ended`) or `stop`."""
+    def start(self, first_poll: bool = False) -> "RunCharts":
+        """Poll in a background thread until the run is over in MLflow (see `run_ended`) or `stop`;
+        ``first_poll``: poll once here first (before the widget is displayed, its views start complete)."""
         if self._thread is None:
             self._live = True
-            self._thread = threading.Thread(target=self._loop, name=f"dtrain-charts-{self.run_id[:8]}", daemon=True)
+            if first_poll:
+                try:
+                    self.poll_once()
+                except Exception as exc:  # the poller tries again
+                    self.error = f"{type(exc).__name__}: {exc}"
+            name = f"dtrain-charts-{(self.run_id or 'live')[:8]}"
+            self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
             self._thread.start()
         return self
 
     def run_ended(self, grace_s: float = 30.0) -> None:
-        """The driver is done: poll until MLflow marks the run terminal (at most ``grace_s``), then stop."""
-        self._grace_until = time.monotonic() + grace_s
+        """The driver is done: poll until MLflow marks the run terminal (at most ``grace_s``), then stop.
+        A run that never opened in MLflow stops after one last draw of what was fed."""
+        self._grace_until = time.monotonic() + (grace_s if self.client is not None else 0.0)
         self._run_ended.set()
 
     def stop(self) -> None:

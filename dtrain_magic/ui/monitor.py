@@ -3,7 +3,9 @@
 What it shows: the plan and the MLflow run id and link, per-rank status (starting, running, done,
 failed), a progress bar with step, steps/s and ETA once the function calls ``ctx.set_total(steps)``,
 the latest metrics, a tail of the workers' output, a Stop button, and the two live charts
-(`charts.RunCharts`, read from MLflow by a background poller).
+(`charts.RunCharts`: fed each metric as it arrives, merged with the MLflow run's history by a
+background poller once the run is open; made at the first metric, in a background thread, after
+plotly's first import).
 
 Headless kernels: nbclient (and any ZMQ kernel without a widget manager) gets ``config.ui = True`` too,
 and nothing tells the kernel whether a front-end will render widgets. So the observer does both: it
@@ -34,8 +36,9 @@ import ipywidgets as w
 import traitlets
 
 from ..config import RunConfig
-from ..observer import RunObserver, TextObserver, prefix_lines
+from ..observer import RunObserver, TextObserver, plan_with_backend, prefix_lines
 from . import _kernel
+from .charts import preload_plotly
 
 LOG_TAIL = 200
 
@@ -97,7 +100,13 @@ class MonitorObserver(RunObserver):
         self.stop_button.add_class("dtm-stop")
         self.stop_button.on_click(lambda _: self.request_stop())
         self.link_html = w.HTML("")
-        self.charts: Any = None
+        self.charts: Any = None  # the live charts (`charts.RunCharts`) once made; see `wait_charts`
+        self._charts_lock = threading.Lock()
+        self._charts_starter: threading.Thread | None = None
+        self._charts_done = threading.Event()
+        self._charts_failed = False
+        self._early_metrics: list[tuple[int, dict, int | None]] = []  # fed before the charts existed
+        self._mlflow_run: tuple[Any, str] | None = None  # (client, run_id) once the MLflow run is open
         self._want_charts, self._poll_s = charts, poll_s
         self._charts_box = w.Box([])
         self.container = w.VBox([self.widget, w.HBox([self.stop_button, self.link_html]), self._charts_box])
@@ -120,14 +129,22 @@ class MonitorObserver(RunObserver):
             show(self.container)
 
     # -- RunObserver -----------------------------------------------------------------------------
-    def started(self, config: RunConfig, run_id: str, link: str, plan: str) -> None:
-        self.text.started(config, run_id, link, plan)
+    def launched(self, config: RunConfig, plan: str) -> None:
+        """The workers are starting (the MLflow run may open later): the panel says what runs where."""
         self._t0 = time.monotonic()
         with self._lock:
-            self._state.update(state="running", run_id=run_id, link=link, plan=plan)
+            self._state.update(state="running", plan=plan_with_backend(plan, config))
+        self._dirty.set()
+
+    def started(self, config: RunConfig, run_id: str, link: str, plan: str) -> None:
+        self.text.started(config, run_id, link, plan)
+        with self._lock:
+            if self._state["state"] == "starting":  # a runner that does not call `launched`
+                self._t0 = time.monotonic()
+            self._state.update(state="running", run_id=run_id, link=link, plan=plan_with_backend(plan, config))
         self.link_html.value = run_link_html(run_id, link)
         if self._want_charts:
-            self._start_charts(config, run_id)
+            self._attach_charts(config, run_id)
         self._dirty.set()
 
     def output(self, rank: int, stream: str, text: str) -> None:
@@ -139,12 +156,16 @@ class MonitorObserver(RunObserver):
                 self._log.extend(lines.rstrip("\n").split("\n"))
                 self._dirty.set()
 
-    def metric(self, step: int, metrics: dict[str, float]) -> None:
+    def metric(self, step: int, metrics: dict[str, float], timestamp_ms: int | None = None) -> None:
         self.text.metric(step, metrics)
         with self._lock:
             self._state["step"] = max(self._state["step"], step + 1)
             self._state["metrics"] = {**self._state["metrics"], **metrics}
         self._dirty.set()
+        # The live chart gets the value now, even while the MLflow run is still opening; MLflow's
+        # history replaces it once the tracker has written it (see `charts.RunCharts`).
+        if self._want_charts:
+            self._feed_charts(step, metrics, timestamp_ms)
 
     def status(self, rank: int, state: str, detail: str) -> None:
         self.text.status(rank, state, detail)
@@ -177,12 +198,19 @@ class MonitorObserver(RunObserver):
                 self._state["message"] = str(error).splitlines()[0] if str(error) else type(error).__name__
             self._state["elapsed"] = time.monotonic() - self._t0
         self.stop_button.disabled = True
-        self.stop_button.description = "Stopped" if self.stop_event.is_set() else "Done"
-        self._closed.set()
+        # The button now says how the run ended, in the colour of the status line (not a red "Done").
+        outcome = self._state["state"]
+        label, icon, style = {"finished": ("Finished", "check", "success"), "stopped": ("Stopped", "stop", "warning")}.get(
+            outcome, ("Failed", "times", "danger"))
+        self.stop_button.description, self.stop_button.icon, self.stop_button.button_style = label, icon, style
+        self.stop_button.tooltip = f"the run {outcome}"
+        with self._charts_lock:
+            self._closed.set()
+            charts = self.charts
         self._dirty.set()
         self._flush()
-        if self.charts is not None:
-            self.charts.run_ended()
+        if charts is not None:
+            charts.run_ended()
 
     # -- Stop --------------------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -193,19 +221,82 @@ class MonitorObserver(RunObserver):
         self._dirty.set()
 
     # -- internals -------------------------------------------------------------------------------
-    def _start_charts(self, config: RunConfig, run_id: str) -> None:
+    def _ensure_charts(self) -> None:
+        """Start making the live charts, once, in a background thread (at the first metric or when the
+        MLflow run opens, whichever is first: nothing of it competes with the workers' start). plotly's
+        first figure takes seconds in a fresh kernel; until the charts exist, fed values wait here."""
+        with self._charts_lock:
+            if self._charts_starter is not None:
+                return
+            preload_plotly()
+            self._charts_starter = threading.Thread(target=self._make_charts, name="dtrain-charts-start", daemon=True)
+            self._charts_starter.start()
+
+    def _make_charts(self) -> None:
+        from .charts import RunCharts, wait_for_plotly
+
+        try:
+            wait_for_plotly()
+            charts = RunCharts(None, None, interval_s=self._poll_s)
+        except Exception as exc:  # charts are a bonus: the run goes on without them
+            self._charts_unavailable(exc)
+            return
+        with self._charts_lock:
+            for step, metrics, stamp in self._early_metrics:
+                charts.feed(step, metrics, stamp)
+            self._early_metrics = []
+            if self._mlflow_run is not None:
+                charts.attach(*self._mlflow_run)
+            self.charts = charts
+        try:
+            # Draw what came so far *before* the figures are displayed: their first views then start
+            # from complete state (a view that starts while traces are being added may miss them).
+            charts.start(first_poll=True)
+            self._charts_box.children = (charts.widget,)
+        except Exception as exc:
+            self._charts_unavailable(exc)
+            return
+        if self._closed.is_set():
+            charts.run_ended()
+        self._charts_done.set()
+
+    def _charts_unavailable(self, exc: BaseException) -> None:
+        with self._charts_lock:
+            self._charts_failed, self._early_metrics = True, []
+        self._charts_box.children = (w.HTML(f"<i>live charts unavailable: {type(exc).__name__}: {exc}</i>"),)
+        self._charts_done.set()
+
+    def _feed_charts(self, step: int, metrics: dict[str, float], timestamp_ms: int | None) -> None:
+        with self._charts_lock:
+            charts = self.charts
+            if charts is None and not self._charts_failed:
+                self._early_metrics.append((step, dict(metrics), timestamp_ms))
+        if charts is not None:
+            charts.feed(step, metrics, timestamp_ms)
+        elif not self._charts_failed:
+            self._ensure_charts()
+
+    def _attach_charts(self, config: RunConfig, run_id: str) -> None:
         try:
             from mlflow import MlflowClient
 
             from ..tracking import resolve_tracking_uri
-            from .charts import RunCharts
 
-            self.charts = RunCharts(MlflowClient(tracking_uri=resolve_tracking_uri(config)), run_id, interval_s=self._poll_s)
-            self._charts_box.children = (self.charts.widget,)
-            self.charts.start()
-        except Exception as exc:  # charts are a bonus: the run goes on without them
-            self.charts = None
-            self._charts_box.children = (w.HTML(f"<i>live charts unavailable: {type(exc).__name__}: {exc}</i>"),)
+            client = MlflowClient(tracking_uri=resolve_tracking_uri(config))
+        except Exception as exc:  # the fed points stay; MLflow's copy is not read
+            self.link_html.value += f" <i>(MLflow history unavailable: {html.escape(type(exc).__name__)})</i>"
+            return
+        with self._charts_lock:
+            self._mlflow_run = (client, run_id)
+            charts = self.charts
+        if charts is not None:
+            charts.attach(client, run_id)
+        self._ensure_charts()
+
+    def wait_charts(self, timeout: float | None = None) -> Any:
+        """Wait until the live charts exist (or failed); the `charts.RunCharts`, or None."""
+        self._charts_done.wait(timeout)
+        return self.charts
 
     def snapshot(self) -> dict[str, Any]:
         """The state the widget shows, as plain data (used by the flusher and by tests)."""

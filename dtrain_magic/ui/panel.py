@@ -2,25 +2,47 @@
 
 `PanelState` is the panel's logic with no widgets (unit-tested): which controls are enabled, what is
 wrong with the current choice, the `RunConfig` that Run launches, the equivalent flag line and the
-memory estimate. `ConfigurePanel` wires ipywidgets to it; `show_panel` (called by the magic) displays it.
+memory estimate (for the cell's own model when `memory.model_of_cell` can count it without training,
+else a what-if for the size typed in the panel, said as such). `ConfigurePanel` wires ipywidgets to
+it; `show_panel` (called by the magic) displays it.
 
 Run captures the cell in the notebook (on the kernel's main thread, as any cell), then runs
-``runner.execute`` in a background thread with a `MonitorObserver` whose panel and text output land
-in the panel's own Output area; the kernel stays responsive (other cells run, Stop is handled at once).
-The `RunResult` is bound to ``--result NAME`` when given, else to ``_distribute_result``.
+``runner.execute`` in a background thread with a `MonitorObserver`; the kernel stays responsive (other
+cells run, Stop is handled at once). The monitor (status per rank, progress, Stop, live charts) is a
+child of the panel's own widget tree, not display data inside an ``Output``: an ``Output`` that the
+front-end also captures into (the cell's prints) syncs its outputs back to the kernel and would
+overwrite a display appended from the kernel in between (the monitor vanished that way). The workers'
+text goes to a separate ``Output`` that only the kernel writes. The `RunResult` is bound to
+``--result NAME`` when given, else to ``_distribute_result``.
+
+"Write cell" (`CellWriter`, ``js/cell_writer.js``) puts the equivalent ``%%distribute`` line over the
+cell's body into a new cell below: through the notebook's document in JupyterLab and Notebook 7 (at
+once), else IPython's ``set_next_input``.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from typing import Any, Callable
+
+import anywidget
+import traitlets
 
 from ..config import BACKENDS, PRECISIONS, STRATEGIES, ZERO_STAGES, RunConfig, cuda_available
 from ..errors import ConfigError, DistributeError
+from ..memory import CellModel
 
 CONTROLS = ("backend", "strategy", "zero", "precision", "num_processes", "grad_accum", "use_gpu", "experiment")
-DEFAULT_PARAMS = 125_000_000  # the memory estimate's model size until the user types theirs
+DEFAULT_PARAMS = 125_000_000  # the memory estimate's what-if size when the cell's model is not known
 RESULT_NAME = "_distribute_result"
+OUTPUT_LINES = 400  # the panel keeps this many lines of worker text (the monitor shows a tail too)
+
+def esm_source(name: str) -> str:
+    """A front-end module of the package, ``dtrain_magic/js/<name>`` (a link to the repo's ``js/``)."""
+    from importlib.resources import files
+
+    return (files("dtrain_magic") / "js" / name).read_text(encoding="utf-8")
 
 
 class PanelState:
@@ -31,12 +53,23 @@ class PanelState:
         config: RunConfig,
         checker: Callable[[RunConfig], None] | None = None,
         gpu_available: Callable[[], bool] = cuda_available,
-        num_params: int = DEFAULT_PARAMS,
+        num_params: int | None = None,
+        model: CellModel | None = None,
     ):
+        """``model``: the cell's model as `memory.model_of_cell` found it (or why not); ``num_params``: a
+        size typed by the user (a what-if), else the cell's model's, else `DEFAULT_PARAMS`."""
         self.base = config
         self.checker = checker
         self.gpu_available = gpu_available
-        self.num_params = int(num_params)
+        self.model = model
+        if num_params is not None:
+            self.num_params, self.size_source = int(num_params), "typed"
+        elif model is not None and model.found:
+            self.num_params, self.size_source = int(model.num_params), "cell"
+        else:
+            self.num_params, self.size_source = DEFAULT_PARAMS, "default"
+        if self.size_source == "typed" and model is not None and model.num_params == self.num_params:
+            self.size_source = "cell"
         self.values: dict[str, Any] = {name: getattr(config, name) for name in CONTROLS}
         if self.values["strategy"] == "deepspeed" and self.values["zero"] is None:
             self.values["zero"] = 0
@@ -48,6 +81,8 @@ class PanelState:
             raise KeyError(f"not a panel control: {', '.join(sorted(unknown))}")
         if "num_params" in changes:
             self.num_params = int(changes.pop("num_params"))
+            known = self.model.num_params if self.model is not None else None
+            self.size_source = "cell" if known is not None and self.num_params == known else "typed"
         self.values.update(changes)
         if self.values["strategy"] != "deepspeed":
             self.values["zero"] = None  # ZeRO applies to DeepSpeed only: the control is disabled
@@ -110,8 +145,25 @@ class PanelState:
         except (ConfigError, TypeError, ValueError):
             return None
 
+    def model_line(self) -> str:
+        """Which model size the estimate is for: the cell's own (and how it was counted), or a what-if."""
+        n = f"{self.num_params:,} parameters"
+        if self.size_source == "cell":
+            return f"model: {n}, {self.model.description}"
+        known = self.model.num_params if self.model is not None and self.model.found else None
+        if known is not None:
+            why = f"the cell's model has {known:,}"
+        elif self.model is not None:
+            why = f"the cell's model is not known before training: {self.model.description}"
+        else:
+            why = "the cell's model was not looked at"
+        if self.size_source == "typed":
+            return f"what-if: {n}, a size typed in 'model (M params)' ({why})"
+        return f"what-if: {n}, a default size ({why}); type your model's size in 'model (M params)'"
+
     def memory_line(self) -> str | None:
-        """The estimate of parameter + gradient + optimizer memory per process (``dtrain_magic.memory``)."""
+        """The model line, then the estimate of parameter + gradient + optimizer memory per process
+        (``dtrain_magic.memory``), and a warning when it exceeds the device's memory."""
         try:
             from .. import memory
         except ImportError:
@@ -119,28 +171,53 @@ class PanelState:
         try:
             est = memory.estimate(self.num_params, self.values["strategy"], self.values["zero"],
                                   self.values["precision"], int(self.values["num_processes"]))
-            line = est.line()
-            if hasattr(memory, "check_fits") and hasattr(memory, "device_memory_bytes"):
-                device = "cuda" if self.values["use_gpu"] else None
-                per_device = 1 if self.values["use_gpu"] else int(self.values["num_processes"])
-                warning = memory.check_fits(est, memory.device_memory_bytes(device, per_device))
-                if warning:
-                    line += "\n" + warning
+            line = self.model_line() + "\n" + est.line()
+            device = "cuda" if self.values["use_gpu"] else None
+            per_device = 1 if self.values["use_gpu"] else int(self.values["num_processes"])
+            warning = memory.check_fits(est, memory.device_memory_bytes(device, per_device))
+            if warning:
+                line += "\n" + warning
             return line
         except Exception as exc:  # a half-written estimate module must not break the panel
             return f"memory estimate unavailable: {type(exc).__name__}: {exc}"
+
+    def cell_text(self, body: str) -> str | None:
+        """The cell "Write cell" creates: the equivalent flag line over ``body`` (None while invalid)."""
+        line = self.flag_line()
+        if line is None:
+            return None
+        return f"{line}\n{body.strip(chr(10))}\n" if body.strip() else f"{line}\n"
+
+
+class CellWriter(anywidget.AnyWidget):
+    """The "Write cell" button (front-end: ``js/cell_writer.js``); see the module docstring."""
+
+    _esm = traitlets.Unicode(esm_source("cell_writer.js")).tag(sync=True)
+    text = traitlets.Unicode("").tag(sync=True)  # the new cell (empty while the choice is invalid)
+    body = traitlets.Unicode("").tag(sync=True)  # the configured cell's body, to find that cell
+    note = traitlets.Unicode("").tag(sync=True)  # what the last click did
+    disabled = traitlets.Bool(False).tag(sync=True)
 
 
 class ConfigurePanel:
     """The widgets of ``--configure`` around a `PanelState`."""
 
-    def __init__(self, config: RunConfig, cell: str, shell: Any, checker: Callable[[RunConfig], None] | None = None):
+    def __init__(self, config: RunConfig, cell: str, shell: Any, checker: Callable[[RunConfig], None] | None = None,
+                 model: CellModel | None = None):
+        """``model``: the cell's model (default: `memory.model_of_cell` over the notebook's namespace)."""
         import ipywidgets as w
 
         if checker is None:
             from ..runner import check as checker
+        if model is None:
+            from ..memory import model_of_cell
+
+            model = model_of_cell(cell, getattr(shell, "user_ns", None) or {}, config.fn)
+        from .charts import preload_plotly
+
+        preload_plotly()  # the live charts' first figure costs seconds in a fresh kernel: meanwhile the user chooses
         self.cell, self.shell = cell, shell
-        self.state = PanelState(config, checker=checker)
+        self.state = PanelState(config, checker=checker, model=model)
         opts = self.state.options()
         v = self.state.values
         style = {"description_width": "150px"}
@@ -155,30 +232,45 @@ class ConfigurePanel:
             "use_gpu": w.Checkbox(value=v["use_gpu"], description="GPU", indent=False),
             "experiment": w.Text(value=v["experiment"], description="experiment", style=style),
         }
+        for name, control in self.controls.items():
+            control.add_class(f"dtm-control-{name.replace('_', '-')}")
         self.params = w.FloatText(value=self.state.num_params / 1e6, description="model (M params)", style=style,
                                   tooltip="model size for the memory estimate, in millions of parameters")
+        self.params.add_class("dtm-control-params")
         self.memory = w.HTML()
+        self.memory.add_class("dtm-memory")
         self.problems = w.HTML()
         self.flag_line = w.Textarea(value="", disabled=False, layout=w.Layout(width="100%", height="48px"),
                                     description="equivalent", style=style)
+        self.flag_line.add_class("dtm-flag-line")
         self.run_button = w.Button(description="Run", icon="play", button_style="success")
         self.run_button.add_class("dtm-run")
-        self.output = w.Output(layout=w.Layout(width="100%"))
+        self.writer = CellWriter(body=cell)
+        self.writer.add_class("dtm-writer")
+        self.writer.on_msg(self._writer_message)
+        self.written: tuple[str, int | None] | None = None  # how the last "Write cell" was done
+        self.monitor_box = w.VBox([], layout=w.Layout(width="100%"))  # the run's monitor: a child, not display data
+        self.monitor_box.add_class("dtm-panel-monitor")
+        self.cell_output = w.Output(layout=w.Layout(width="100%"))  # the cell's own output while it is captured
+        self.output = w.Output(layout=w.Layout(width="100%"))  # worker text, written only from the kernel
+        self.output.add_class("dtm-panel-text")
         self.thread: threading.Thread | None = None
         self.running = False
+        self.runs = 0
         self.observer: Any = None
         self.result: Any = None
         self.error: BaseException | None = None
         for name, control in self.controls.items():
             control.observe(lambda change, name=name: self._changed(name, change["new"]), names="value")
-        self.params.observe(lambda change: self._changed("num_params", int(max(0.0, change["new"] or 0) * 1e6)), names="value")
+        self.params.observe(lambda change: self._changed("num_params", int(round(max(0.0, change["new"] or 0) * 1e6))),
+                            names="value")
         self.run_button.on_click(lambda _: self.run())
         c = self.controls
         self.widget = w.VBox([
             w.HTML("<b>dtrain_magic · configure the run</b>"),
             w.HBox([w.VBox([c["backend"], c["strategy"], c["zero"], c["precision"]]),
                     w.VBox([c["num_processes"], c["grad_accum"], c["use_gpu"], c["experiment"], self.params])]),
-            self.memory, self.problems, self.flag_line, self.run_button, self.output,
+            self.memory, self.problems, self.flag_line, w.HBox([self.run_button, self.writer]), self.cell_output, self.monitor_box, self.output,
         ])
         self.widget.add_class("dtm-configure")
         self.refresh()
@@ -192,18 +284,46 @@ class ConfigurePanel:
 
         zero = self.controls["zero"]
         zero.disabled = not self.state.zero_enabled
-        zero.description = "ZeRO stage" if self.state.zero_enabled else "ZeRO (deepspeed only)"
+        # One short label (a longer one was cut off); the tooltip says why it may be greyed out.
+        zero.description = "ZeRO stage"
+        zero.tooltip = ("DeepSpeed ZeRO stage" if self.state.zero_enabled
+                        else "DeepSpeed only: choose strategy deepspeed to pick a ZeRO stage")
         self.controls["precision"].options = self.state.options()["precision"]
         self.controls["precision"].value = self.state.values["precision"]
         memory = self.state.memory_line()
-        self.memory.value = (f"<pre style='margin:0'>{html.escape(memory)}</pre>" if memory
+        self.memory.value = (f"<pre style='margin:0; white-space:pre-wrap'>{html.escape(memory)}</pre>" if memory
                              else "<i>memory estimate unavailable (dtrain_magic.memory is not installed)</i>")
         problems = self.state.problems()
         self.problems.value = ("".join(f"<div style='color:#cf222e'>⚠ {html.escape(p)}</div>" for p in problems)
                                if problems else "<div style='color:#1a7f37'>✓ ready to run</div>")
         self.run_button.disabled = bool(problems) or self.running
-        self.flag_line.value = self.state.flag_line() or "(fix the problems above to get the equivalent flag line)"
+        line = self.state.flag_line()
+        self.flag_line.value = line or "(fix the problems above to get the equivalent flag line)"
+        self.writer.text = self.state.cell_text(self.cell) or ""
 
+    # -- Write cell ------------------------------------------------------------------------------
+    def write_cell(self) -> str | None:
+        """Put the equivalent cell below through IPython's ``set_next_input`` (what "Write cell" does in a
+        front-end that does not give widgets the notebook); the text, or None while the choice is invalid.
+        The front-end shows it with the kernel's next reply to a cell run: a comm message (a click) has
+        no reply that could carry it."""
+        text = self.state.cell_text(self.cell)
+        if text is None:
+            return None
+        self.shell.set_next_input(text, replace=False)
+        self.written = ("kernel", None)
+        self.writer.note = ("the new cell appears below once you run a cell (this front-end takes new cells from a cell's reply)")
+        return text
+
+    def _writer_message(self, _widget: Any, content: Any, _buffers: Any) -> None:
+        event = content.get("event") if isinstance(content, dict) else None
+        if event == "written":
+            self.written = ("notebook", content.get("index"))
+            self.writer.note = "written to a new cell below"
+        elif event == "write":
+            self.write_cell()
+
+    # -- Run -------------------------------------------------------------------------------------
     def run(self, wait: bool = False) -> None:
         """Capture the cell, then run it in a background thread; the monitor appears under the panel."""
         from ..capture import capture
@@ -213,13 +333,21 @@ class ConfigurePanel:
         if self.running:
             return
         config = self.state.to_config(ui=True)
-        self.output.clear_output()
-        with self.output:
-            print(f"running: {config.flag_line()}")
-            payload, _ = capture(self.cell, self.shell.user_ns, config.fn, self.shell)
+        self.output.outputs = ()
+        self.cell_output.clear_output()
         text = _OutputWriter(self.output)
+        text.write(f"running: {config.flag_line()}\n")
+        try:
+            with self.cell_output:  # the cell runs in the notebook first: its own prints land here
+                payload, _ = capture(self.cell, self.shell.user_ns, config.fn, self.shell)
+        except DistributeError as exc:
+            text.write(f"{type(exc).__name__}: {exc}\n", stream="stderr")
+            text.close()
+            self.error = exc
+            return
         self.observer = MonitorObserver(config, text_out=text, display=False)
-        self.output.append_display_data(self.observer.container)
+        self.monitor_box.children = (self.observer.container,)
+        self.runs += 1
 
         def work() -> None:
             try:
@@ -227,12 +355,13 @@ class ConfigurePanel:
                 self.shell.user_ns[config.result or RESULT_NAME] = self.result
             except BaseException as exc:  # shown in the panel; the kernel goes on
                 self.error = exc
-                self.output.append_stderr(f"{type(exc).__name__}: {exc}\n")
+                text.write(f"{type(exc).__name__}: {exc}\n", stream="stderr")
             finally:
-                text.flush()
+                text.close()
                 self.running = False
                 self.refresh()
 
+        self.error = None
         self.thread = threading.Thread(target=work, name="dtrain-panel-run", daemon=True)
         self.running = True
         self.run_button.disabled = True
@@ -242,30 +371,75 @@ class ConfigurePanel:
 
 
 class _OutputWriter:
-    """A text stream into an ipywidgets Output (thread-safe enough: whole lines, appended)."""
+    """A text stream into an ipywidgets ``Output`` that only the kernel writes: the last `OUTPUT_LINES`
+    lines, sent at most every ``every_s`` (a chatty run would otherwise resend the whole list per line)."""
 
-    def __init__(self, output: Any):
+    def __init__(self, output: Any, every_s: float = 0.25, max_lines: int = OUTPUT_LINES):
         self.output = output
-        self._buffer = ""
+        self._lines: deque[tuple[str, str]] = deque(maxlen=max_lines)
+        self._partial = {"stdout": "", "stderr": ""}
+        self._dropped = False
         self._lock = threading.Lock()
+        self._dirty = threading.Event()
+        self._closed = threading.Event()
+        self._every_s = every_s
+        self._thread = threading.Thread(target=self._loop, name="dtrain-panel-text", daemon=True)
+        self._thread.start()
 
-    def write(self, text: str) -> int:
+    def write(self, text: str, stream: str = "stdout") -> int:
         with self._lock:
-            self._buffer += text
-            if "\n" in self._buffer:
-                complete, _, self._buffer = self._buffer.rpartition("\n")
-                self.output.append_stdout(complete + "\n")
+            data = self._partial[stream] + text
+            *complete, self._partial[stream] = data.split("\n")
+            for line in complete:
+                self._dropped |= len(self._lines) == self._lines.maxlen
+                self._lines.append((stream, line + "\n"))
+        if complete:
+            self._dirty.set()
         return len(text)
 
     def flush(self) -> None:
+        """Send what was written so far (also sent by the background thread, at most every ``every_s``)."""
         with self._lock:
-            if self._buffer:
-                self.output.append_stdout(self._buffer)
-                self._buffer = ""
+            lines = list(self._lines) + [(s, rest) for s, rest in self._partial.items() if rest]
+            dropped = self._dropped
+        outputs: list[dict] = []
+        if dropped:
+            outputs.append({"output_type": "stream", "name": "stdout", "text": "[earlier lines not kept]\n"})
+        for stream, text in lines:  # consecutive lines of one stream are one output
+            if outputs and outputs[-1]["name"] == stream:
+                outputs[-1]["text"] += text
+            else:
+                outputs.append({"output_type": "stream", "name": stream, "text": text})
+        self.output.outputs = tuple(outputs)
+
+    def close(self) -> None:
+        """The last flush; the writer sends nothing after it."""
+        self._closed.set()
+        self._dirty.set()
+        self._thread.join(timeout=5)
+        self.flush()
+
+    @property
+    def text(self) -> str:
+        with self._lock:
+            return "".join(t for _, t in self._lines) + "".join(self._partial.values())
+
+    def _loop(self) -> None:
+        while not self._closed.is_set():
+            self._dirty.wait()
+            if self._closed.is_set():
+                return
+            self._dirty.clear()
+            try:
+                self.flush()
+            except Exception:
+                pass
+            self._closed.wait(self._every_s)
 
 
 def show_panel(config: RunConfig, cell: str, shell: Any) -> None:
-    """Display the configure panel for ``cell`` (called by ``%%distribute --configure``)."""
+    """Display the configure panel for ``cell`` (called by ``%%distribute --configure``); the panel object
+    is ``_distribute_panel`` in the notebook."""
     from IPython.display import display
 
     panel = ConfigurePanel(config, cell, shell)

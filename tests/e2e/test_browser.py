@@ -1,9 +1,17 @@
 """A real browser: JupyterLab on 127.0.0.1, headless Chromium (Debian package) driven by Playwright.
 
-The notebook runs ``%%distribute --backend local -n 2 --ui`` on a small training that declares its
-total steps; the test finds the monitor panel and both live charts while training runs and after it
-finished, then presses Stop on a second, long run and sees it stop. Screenshots go to
-``test-output/e2e/`` (git-ignored; ``$DTRAIN_TEST_OUTPUT`` overrides) and their paths are printed.
+1. ``%%distribute --backend local -n 2 --ui`` on a small training that declares its total steps: the
+   monitor panel and both live charts while training runs (the training waits half-way on a file the
+   test creates once it has seen them: no race with the training's length) and after it finished; then
+   Stop on a second, long run.
+2. ``%%distribute --configure``: the panel shows the estimate for the cell's own model; deepspeed,
+   ZeRO-2 and bf16 are picked, Run shows the monitor and both charts under the panel with points added
+   over time, Stop makes the run KILLED in MLflow and ends its worker processes, "Write cell" creates
+   the equivalent cell, a second Run finishes, and ``%distribute_show RUN_ID`` draws that finished run's
+   charts in a fresh kernel.
+
+Screenshots go to ``test-output/e2e/`` (git-ignored; ``$DTRAIN_TEST_OUTPUT`` overrides) and their paths
+are printed.
 
 Setup installs what it needs: ``scripts/install_browser.sh`` (apt-get chromium when /usr/bin/chromium is
 missing) and JupyterLab (pip, only when missing). Teardown shuts the server and its kernels down and
@@ -15,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -27,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
@@ -35,7 +44,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
                  "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
 
 TRAIN = """%%distribute --backend local -n 2 --ui
-import time, torch
+import os, time, torch
 def train(ctx):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
@@ -52,16 +61,45 @@ def train(ctx):
         if step % 10 == 0:
             print(f"step {step} loss {loss.item():.4f}")
         time.sleep(SLEEP)
+        if RELEASE and step == STEPS // 2:  # half-way: wait until the test has seen the live panel
+            while not os.path.exists(RELEASE):
+                time.sleep(0.05)
     return loss.item()
 """
 
+# The --configure cell: trains until Stop, or (second Run) until the FINISH file exists. Each rank writes
+# its pid, so the test can check that Stop ended the run's own worker processes.
+PANEL = """%%distribute --configure --backend local -n 2
+import os, time, torch
+def train(ctx):
+    with open(os.path.join(PIDS, f"rank{ctx.rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model, opt = ctx.prepare(model, opt)
+    x, y = torch.randn(32, 16), torch.randn(32, 1)
+    ctx.set_total(6000)
+    for step in range(6000):
+        with ctx.autocast():
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        ctx.backward(loss)
+        ctx.step()
+        ctx.log(loss=loss.item(), lr=0.01)
+        time.sleep(0.05)
+        if step >= 20 and os.path.exists(FINISH):
+            break
+    return loss.item()
+"""
+PANEL_PARAMS = 16 * 64 + 64 + 64 + 1
 
-def _notebook(path: Path) -> None:
-    cells = [
-        "%load_ext dtrain_magic",
-        TRAIN.replace("STEPS", "200").replace("SLEEP", "0.1"),
-        TRAIN.replace("STEPS", "400").replace("SLEEP", "0.05"),
-    ]
+
+def _train_cell(steps: int, sleep: float, release: Path | None = None) -> str:
+    return TRAIN.replace("STEPS", str(steps)).replace("SLEEP", str(sleep)).replace(
+        "RELEASE", repr(str(release)) if release else "None")
+
+
+def _write_notebook(path: Path, cells: list[str]) -> None:
     nb = {
         "cells": [{"cell_type": "code", "execution_count": None, "id": f"c{i}", "metadata": {}, "outputs": [],
                    "source": src} for i, src in enumerate(cells)],
@@ -70,6 +108,20 @@ def _notebook(path: Path) -> None:
         "nbformat": 4, "nbformat_minor": 5,
     }
     path.write_text(json.dumps(nb, indent=1))
+
+
+def _notebook(root: Path) -> None:
+    nb = root / "nb"
+    _write_notebook(nb / "train.ipynb", [
+        "%load_ext dtrain_magic",
+        _train_cell(200, 0.1, nb / "release_train"),
+        _train_cell(400, 0.05),
+    ])
+    (nb / "pids").mkdir()
+    _write_notebook(nb / "panel.ipynb", [
+        "%load_ext dtrain_magic",
+        PANEL.replace("PIDS", repr(str(nb / "pids"))).replace("FINISH", repr(str(nb / "finish_panel"))),
+    ])
 
 
 def _free_port() -> int:
@@ -93,7 +145,7 @@ def jupyterlab():
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "jupyterlab>=4"], check=True, timeout=600)
     root = Path(tempfile.mkdtemp(prefix="dtm_e2e_"))
     (root / "nb").mkdir()
-    _notebook(root / "nb" / "train.ipynb")
+    _notebook(root)
     token, port = os.urandom(16).hex(), _free_port()
     env = dict(os.environ)
     env.update(
@@ -155,6 +207,44 @@ def _output_dir() -> Path:
     return out
 
 
+KERNEL_CONNECTED = (
+    "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+    " && window.jupyterapp.shell.currentWidget.sessionContext"
+    " && window.jupyterapp.shell.currentWidget.sessionContext.session"
+    " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel"
+    " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.connectionStatus === 'connected'")
+
+
+def _open_and_run_all(page, url: str, token: str, name: str) -> None:
+    """Open ``name`` in JupyterLab (in a fresh workspace of its own: the default one would reopen the
+    notebooks of an earlier test), wait for its kernel, and run every cell (without waiting for them)."""
+    page.goto(f"{url}/lab/workspaces/{Path(name).stem}/tree/{name}?reset&token={token}")
+    page.wait_for_function(KERNEL_CONNECTED + f" && window.jupyterapp.shell.currentWidget.context.path === {name!r}",
+                           timeout=90_000)
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")  # resolves when every cell ran
+
+
+def _cell_sources(page) -> list[str]:
+    return page.evaluate("() => window.jupyterapp.shell.currentWidget.content.model.sharedModel.cells"
+                         ".map((c) => c.getSource())")
+
+
+def _points(plot) -> int:
+    """How many points the largest trace of a plotly chart holds in the browser (plotly keeps them on the div)."""
+    return plot.evaluate("(el) => el.data && el.data.length ? Math.max(...el.data.map((t) => (t.x || []).length)) : 0")
+
+
+def _wait_for(predicate, timeout: float, what: str, every: float = 0.25):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(every)
+
+
 def test_panel_and_charts_in_jupyterlab(chromium, jupyterlab):
     from playwright.sync_api import expect, sync_playwright
 
@@ -171,16 +261,8 @@ def test_panel_and_charts_in_jupyterlab(chromium, jupyterlab):
             )
             try:
                 page = context.new_page()
-                page.goto(f"{url}/lab/tree/train.ipynb?token={token}")
-                page.wait_for_function(
-                    "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
-                    " && window.jupyterapp.shell.currentWidget.sessionContext"
-                    " && window.jupyterapp.shell.currentWidget.sessionContext.session"
-                    " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel"
-                    " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.connectionStatus === 'connected'",
-                    timeout=90_000)
+                _open_and_run_all(page, url, token, "train.ipynb")
                 timings["lab_ready_s"] = time.monotonic() - t0
-                page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")  # do not await: it resolves when every cell ran
 
                 first = page.locator(".dtm-monitor-panel").first
                 monitor = first.locator(".dtm-monitor")
@@ -192,6 +274,7 @@ def test_panel_and_charts_in_jupyterlab(chromium, jupyterlab):
                 expect(first.locator(".dtm-progress")).to_contain_text("/200", timeout=60_000)
                 expect(charts.nth(0).locator(".scatterlayer .trace").first).to_be_attached(timeout=60_000)
                 expect(charts.nth(1).locator(".scatterlayer .trace").first).to_be_attached(timeout=60_000)
+                # the training waits half-way until the test releases it (below): it cannot have ended
                 assert monitor.get_attribute("data-state") == "running", "training ended before the charts were seen"
                 expect(charts.nth(0)).to_contain_text("Training metrics")
                 expect(charts.nth(1)).to_contain_text("System")
@@ -199,6 +282,7 @@ def test_panel_and_charts_in_jupyterlab(chromium, jupyterlab):
                 running_shot = out / "browser_running.png"
                 page.screenshot(path=str(running_shot), full_page=True)
                 timings["seen_running_s"] = time.monotonic() - t0
+                (root / "nb" / "release_train").touch()  # seen while running: the training may go on and end
 
                 # after: finished, every rank done, 60/60, charts still there with the final data
                 expect(monitor).to_have_attribute("data-state", "finished", timeout=120_000)
@@ -219,7 +303,8 @@ def test_panel_and_charts_in_jupyterlab(chromium, jupyterlab):
                 # Stop on the second (long) run: the click must reach the kernel while the cell runs
                 second = page.locator(".dtm-monitor-panel").nth(1)
                 expect(second.locator(".dtm-monitor")).to_have_attribute("data-state", "running", timeout=60_000)
-                expect(second.locator(".dtm-progress")).to_contain_text("/400", timeout=30_000)
+                # "running" comes as the workers start (before their first step): give their start time
+                expect(second.locator(".dtm-progress")).to_contain_text("/400", timeout=120_000)
                 clicked = time.monotonic()
                 second.locator("button.dtm-stop").dispatch_event("click")  # the output keeps growing: no "stable" wait
                 expect(second.locator(".dtm-monitor")).to_have_attribute("data-state", "stopped", timeout=30_000)
@@ -236,3 +321,146 @@ def test_panel_and_charts_in_jupyterlab(chromium, jupyterlab):
         assert shot.stat().st_size > 10_000
         print(f"screenshot: {shot}")
     print("browser test timings:", {k: round(v, 1) for k, v in timings.items()})
+
+
+def test_configure_panel_runs_with_the_live_monitor(chromium, jupyterlab):
+    """--configure → deepspeed, ZeRO-2, bf16 → Run: the monitor and both charts under the panel, growing;
+    Stop → KILLED, the run's workers gone; Write cell → the equivalent cell; Run again → FINISHED;
+    %distribute_show of that run in a fresh kernel draws its charts."""
+    import psutil
+    from mlflow import MlflowClient
+    from playwright.sync_api import expect, sync_playwright
+
+    url, token, root = jupyterlab
+    nb = root / "nb"
+    out = _output_dir()
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    timings: dict[str, float] = {}
+    shots = []
+    t0 = time.monotonic()
+    profile = tempfile.mkdtemp(prefix="dtm_chromium_")
+    try:
+        with sync_playwright() as pw:
+            context = pw.chromium.launch_persistent_context(
+                profile, executable_path=chromium, headless=True, args=CHROMIUM_ARGS,
+                viewport={"width": 1400, "height": 1400},
+            )
+            try:
+                page = context.new_page()
+                _open_and_run_all(page, url, token, "panel.ipynb")
+                panel = page.locator(".dtm-configure").first
+                expect(panel).to_be_visible(timeout=90_000)
+                # the estimate is for the cell's own model, counted without training
+                expect(panel.locator(".dtm-memory")).to_contain_text(f"model: {PANEL_PARAMS:,} parameters", timeout=30_000)
+                expect(panel.locator(".dtm-memory")).to_contain_text("from the cell")
+                expect(panel.locator(".dtm-control-zero select")).to_be_disabled()
+                panel.locator(".dtm-control-strategy select").select_option(label="deepspeed")
+                expect(panel.locator(".dtm-control-zero select")).to_be_enabled(timeout=30_000)
+                panel.locator(".dtm-control-zero select").select_option(label="ZeRO-2")
+                panel.locator(".dtm-control-precision select").select_option(label="bf16")
+                line = "%%distribute --backend local --strategy deepspeed --zero 2 --precision bf16 -n 2 --cpu --ui"
+                expect(panel.locator(".dtm-flag-line textarea")).to_have_value(line, timeout=30_000)
+                expect(panel.locator(".dtm-memory")).to_contain_text("deepspeed ZeRO-2, bf16, 2 processes")
+                expect(panel.locator("button.dtm-run")).to_be_enabled()
+                panel.locator("button.dtm-run").click()
+                timings["run_clicked_s"] = time.monotonic() - t0
+
+                # the monitor under the panel: running, and both charts once the first steps are logged
+                # (the first DeepSpeed run of a fresh environment compiles a C++ op first: up to a minute or more)
+                monitor = panel.locator(".dtm-monitor-panel .dtm-monitor")
+                expect(monitor).to_have_attribute("data-state", "running", timeout=60_000)
+                expect(panel.locator(".dtm-plan")).to_contain_text("gloo on 127.0.0.1")  # the backend in use
+                expect(panel.locator(".dtm-plan")).not_to_contain_text("gloo/nccl")
+                charts = panel.locator(".dtm-monitor-panel .dtm-charts .js-plotly-plot")
+                expect(charts).to_have_count(2, timeout=300_000)
+                expect(charts.nth(0).locator(".scatterlayer .trace").first).to_be_attached(timeout=120_000)
+                expect(charts.nth(1).locator(".scatterlayer .trace").first).to_be_attached(timeout=60_000)
+                timings["charts_drawn_s"] = time.monotonic() - t0
+                expect(panel.locator(".dtm-progress")).to_contain_text("/6000", timeout=30_000)
+                expect(panel.locator(".dtm-progress")).to_contain_text("ETA")
+                expect(panel.locator(".dtm-rank-state")).to_have_text(["running", "running"], timeout=30_000)
+                expect(charts.nth(0).locator(".legendtext", has_text="loss")).to_have_count(1)
+                expect(charts.nth(1)).to_contain_text("CPU / RAM")
+                # points are added while it trains (the run goes on until Stop: no race with its length)
+                first = _wait_for(lambda: _points(charts.nth(0)), 60, "the first loss points in the browser")
+                grown = _wait_for(lambda: (n := _points(charts.nth(0))) > first and n, 60, "more loss points")
+                print(f"loss points in the browser: {first} -> {grown}")
+                shots.append(out / "panel_running.png")
+                page.screenshot(path=str(shots[-1]), full_page=True)
+
+                # Stop: KILLED in MLflow, the run's worker processes gone, the panel can run again
+                pids = [int((nb / "pids" / f"rank{r}.pid").read_text()) for r in range(2)]
+                header = panel.locator(".dtm-monitor-panel .dtm-header").text_content()
+                run_id = re.search(r"MLflow run ([0-9a-f]{32})", header).group(1)
+                panel.locator(".dtm-monitor-panel button.dtm-stop").dispatch_event("click")
+                clicked = time.monotonic()
+                expect(monitor).to_have_attribute("data-state", "stopped", timeout=60_000)
+                timings["stop_to_stopped_s"] = time.monotonic() - clicked
+                expect(panel.locator(".dtm-monitor-panel button.dtm-stop")).to_have_text("Stopped")
+                _wait_for(lambda: client.get_run(run_id).info.status == "KILLED", 60, "the run KILLED in MLflow")
+
+                def gone(pid: int) -> bool:
+                    try:
+                        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+                    except psutil.NoSuchProcess:
+                        return True
+
+                _wait_for(lambda: all(gone(pid) for pid in pids), 30, f"the run's workers {pids} to exit")
+                expect(panel.locator("button.dtm-run")).to_be_enabled(timeout=30_000)
+                shots.append(out / "panel_stopped.png")
+                page.screenshot(path=str(shots[-1]), full_page=True)
+
+                # Write cell: the equivalent line over the cell's body, in a new cell below the panel's
+                before = _cell_sources(page)
+                panel.locator("button.dtm-write-cell").click()
+                expect(panel.locator(".dtm-write-note")).to_contain_text("written to a new cell below", timeout=30_000)
+                def one_more_cell():
+                    cells = _cell_sources(page)
+                    return cells if len(cells) == len(before) + 1 else None
+
+                after = _wait_for(one_more_cell, 30, "the written cell")
+                written = after[2]
+                body = before[1].split("\n", 1)[1]
+                assert written.startswith(line + "\n") and written.strip().endswith(body.strip()), written
+                expect(page.locator(".jp-Notebook .jp-Cell").nth(2)).to_contain_text("--strategy deepspeed --zero 2", timeout=30_000)
+
+                # Run again: this time the training ends by itself (FINISHED)
+                (nb / "finish_panel").touch()
+                panel.locator("button.dtm-run").click()
+                monitor = panel.locator(".dtm-monitor-panel .dtm-monitor")
+                expect(monitor).to_have_attribute("data-state", "finished", timeout=180_000)
+                expect(panel.locator(".dtm-monitor-panel button.dtm-stop")).to_have_text("Finished")
+                header = panel.locator(".dtm-monitor-panel .dtm-header").text_content()
+                finished_id = re.search(r"MLflow run ([0-9a-f]{32})", header).group(1)
+                assert finished_id != run_id
+                _wait_for(lambda: client.get_run(finished_id).info.status == "FINISHED", 60, "the run FINISHED in MLflow")
+                assert client.get_run(finished_id).data.params["zero"] == "2"
+                assert client.get_run(finished_id).data.params["precision"] == "bf16"
+                expect(panel.locator(".dtm-monitor-panel .dtm-charts .js-plotly-plot")).to_have_count(2, timeout=120_000)
+                shots.append(out / "panel_finished.png")
+                page.screenshot(path=str(shots[-1]), full_page=True)
+
+                # %distribute_show in a fresh kernel: the finished run's charts, from MLflow alone
+                _write_notebook(nb / "show.ipynb", ["%load_ext dtrain_magic", f"%distribute_show {finished_id}"])
+                show_page = context.new_page()
+                _open_and_run_all(show_page, url, token, "show.ipynb")
+                shown = show_page.locator(".dtm-show")
+                expect(shown).to_contain_text("FINISHED", timeout=120_000)
+                shown_charts = shown.locator(".js-plotly-plot")
+                expect(shown_charts).to_have_count(2, timeout=120_000)
+                expect(shown_charts.nth(0).locator(".legendtext", has_text="loss")).to_have_count(1, timeout=60_000)
+                expect(shown_charts.nth(1).locator(".scatterlayer .trace").first).to_be_attached(timeout=60_000)
+                history = client.get_metric_history(finished_id, "loss")
+                _wait_for(lambda: _points(shown_charts.nth(0)) == len(history), 60,
+                          f"the {len(history)} logged loss values in the shown chart")
+                shots.append(out / "show_finished.png")
+                show_page.screenshot(path=str(shots[-1]), full_page=True)
+            finally:
+                context.close()
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+    timings["total_s"] = time.monotonic() - t0
+    for shot in shots:
+        assert shot.stat().st_size > 10_000
+        print(f"screenshot: {shot}")
+    print("panel browser test timings:", {k: round(v, 1) for k, v in timings.items()})

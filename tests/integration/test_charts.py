@@ -11,7 +11,7 @@ pytest.importorskip("plotly")
 pytest.importorskip("anywidget")
 
 CELL = """%%distribute --backend local -n 2 --ui
-import time, torch
+import os, time, torch
 def train(ctx):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
@@ -24,9 +24,38 @@ def train(ctx):
         ctx.backward(loss); ctx.step()
         ctx.log(loss=loss.item(), lr=0.05)
         time.sleep(SLEEP)
+    deadline = time.monotonic() + 120
+    while RELEASE and not os.path.exists(RELEASE) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the test says when it has seen what it needs while the run goes
     print("done on rank", ctx.rank)
     return ctx.rank
 """
+
+
+def _cell(steps: int, sleep: float, release: str | None = None) -> str:
+    return CELL.replace("STEPS", str(steps)).replace("SLEEP", str(sleep)).replace("RELEASE", repr(release))
+
+
+def _release_when_sampled(mlflow, flag, samples: int = 2, timeout: float = 120.0):
+    """Create ``flag`` once the (only) run of the test's store has ``samples`` CPU samples: the training
+    then ends, however long MLflow took to open on a loaded machine (no race with the training's length)."""
+    import threading
+
+    def watch():
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                experiment = mlflow.get_experiment_by_name("dtrain_magic")
+                runs = mlflow.search_runs([experiment.experiment_id]) if experiment else []
+                if runs and len(mlflow.get_metric_history(runs[0].info.run_id, "system/cpu_utilization_percentage")) >= samples:
+                    return
+                time.sleep(0.2)
+        finally:
+            open(flag, "w").close()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
 
 
 def _history(mlflow, run_id, key, system=False):
@@ -35,7 +64,7 @@ def _history(mlflow, run_id, key, system=False):
     return hist
 
 
-def test_live_charts_equal_the_mlflow_history(shell, mlflow, capsys):
+def test_live_charts_equal_the_mlflow_history(shell, mlflow, capsys, tmp_path):
     from dtrain_magic.ui import monitor
     from dtrain_magic.ui.charts import lag_summary
 
@@ -47,14 +76,15 @@ def test_live_charts_equal_the_mlflow_history(shell, mlflow, capsys):
         created.append(self)
 
     monitor.MonitorObserver.__init__ = spy
+    _release_when_sampled(mlflow, str(tmp_path / "release"))
     try:
-        result = shell.run(CELL.replace("STEPS", "40").replace("SLEEP", "0.1"))
+        result = shell.run(_cell(40, 0.1, str(tmp_path / "release")))
     finally:
         monitor.MonitorObserver.__init__ = original
     assert result.error_in_exec is None, result.error_in_exec
     run = result.result
     (obs,) = created
-    charts = obs.charts
+    charts = obs.wait_charts(timeout=30)
     assert charts is not None and charts.wait(timeout=30), "the poller did not stop after the run"
     assert charts.status == "FINISHED"
 
@@ -80,8 +110,9 @@ def test_live_charts_equal_the_mlflow_history(shell, mlflow, capsys):
     assert "[rank 0] done on rank 0" in capsys.readouterr().out
 
     lag = lag_summary(charts.lags_s)
-    print(f"chart lag (ctx.log on the worker -> chart data): {lag}")
+    print(f"chart lag (ctx.log on the worker -> chart data): {lag}, {charts.fed_shown} points drawn before MLflow had them")
     assert lag["n"] >= 30  # most points were seen live, not only in the final read
+    assert charts.fed_shown >= 1  # the channel fed the chart before MLflow's copy was read (and no point twice: above)
     # Measured in benchmarks/bench_chart_lag.py (median about 0.3 s here); this only guards against
     # a poller that stopped polling live (lag of the whole run), with room for a loaded machine.
     assert lag["median_s"] < 3.0, lag
@@ -117,7 +148,7 @@ def test_stop_event_stops_the_run_cleanly(shell, mlflow):
     monitor.MonitorObserver.__init__ = spy
     try:
         t0 = time.monotonic()
-        result = shell.run(CELL.replace("STEPS", "1000").replace("SLEEP", "0.05"))
+        result = shell.run(_cell(1000, 0.05))
         elapsed = time.monotonic() - t0
     finally:
         monitor.MonitorObserver.__init__ = original
@@ -125,7 +156,7 @@ def test_stop_event_stops_the_run_cleanly(shell, mlflow):
     (obs,) = created
     assert obs.widget.state == "stopped"
     assert elapsed < 40
-    assert obs.charts.wait(timeout=30)
+    assert obs.wait_charts(timeout=30).wait(timeout=30)
     assert mlflow.get_run(obs.widget.run_id).info.status == "KILLED"
 
 
@@ -134,7 +165,7 @@ def test_configure_panel_runs_in_the_background(shell, mlflow):
     from dtrain_magic import flags
     from dtrain_magic.ui.panel import ConfigurePanel
 
-    cell = CELL.split("\n", 1)[1].replace("STEPS", "5").replace("SLEEP", "0.01")
+    cell = _cell(5, 0.01).split("\n", 1)[1]
     config = flags.config_from_line("--backend local -n 2 --result res", gpu_available=lambda: False)
     panel = ConfigurePanel(config, cell, shell)
     panel.controls["num_processes"].value = 3
@@ -151,3 +182,94 @@ def test_configure_panel_runs_in_the_background(shell, mlflow):
     texts = "".join(o.get("text", "") for o in panel.output.outputs)
     assert "[rank 0] done on rank 0" in texts and "dtrain_magic: finished in" in texts  # worker output in the panel
     assert mlflow.get_run(result.run_id).data.params["num_processes"] == "3"
+
+
+def test_first_points_are_charted_while_the_mlflow_run_opens(shell, mlflow, monkeypatch, tmp_path):
+    """A kernel's first run opens its MLflow run seconds after the first step (MLflow's import): the live
+    chart draws the values from the channel meanwhile; at the end it holds exactly MLflow's history."""
+    from dtrain_magic import tracking
+    from dtrain_magic.ui import monitor
+    from dtrain_magic.ui.charts import Series
+
+    release = tmp_path / "release"
+    slow_start = tracking.RunTracker.start.__func__
+
+    def start_slowly(cls, *args, **kwargs):
+        # MLflow opens the run only once the live chart shows 20 points (at most 60 s): as late as a fresh
+        # kernel's MLflow import on a busy machine, and without a race with the training's speed.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            charts = created[0].charts if created else None
+            if charts is not None and len(charts.metrics.get("loss", Series()).x) >= 20:
+                break
+            time.sleep(0.05)
+        return slow_start(cls, *args, **kwargs)
+
+    monkeypatch.setattr(tracking.RunTracker, "start", classmethod(start_slowly))
+    seen_at_open = {}
+    created = []
+    original_init, original_started = monitor.MonitorObserver.__init__, monitor.MonitorObserver.started
+
+    def spy_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        created.append(self)
+
+    def spy_started(self, *args, **kwargs):
+        charts = self.charts
+        seen_at_open["points"] = len(charts.metrics["loss"].x) if charts is not None and "loss" in charts.metrics else 0
+        seen_at_open["step"] = self.snapshot()["step"]
+        release.touch()  # the training may end now
+        return original_started(self, *args, **kwargs)
+
+    monkeypatch.setattr(monitor.MonitorObserver, "__init__", spy_init)
+    monkeypatch.setattr(monitor.MonitorObserver, "started", spy_started)
+    result = shell.run(_cell(30, 0.05, str(release)))
+    assert result.error_in_exec is None, result.error_in_exec
+    (obs,) = created
+    charts = obs.wait_charts(timeout=30)
+    assert charts is not None and charts.wait(timeout=30)
+    # the chart showed the workers' values before the run opened (the old flow drew nothing until then)
+    assert seen_at_open["points"] >= 20 and seen_at_open["step"] >= 20, seen_at_open
+    hist = _history(mlflow, result.result.run_id, "loss")
+    assert len(hist) == 30  # none lost on the way to MLflow
+    assert charts.trace_data(charts.metrics_figure, "loss") == ([m.step for m in hist], [m.value for m in hist])  # none twice
+
+
+def test_configure_panel_shows_the_monitor_stops_and_runs_again(shell, mlflow):
+    """Run in the panel: the monitor (with its live charts) is part of the panel's own widgets; Stop ends
+    the run as KILLED; Run works again after it."""
+    from dtrain_magic import flags
+    from dtrain_magic.errors import RunInterrupted
+    from dtrain_magic.ui.panel import ConfigurePanel
+
+    config = flags.config_from_line("--backend local -n 2", gpu_available=lambda: False)
+    panel = ConfigurePanel(config, _cell(1000, 0.05).split("\n", 1)[1], shell)
+    panel.run()
+    obs = panel.observer
+    assert panel.monitor_box.children == (obs.container,)  # a child of the panel, not display data in an Output
+    charts = obs.wait_charts(timeout=60)
+    assert charts is not None and obs._charts_box.children == (charts.widget,)
+    deadline = time.monotonic() + 120
+    counts = []
+    while time.monotonic() < deadline and (len(counts) < 2 or counts[-1] <= counts[0]):
+        points = len(charts.metrics["loss"].x) if "loss" in charts.metrics else 0
+        if points and (not counts or points != counts[-1]):
+            counts.append(points)
+        time.sleep(0.2)
+    assert len(counts) >= 2 and counts[-1] > counts[0], f"the loss chart did not grow while training: {counts}"
+    assert panel.thread.is_alive() and obs.widget.state == "running"
+    obs.stop_button.click()
+    panel.thread.join(timeout=60)
+    assert not panel.thread.is_alive()
+    assert isinstance(panel.error, RunInterrupted)
+    assert obs.widget.state == "stopped" and obs.stop_button.description == "Stopped"
+    run_id = obs.widget.run_id
+    assert charts.wait(timeout=30) and mlflow.get_run(run_id).info.status == "KILLED"
+    assert not panel.run_button.disabled  # the panel can run again
+
+    panel.cell = _cell(5, 0.01).split("\n", 1)[1]
+    panel.run(wait=True)
+    assert panel.error is None, panel.error
+    assert panel.observer is not obs and panel.monitor_box.children == (panel.observer.container,)
+    assert panel.observer.widget.state == "finished" and panel.observer.stop_button.description == "Finished"
+    assert shell.user_ns["_distribute_result"].values == [0, 1]

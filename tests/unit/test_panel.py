@@ -113,3 +113,119 @@ def test_panel_widgets_follow_the_state():
     panel.controls["precision"].value = "bf16"
     assert not panel.run_button.disabled
     assert panel.state.to_config().precision == "bf16"
+
+
+# -- the flag line round trip, the cell's model, Write cell --------------------------------------------
+
+def test_state_to_flag_line_to_config_round_trip_with_quoting():
+    """Whatever the panel shows as the equivalent line parses back to the config Run launches."""
+    base = flags.config_from_line("--backend local --fn train --result res --seed 3 --timeout 90 --no-ui",
+                                  gpu_available=lambda: False)
+    names = ["my experiment", "it's mine", 'say "hi"', "  padded  ", "plain", "tab\there"]
+    for name in names:
+        s = PanelState(base, **NO_GPU).set(strategy="deepspeed", zero=2, precision="bf16", num_processes=3,
+                                           grad_accum=2, experiment=name)
+        config = s.to_config()
+        line = s.flag_line()
+        assert line == config.flag_line()
+        again = flags.config_from_line(line.removeprefix("%%distribute "), gpu_available=lambda: False)
+        assert again == config and again.experiment == name, (name, line)
+    both = PanelState(base, **NO_GPU).set(experiment="a'b\"c")
+    assert both.flag_line() is None  # cannot be written on a line: no equivalent shown (Run still works)
+    with pytest.raises(ConfigError, match="--experiment"):
+        both.to_config().flag_line()
+
+
+def test_paths_with_spaces_survive_the_flag_line():
+    config = RunConfig(tracking_uri="sqlite:////tmp/my runs/mlflow.db", storage="/tmp/check points",
+                       strategy="deepspeed", zero=1, deepspeed_config='{"zero_optimization": {"stage": 1}}')
+    again = flags.config_from_line(config.flag_line().removeprefix("%%distribute "), gpu_available=lambda: False)
+    assert again == config
+
+
+def test_estimate_uses_the_cells_model_and_says_what_if_otherwise():
+    from dtrain_magic.memory import CellModel
+
+    model = CellModel(1153, "`Net()` from the cell, built on the meta device")
+    s = state(model=model)
+    assert s.num_params == 1153 and s.model_line().startswith("model: 1,153 parameters, `Net()` from the cell")
+    assert "1,153 parameters" in s.memory_line()
+    s.set(num_params=7_000_000)
+    assert s.model_line().startswith("what-if: 7,000,000 parameters, a size typed") and "the cell's model has 1,153" in s.model_line()
+    assert "7,000,000 parameters" in s.memory_line()
+    s.set(num_params=1153)  # typing the real size again is the real model again
+    assert s.model_line().startswith("model: ")
+    unknown = state(model=CellModel(None, "`Net(ctx.world_size)` uses ctx, which exists only on the workers"))
+    assert unknown.num_params == 125_000_000
+    assert unknown.model_line().startswith("what-if: 125,000,000 parameters, a default size")
+    assert "not known before training: `Net(ctx.world_size)` uses ctx" in unknown.model_line()
+
+
+def test_panel_counts_the_cells_model():
+    cell = ("import torch\ndef train(ctx):\n    model = torch.nn.Linear(10, 5)\n"
+            "    model, opt = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))\n")
+    config = flags.config_from_line("--backend local", gpu_available=lambda: False)
+    panel = ConfigurePanel(config, cell, shell=None, checker=lambda c: None)
+    assert panel.state.num_params == 55 and panel.params.value == pytest.approx(55 / 1e6)
+    assert "model: 55 parameters" in panel.memory.value
+    panel.params.value = 2.0  # the user types 2 M: a what-if, said as such
+    assert panel.state.num_params == 2_000_000 and "what-if: 2,000,000 parameters" in panel.memory.value
+
+
+class _Shell:
+    def __init__(self):
+        self.user_ns: dict = {}
+        self.next_inputs: list[tuple[str, bool]] = []
+
+    def set_next_input(self, text: str, replace: bool = False) -> None:
+        self.next_inputs.append((text, replace))
+
+
+def test_write_cell_puts_the_equivalent_line_over_the_body():
+    body = "import torch\ndef train(ctx):\n    return 1\n"
+    config = flags.config_from_line("--backend local -n 2", gpu_available=lambda: False)
+    shell = _Shell()
+    panel = ConfigurePanel(config, body, shell=shell, checker=lambda c: None)
+    panel.controls["strategy"].value = "deepspeed"
+    panel.controls["zero"].value = 2
+    panel.controls["experiment"].value = "my exp"
+    expected = ("%%distribute --backend local --strategy deepspeed --zero 2 --precision fp32 -n 2 --cpu "
+                "--experiment 'my exp' --ui\n" + body)
+    assert panel.writer.text == expected and panel.writer.body == body
+    # a front-end with the notebook's document inserted the cell itself: nothing for the kernel to do
+    panel._writer_message(panel.writer, {"event": "written", "how": "notebook", "index": 2}, [])
+    assert panel.written == ("notebook", 2) and shell.next_inputs == [] and "written" in panel.writer.note
+    # any other front-end: IPython's set_next_input, and the note says when the cell appears
+    panel._writer_message(panel.writer, {"event": "write", "how": "kernel"}, [])
+    assert shell.next_inputs == [(expected, False)] and panel.written == ("kernel", None)
+    assert "once you run a cell" in panel.writer.note
+    again = flags.config_from_line(expected.split("\n", 1)[0].removeprefix("%%distribute "), gpu_available=lambda: False)
+    assert again == panel.state.to_config()
+    panel.controls["precision"].value = "fp16"  # invalid: nothing to write
+    assert panel.writer.text == "" and panel.write_cell() is None
+
+
+def test_zero_label_is_short_and_explains_itself_when_disabled():
+    config = flags.config_from_line("--backend local", gpu_available=lambda: False)
+    panel = ConfigurePanel(config, "def train(ctx):\n    return 1\n", shell=None, checker=lambda c: None)
+    zero = panel.controls["zero"]
+    assert zero.disabled and zero.description == "ZeRO stage" and "deepspeed" in zero.tooltip
+    panel.controls["strategy"].value = "deepspeed"
+    assert not zero.disabled and zero.description == "ZeRO stage"
+
+
+def test_panel_text_output_is_capped_and_kernel_written():
+    from ipywidgets import Output
+
+    from dtrain_magic.ui.panel import _OutputWriter
+
+    out = Output()
+    writer = _OutputWriter(out, every_s=0.01, max_lines=5)
+    for i in range(8):
+        writer.write(f"line {i}\n")
+    writer.write("oops\n", stream="stderr")
+    writer.write("partial")
+    writer.close()
+    kinds = [(o["name"], o["text"]) for o in out.outputs]
+    assert kinds == [("stdout", "[earlier lines not kept]\nline 4\nline 5\nline 6\nline 7\n"),
+                     ("stderr", "oops\n"), ("stdout", "partial")]

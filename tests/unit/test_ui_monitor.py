@@ -86,3 +86,128 @@ def test_run_link_is_clickable_for_a_tracking_server_only():
     assert f'href="{page}"' in html and 'target="_blank"' in html and "MLflow run abc" in html
     assert run_link_html("abc", "sqlite:///x.db (run abc)") == "<code>MLflow run abc</code>"
     assert "<script>" not in run_link_html("<script>", 'http://h/"onmouseover="x')
+
+
+# -- live charts: fed from the channel, MLflow the record --------------------------------------------
+
+class _Metric:
+    def __init__(self, key, value, timestamp, step):
+        self.key, self.value, self.timestamp, self.step = key, value, timestamp, step
+
+
+class _Store:
+    """An MLflow client's two reads the charts use, over an in-memory run (pure logic, no MLflow)."""
+
+    def __init__(self):
+        self.history: dict[str, list[_Metric]] = {}
+        self.status = "RUNNING"
+
+    def log(self, key, step, value, stamp):
+        self.history.setdefault(key, []).append(_Metric(key, value, stamp, step))
+
+    def get_run(self, run_id):
+        from types import SimpleNamespace
+
+        metrics = {k: v[-1].value for k, v in self.history.items()}
+        return SimpleNamespace(info=SimpleNamespace(status=self.status, start_time=1000), data=SimpleNamespace(metrics=metrics))
+
+    def get_metric_history(self, run_id, key):
+        return list(self.history.get(key, []))
+
+
+def _charts():
+    pytest.importorskip("plotly")
+    from dtrain_magic.ui.charts import RunCharts
+
+    return RunCharts(None, None, interval_s=0.05)
+
+
+def test_fed_points_are_drawn_before_mlflow_and_shown_once():
+    charts = _charts()
+    charts._live = True
+    for step in range(3):
+        charts.feed(step, {"loss": 1.0 / (step + 1)}, timestamp_ms=10_000 + step)
+    assert charts.poll_once()  # no MLflow run yet: the fed points alone
+    assert charts.trace_data(charts.metrics_figure, "loss") == ([0, 1, 2], [1.0, 0.5, 1 / 3])
+    assert charts.fed_shown == 3 and len(charts.lags_s) == 3
+    store = _Store()
+    charts.attach(store, "run1")
+    store.log("loss", 0, 1.0, 10_000)  # the tracker wrote the first two; the third is still queued
+    store.log("loss", 1, 0.5, 10_001)
+    charts.feed(3, {"loss": 0.25}, timestamp_ms=10_003)
+    charts.poll_once()
+    assert charts.trace_data(charts.metrics_figure, "loss") == ([0, 1, 2, 3], [1.0, 0.5, 1 / 3, 0.25])  # none twice
+    assert len(charts.lags_s) == 4  # each point's lag counted once, when it first reached the chart
+    store.log("loss", 2, 1 / 3, 10_002)
+    store.log("loss", 3, 0.25, 10_003)
+    charts.poll_once()
+    assert charts.trace_data(charts.metrics_figure, "loss") == ([0, 1, 2, 3], [1.0, 0.5, 1 / 3, 0.25])
+    assert charts._fed["loss"] == []  # everything fed is in MLflow now
+    # a fed value that never reached MLflow is not in the final chart: MLflow is the record
+    charts.feed(4, {"loss": 0.2}, timestamp_ms=10_004)
+    charts.poll_once()
+    assert charts.trace_data(charts.metrics_figure, "loss")[0] == [0, 1, 2, 3, 4]
+    store.status = "KILLED"
+    charts.poll_once()
+    assert charts.trace_data(charts.metrics_figure, "loss") == ([0, 1, 2, 3], [1.0, 0.5, 1 / 3, 0.25])
+
+
+def test_loss_spanning_decades_switches_to_log_y_and_the_toggle_overrides():
+    from dtrain_magic.ui.charts import wants_log_y
+
+    assert wants_log_y([1.0, 1e-6]) and not wants_log_y([1.0, 0.5]) and not wants_log_y([1.0, -1.0, 1e-6])
+    charts = _charts()
+    charts.widget  # the toggle exists once the widget is built
+    for step in range(40):
+        charts.feed(step, {"loss": 10.0 ** (-step / 6)}, timestamp_ms=1 + step)
+        if step == 10:
+            charts.poll_once()
+            assert charts.metrics_figure.layout.yaxis.type == "linear"  # 1 .. 0.02: linear is fine
+    charts.poll_once()
+    assert charts.metrics_figure.layout.yaxis.type == "log"  # 1 .. 2e-7: a flat line on a linear axis
+    charts._scale_control.value = "linear"
+    assert charts.y_scale == "linear" and charts.metrics_figure.layout.yaxis.type == "linear"
+    charts.set_y_scale("log")
+    assert charts._scale_control.value == "log" and charts.metrics_figure.layout.yaxis.type == "log"
+    with pytest.raises(ValueError):
+        charts.set_y_scale("symlog")
+
+
+def test_system_chart_has_one_line_per_gpu_per_node():
+    keys = [f"system/{node}/gpu_{dev}_{kind}_percentage" for node in ("node-a", "node-b") for dev in (0, 1)
+            for kind in ("utilization", "memory_usage")] + ["system/node-a/cpu_utilization_percentage"]
+    names = system_series(keys)
+    assert len(names) == 8 and "system/node-a/cpu_utilization_percentage" not in names
+    assert names["system/node-b/gpu_1_utilization_percentage"] == "node-b GPU 1 util %"
+    assert names["system/node-a/gpu_0_memory_usage_percentage"] == "node-a GPU 0 memory %"
+
+
+def test_the_plan_names_the_backend_in_use_and_the_finished_button_is_not_a_red_done():
+    from dtrain_magic.observer import plan_with_backend
+
+    plan = "2 local process(es) on this machine (CPU, gloo/nccl on 127.0.0.1)"
+    assert plan_with_backend(plan, RunConfig()) == "2 local process(es) on this machine (CPU, gloo on 127.0.0.1)"
+    assert "nccl on" in plan_with_backend(plan, RunConfig(use_gpu=True))
+    obs, _ = make()
+    obs.launched(obs.config, plan)
+    obs._flush()
+    assert obs.widget.state == "running" and obs.widget.plan.endswith("(CPU, gloo on 127.0.0.1)")
+    obs.finished(None, None)
+    assert (obs.stop_button.description, obs.stop_button.button_style) == ("Finished", "success")
+    failed, _ = make()
+    failed.finished(None, RuntimeError("boom"))
+    assert (failed.stop_button.description, failed.stop_button.button_style) == ("Failed", "danger")
+
+
+def test_metrics_before_the_charts_exist_are_fed_to_them():
+    pytest.importorskip("plotly")
+    out = io.StringIO()
+    obs = MonitorObserver(RunConfig(num_processes=2), text_out=out, display=False, poll_s=0.05)
+    obs.launched(obs.config, "plan")
+    for step in range(5):
+        obs.metric(step, {"loss": 1.0 + step}, timestamp_ms=5_000 + step)
+    charts = obs.wait_charts(timeout=60)
+    assert charts is not None
+    obs.finished(None, None)
+    assert charts.wait(timeout=10)  # no MLflow run: stops after one last draw of what was fed
+    assert charts.trace_data(charts.metrics_figure, "loss") == ([0, 1, 2, 3, 4], [1.0, 2.0, 3.0, 4.0, 5.0])

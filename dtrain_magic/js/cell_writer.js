@@ -1,0 +1,1 @@
+../../js/cell_writer.js
