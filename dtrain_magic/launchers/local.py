@@ -338,4 +338,4 @@ class LocalLauncher(Launcher):
 
     def describe(self, config: RunConfig) -> str:
         device = "GPU" if config.use_gpu else "CPU"
-        return f"{config.num_processes} local process(es) on this machine ({device}, gloo/nccl on 127.0.0.1)"
+        return f"{config.num_processes} local process(es) on this machine ({device}, {'nccl' if config.use_gpu else 'gloo'} on 127.0.0.1)"
