@@ -126,6 +126,13 @@ def _ensure_process_group(config: RunConfig, ranks: RankInfo) -> bool:
     return True
 
 
+def _barrier(device: Any) -> None:
+    import torch.distributed as dist
+
+    if dist.get_world_size() > 1:
+        dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
+
+
 def run_worker(job: WorkerJob, ranks: RankInfo | None = None, checkpoints: Any = None) -> Any:
     """Run the user's function on this rank; returns its value, raises its exception after reporting it.
 
@@ -150,6 +157,10 @@ def run_worker(job: WorkerJob, ranks: RankInfo | None = None, checkpoints: Any =
     try:
         owns_group = _ensure_process_group(job.config, ranks)
         device = _device(job.config, ranks.local_rank)
+        if owns_group:
+            # init_process_group has no barrier of its own: without one, a rank whose function needs no
+            # collective could finish and exit while a slower peer is still connecting to it.
+            _barrier(device)
         if job.config.seed is not None:
             _seed_everything(job.config.seed)
         strategy = get_strategy(job.config.strategy)(
@@ -180,6 +191,14 @@ def run_worker(job: WorkerJob, ranks: RankInfo | None = None, checkpoints: Any =
             ) from None
         link.send((ch.RESULT, ranks.rank, data))
         link.send((ch.STATUS, ranks.rank, "done", ""))
+        if owns_group:
+            # Leave together: a rank that finished its last collective first (a broadcast's sender) must
+            # not close its connections while a peer is still reading from them. A peer that failed makes
+            # the notebook stop this worker; its result is already sent.
+            try:
+                _barrier(device)
+            except Exception:
+                pass
         return value
     except BaseException as exc:
         for stream in (sys.stdout, sys.stderr):
