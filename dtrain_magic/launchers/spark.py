@@ -308,9 +308,8 @@ class _RankWatch:
 class SparkJob(RunningJob):
     """One ``TorchDistributor.run`` in a background thread, under its own Spark job group.
 
-    Early release: once every rank's result is in, the cell returns; `release` gives torchrun a few
-    seconds to end by itself, then cancels what is left (a worker whose interpreter teardown hangs is
-    killed by its watchdog when the rank watch closes)."""
+    Early release: once every rank's result is in, `release` gives torchrun a few seconds to end by
+    itself, then closes the rank watch, whose watchdogs kill a worker whose interpreter teardown hangs."""
 
     early_release = True
     _RELEASE_GRACE_S = 5.0
@@ -376,12 +375,10 @@ class SparkJob(RunningJob):
             return []
 
     def release(self) -> None:
-        threading.Thread(target=self._release, name="dtrain-spark-release", daemon=True).start()
-
-    def _release(self) -> None:
-        """Not `cancel`: its sweep of this machine's torchrun trees could reach the next run's, which may
-        already be starting. Every worker of this run has a watchdog: closing the rank watch kills those
-        still alive (a teardown that hangs), and torchrun then ends by itself."""
+        """Every rank's result is in: torchrun normally ends within a moment, and the cell waits for that
+        (so no Spark job or process is left once it returns). Not `cancel`: its sweep of this machine's
+        torchrun trees could reach another run's. A worker whose teardown hangs is killed by its watchdog
+        when the rank watch closes, after a grace period, and torchrun then ends by itself."""
         self._thread.join(self._RELEASE_GRACE_S)
         with self._lock:
             if self._cancel_called:
@@ -390,11 +387,14 @@ class SparkJob(RunningJob):
             self._cancelled = self._thread.is_alive()
         self._watch.close()
         self._thread.join(10.0)
+        deadline = time.monotonic() + 10.0
         if self._thread.is_alive() or self.active_jobs():
             try:
                 self._sc.cancelJobGroup(self.group)
             except Exception:
                 pass
+        while self.active_jobs() and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def cancel(self) -> None:
         with self._lock:

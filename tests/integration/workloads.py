@@ -294,7 +294,7 @@ def torchdistributor_cell(backend: str, init: str = 'dist.init_process_group("gl
 # checkpoint from rank 0, get_checkpoint to resume; rank 1 SIGKILLs itself once at epoch KILL_EPOCH when
 # KILL is set (a marker file makes it once). Called with its config dict, as TorchTrainer would.
 RAY_LOOP_CELL = """%%distribute --backend ray -n 2 --no-ui {flags}
-import os, signal, tempfile
+import os, signal, tempfile, time
 import torch
 import ray.train
 import ray.train.torch
@@ -320,6 +320,9 @@ def train_loop_per_worker(config):
         print(f"resumed at epoch {{start}}")
     for epoch in range(start, config["epochs"]):
         if KILL and epoch == KILL_EPOCH and rank == 1 and not os.path.exists("killed"):
+            # Ray Train registers a reported checkpoint when its controller next polls the workers (every
+            # 2 s): die after that, as a failure later in an epoch would, so the restart is handed it.
+            time.sleep(5)
             open("killed", "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         total = 0.0
