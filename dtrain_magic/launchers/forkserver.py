@@ -267,11 +267,6 @@ class ForkedProcess:
                 raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0)
             return self.returncode
 
-    def wait_started(self, timeout: float) -> int | None:
-        with self._cond:
-            self._cond.wait_for(lambda: self.pid is not None or self.returncode is not None, timeout)
-            return self.pid
-
     def signal_group(self, sig: int) -> None:
         """Signal the worker's process group (it and its children); a worker not forked yet gets it then."""
         with self._cond:
@@ -319,7 +314,6 @@ class ForkServer:
         self._by_pid: dict[int, ForkedProcess] = {}
         self._closed = False
         self.broken: str | None = None
-        self.ready = threading.Event()
         self._reader = threading.Thread(target=self._read, name="dtrain-forkserver", daemon=True)
         self._reader.start()
 
@@ -362,10 +356,8 @@ class ForkServer:
             if not data:
                 break
             message = json.loads(data)
-            op = message.get("op")
-            if op == "ready":
-                self.ready.set()
-            elif op == "broken":
+            op = message.get("op")  # "ready" needs no action: requests sent earlier simply wait in the socket
+            if op == "broken":
                 self.broken = message.get("error", "the fork server failed to start")
                 break
             elif op == "started":
@@ -395,7 +387,6 @@ class ForkServer:
                     self.broken += ": " + tail.splitlines()[-1]
             except Exception:
                 pass
-        self.ready.set()
         with self._lock:
             left = [*self._waiting.values(), *self._by_pid.values()]
             self._waiting.clear()

@@ -380,42 +380,46 @@ class SparkJob(RunningJob):
         torchrun trees could reach another run's. A worker whose teardown hangs is killed by its watchdog
         when the rank watch closes, after a grace period, and torchrun then ends by itself."""
         self._thread.join(self._RELEASE_GRACE_S)
-        with self._lock:
-            if self._cancel_called:
-                return
-            self._cancel_called = True
-            self._cancelled = self._thread.is_alive()
+        if not self._claim_stop():
+            return
         self._watch.close()
         self._thread.join(10.0)
         deadline = time.monotonic() + 10.0
+        self._cancel_job_group()
+        self._wait_for_jobs(deadline)
+
+    def _claim_stop(self) -> bool:
+        """The first of release/cancel to get here stops the run; later calls do nothing."""
+        with self._lock:
+            if self._cancel_called:
+                return False
+            self._cancel_called = True
+            self._cancelled = self._thread.is_alive()
+            return True
+
+    def _cancel_job_group(self) -> None:
         if self._thread.is_alive() or self.active_jobs():
             try:
                 self._sc.cancelJobGroup(self.group)
             except Exception:
                 pass
+
+    def _wait_for_jobs(self, deadline: float) -> None:
         while self.active_jobs() and time.monotonic() < deadline:
             time.sleep(0.1)
 
     def cancel(self) -> None:
-        with self._lock:
-            if self._cancel_called:
-                return
-            self._cancel_called = True
-            self._cancelled = self._thread.is_alive()
+        if not self._claim_stop():
+            return
         deadline = time.monotonic() + 10.0
-        if self._thread.is_alive() or self.active_jobs():
-            try:
-                self._sc.cancelJobGroup(self.group)
-            except Exception:
-                pass
+        self._cancel_job_group()
         self._watch.close()  # every worker still running (here or on other hosts) exits by itself
         # torchrun trees started on this machine: the notebook's own children (local mode), or those of
         # a local-cluster's executors (descendants of the driver JVM).
         procs = _our_torchrun_trees(self._started_at, self._known_children)
         _terminate(procs, min(_CANCEL_GRACE_S, max(0.5, deadline - time.monotonic())))
         self._thread.join(max(0.5, deadline - time.monotonic() - 1.0))
-        while self.active_jobs() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        self._wait_for_jobs(deadline)
         # Anything started between the first sweep and the thread's end (a task that was just starting).
         _terminate(_our_torchrun_trees(self._started_at, self._known_children), 0.5)
 
