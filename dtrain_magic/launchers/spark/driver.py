@@ -23,256 +23,28 @@ rank 0's).
 
 from __future__ import annotations
 
+from __future__ import annotations
+
 import atexit
 import os
-import re
-import shutil
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 import uuid
 from typing import Any
 
-from ..config import RunConfig
-from ..errors import ConfigError, LaunchError, MissingDependencyError
-from ..worker import WorkerJob
-from .base import Emit, Failure, Launcher, LaunchState, RunningJob, loopback_interface
+from ...config import RunConfig
+from ...errors import ConfigError, LaunchError, MissingDependencyError
+from ...worker import WorkerJob
+from ..base import Emit, Failure, Launcher, LaunchState, RunningJob
+from .diagnostics import check_java, gpu_setting_error, is_loopback_master, one_line_reason, torchrun_root_cause
+from .worker import _spark_train_fn
 
-MIN_JAVA = 17  # pyspark 4 runs on Java 17 and 21
 _CANCEL_GRACE_S = 3.0
 _EXECUTOR_WAIT_S = 60.0
 _WRAPPER_MODULE = "pyspark.ml.torch.torch_run_process_wrapper"
-_GPU_KEYS = ("spark.task.resource.gpu.amount", "spark.driver.resource.gpu.amount", "spark.executor.resource.gpu.amount")
-
-
-# ----------------------------------------------------------------------------------------------------
-# Pure helpers (unit-tested without Spark)
-
-
-def parse_java_version(text: str) -> int | None:
-    """Major Java version from ``java -version`` output (``1.8.0_392`` → 8, ``17.0.9`` → 17)."""
-    match = re.search(r'version "(\d+)(?:\.(\d+))?', text)
-    if not match:
-        match = re.search(r"^\S+ (\d+)(?:\.(\d+))?", text.strip())  # e.g. 'openjdk 21.0.1 2023-10-17'
-        if not match:
-            return None
-    major = int(match.group(1))
-    if major == 1 and match.group(2):
-        return int(match.group(2))
-    return major
-
-
-def java_command(environ: dict[str, str] | None = None) -> str | None:
-    """The java Spark will use: ``$JAVA_HOME/bin/java`` when JAVA_HOME is set, else ``java`` on PATH."""
-    environ = os.environ if environ is None else environ
-    home = environ.get("JAVA_HOME")
-    if home:
-        candidate = os.path.join(home, "bin", "java")
-        return candidate if os.path.exists(candidate) else None
-    return shutil.which("java", path=environ.get("PATH"))
-
-
-def check_java(environ: dict[str, str] | None = None, minimum: int = MIN_JAVA) -> int:
-    """Raise `MissingDependencyError` unless a Java >= ``minimum`` is there; returns its major version."""
-    environ = os.environ if environ is None else environ
-    java = java_command(environ)
-    where = f"JAVA_HOME={environ['JAVA_HOME']}" if environ.get("JAVA_HOME") else "PATH"
-    if java is None:
-        raise MissingDependencyError(
-            f"--backend spark needs Java {minimum} or newer (pyspark runs on the JVM) and no java was found "
-            f"on {where}. Install a JDK {minimum}+ (e.g. `apt-get install openjdk-17-jre-headless`) and set "
-            "JAVA_HOME; nothing was launched"
-        )
-    try:
-        proc = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30)
-        text = (proc.stderr or "") + (proc.stdout or "")
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise MissingDependencyError(f"--backend spark: could not run `{java} -version`: {exc}; nothing was launched") from None
-    major = parse_java_version(text)
-    if major is None:
-        raise MissingDependencyError(
-            f"--backend spark: could not read the Java version from `{java} -version` "
-            f"({text.strip().splitlines()[0] if text.strip() else 'no output'}); nothing was launched"
-        )
-    if major < minimum:
-        raise MissingDependencyError(
-            f"--backend spark needs Java {minimum} or newer for pyspark 4, but {java} (from {where}) is Java "
-            f"{major}. Install a JDK {minimum}+ and point JAVA_HOME at it; nothing was launched"
-        )
-    return major
-
-
-def is_loopback_master(master: str | None) -> bool:
-    """``local``, ``local[*]``, ``local-cluster[...]`` or a master URL on this machine's loopback."""
-    if not master:
-        return True
-    if master == "local" or master.startswith(("local[", "local-cluster[")):
-        return True
-    host = re.sub(r"^[a-z0-9+]+://", "", master).split("/")[0].rsplit(":", 1)[0].strip("[]")
-    return host in ("127.0.0.1", "localhost", "::1")
-
-
-def gpu_setting_error(message: str, local_mode: bool) -> str | None:
-    """TorchDistributor's GPU RuntimeError → what to change (None when it is not a GPU setting problem)."""
-    if "spark.task.resource.gpu.amount" in message:
-        return (
-            f"TorchDistributor refused --gpu --cluster: {message.strip()} Set the Spark config "
-            "spark.task.resource.gpu.amount=1 (and spark.executor.resource.gpu.amount, plus a GPU discovery "
-            "script, on the executors) on the cluster, or run with --cpu"
-        )
-    if "must be a multiple of" in message:
-        return f"TorchDistributor refused --gpu: {message.strip()} Change -n or spark.task.resource.gpu.amount"
-    if "GPU" in message and ("driver" in message or "configured" in message):
-        return (
-            f"TorchDistributor refused --gpu --local-mode: {message.strip()} Set the Spark config "
-            "spark.driver.resource.gpu.amount=<GPUs on the driver> (with "
-            "spark.driver.resource.gpu.discoveryScript) when the session starts, or run with --cpu"
-        )
-    return None
-
-
-_ERROR_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b:?.*)$")
-
-
-def torchrun_root_cause(text: str) -> tuple[int, str] | None:
-    """(rank, what happened) from torchrun's ChildFailedError report ("Root Cause" section), if present."""
-    section = text.split("Root Cause", 1)[1] if "Root Cause" in text else ""
-    rank = re.search(r"rank\s*:\s*(\d+)", section)
-    code = re.search(r"exitcode\s*:\s*(-?\d+)", section)
-    if not (rank and code):
-        return None
-    exit_code = int(code.group(1))
-    if exit_code < 0:
-        try:
-            name = signal.Signals(-exit_code).name
-        except ValueError:
-            name = f"signal {-exit_code}"
-        return int(rank.group(1)), f"process was killed by {name}"
-    return int(rank.group(1)), f"process exited with code {exit_code}"
-
-
-def one_line_reason(exc: BaseException) -> str:
-    """A one-line account of a TorchDistributor/Spark exception that no worker reported itself."""
-    text = str(exc)
-    code = re.search(r"failed with return code (-?\d+)", text)
-    errors = [m.group(1).strip() for line in text.splitlines() if (m := _ERROR_LINE.match(line))]
-    errors = [e for e in errors if not e.startswith(("py4j.", "RuntimeError: Command", "org.apache.spark.SparkException: Job aborted"))]
-    if code:
-        reason = f"torchrun exited with code {code.group(1)}"
-        return f"{reason}: {errors[-1][:300]}" if errors else reason
-    if "cancelled" in text.lower() and "job" in text.lower():
-        return "the Spark job was cancelled"
-    if errors:
-        return errors[-1][:300]
-    first = text.strip().splitlines()[0] if text.strip() else ""
-    return f"{type(exc).__name__}: {first[:300]}" if first else type(exc).__name__
-
-
-# ----------------------------------------------------------------------------------------------------
-# What runs in every torchrun process (shipped by TorchDistributor, imported by reference)
-
-
-def _spark_train_fn(job: WorkerJob, tracking_uri: str | None = None, watch: tuple | None = None) -> None:
-    """TorchDistributor's train function: watchdog, per-node system metrics, then ``run_worker(job)``.
-
-    Returns None: the user's value travels over the channel. The user's exception is swallowed after
-    ``run_worker`` reported it over the channel, so torchrun and Spark end cleanly and the notebook shows
-    the worker's own short error instead of a Spark traceback.
-    """
-    from ..worker import run_worker
-
-    if os.environ.get("MASTER_ADDR", "").startswith("127.") or os.environ.get("MASTER_ADDR") == "localhost":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
-    rank = int(os.environ.get("RANK", "0"))
-    guard = _start_watchdog(watch, rank) if watch else None
-    # Per-node system metrics in cluster mode; in local mode the workers run on the driver, whose own
-    # monitor (started by the notebook) already samples this machine, and importing MLflow here would
-    # only delay the first step.
-    per_node = not job.config.local_mode and os.environ.get("LOCAL_RANK", "0") == "0"
-    monitor = _start_node_metrics(job, tracking_uri) if per_node else None
-    try:
-        run_worker(job)
-    except BaseException:
-        pass  # already reported over the channel by run_worker
-    finally:
-        if guard is not None:
-            try:  # ended in Python (result or reported error), not killed
-                guard.stdin.write(b"done\n")
-                guard.stdin.flush()
-            except Exception:
-                pass
-        _finish_node_metrics(monitor)
-    return None
-
-
-def _start_watchdog(watch: tuple, rank: int) -> Any:
-    """A watchdog process (`dtrain_magic.watchdog`, rank-watch mode) for this worker: it holds this rank's
-    connection to the launcher's `_RankWatch` and SIGKILLs this process when the notebook closes it (run
-    over, cancelled, notebook gone), whatever this process is doing, even blocked in native code."""
-    from .. import watchdog
-
-    host, port, authkey = watch
-    return watchdog.start("rank-watch", host, str(port), str(rank), str(os.getpid()), secret=authkey)
-
-
-class _NodeMetrics:
-    def __init__(self) -> None:
-        self.monitor: Any = None
-        self.thread: threading.Thread | None = None
-
-
-def _start_node_metrics(job: WorkerJob, tracking_uri: str | None) -> _NodeMetrics | None:
-    """MLflow's SystemMetricsMonitor on this node's first local rank (started off the training path)."""
-    if not job.run_id or not tracking_uri:
-        return None
-    node = _NodeMetrics()
-    node_id = f"node{os.environ.get('GROUP_RANK', os.environ.get('NODE_RANK', '0'))}"
-
-    def start() -> None:
-        try:
-            import logging
-
-            for name in ("mlflow.system_metrics", "mlflow.tracking", "alembic", "mlflow.store.db.utils"):
-                logging.getLogger(name).setLevel(logging.ERROR)
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-            monitor = SystemMetricsMonitor(
-                job.run_id, sampling_interval=1.0, samples_before_logging=1, node_id=node_id,
-                tracking_uri=tracking_uri,
-            )
-            monitor.start()
-            node.monitor = monitor
-        except Exception:
-            node.monitor = None
-
-    node.thread = threading.Thread(target=start, name="dtrain-node-metrics", daemon=True)
-    node.thread.start()
-    return node
-
-
-def _finish_node_metrics(node: _NodeMetrics | None) -> None:
-    if node is None:
-        return
-    if node.thread is not None:
-        node.thread.join(30)
-    monitor = node.monitor
-    if monitor is None:
-        return
-    try:
-        monitor.finish()
-        if getattr(monitor, "_logging_step", 1) == 0:  # a run shorter than one interval: log one sample
-            monitor.collect_metrics()
-            monitor.publish_metrics(monitor.aggregate_metrics())
-            monitor.mlflow_logger.flush()
-    except Exception:
-        pass
-
-
-# ----------------------------------------------------------------------------------------------------
-# Driver side
 
 
 _DIED = "the process died without reporting an error (killed by a signal, or crashed below Python)"
@@ -283,7 +55,7 @@ class _RankWatch:
     crashed (seen at once, before torchrun's report); closing it makes every remaining worker exit."""
 
     def __init__(self, host: str):
-        from ..channel import AuthenticatedListener
+        from ...channel import AuthenticatedListener
 
         self.dead: dict[int, str] = {}
         self._listener = AuthenticatedListener(host, self._read, "dtrain-spark-watch")
@@ -661,7 +433,7 @@ class SparkLauncher(Launcher):
         if job.config.tracking_uri:
             tracking_uri = job.config.tracking_uri
         else:
-            from ..tracking import resolve_tracking_uri
+            from ...tracking import resolve_tracking_uri
 
             tracking_uri = resolve_tracking_uri(job.config)
         return SparkJob(self, spark, job, emit, tracking_uri)

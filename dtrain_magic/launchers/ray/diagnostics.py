@@ -1,0 +1,44 @@
+"""Ray's exceptions turned into one line per failed rank."""
+
+from __future__ import annotations
+
+from ..base import Failure
+
+
+def failures_from(error: BaseException) -> list[Failure]:
+    """Ray's exception from fit() → one `Failure` per failed rank, each with a one-line reason."""
+    failures = []
+    worker_failures = getattr(error, "worker_failures", None)
+    if isinstance(worker_failures, dict) and worker_failures:
+        for rank in sorted(worker_failures):
+            failures.append(Failure(rank, _worker_reason(worker_failures[rank])))
+        return failures
+    cause = getattr(error, "controller_failure", None) or error
+    return [Failure(None, f"Ray Train failed: {one_line(cause)}")]
+
+
+def _worker_reason(exc: BaseException) -> str:
+    import ray.exceptions
+
+    inner = getattr(exc, "health_check_failure", None)  # Ray Train's WorkerHealthCheckFailedError
+    if isinstance(inner, BaseException):
+        if not isinstance(inner, ray.exceptions.RayActorError):
+            return f"the Ray worker stopped answering Ray Train's health checks: {one_line(inner)}"
+        exc = inner
+    if isinstance(exc, ray.exceptions.OutOfMemoryError):
+        return "the Ray worker process was killed by Ray's memory monitor (out of memory)"
+    if isinstance(exc, ray.exceptions.RayActorError):
+        # Ray cannot tell which signal it was (its message lists OOM, ray stop and SIGSEGV as guesses).
+        return (
+            "the Ray worker process died without reporting an error "
+            "(killed, e.g. by SIGKILL or the OOM killer, or crashed in native code)"
+        )
+    return one_line(exc)
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    text = str(exc).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    first = lines[0] if lines else ""
+    line = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return line if len(line) <= limit else line[: limit - 1] + "…"

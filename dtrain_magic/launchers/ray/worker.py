@@ -1,0 +1,124 @@
+"""What every Ray Train worker runs (`_train_loop`), and ``ctx``'s checkpoints on Ray Train's own
+(`RayCheckpointStore`)."""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from typing import Any
+
+from ...worker import RankInfo
+
+
+class RayCheckpointStore:
+    """``ctx.save_checkpoint()`` / ``ctx.load_checkpoint()`` on Ray Train checkpoints.
+
+    ``next_dir``: a fresh local directory for this rank's part. ``saved``: every rank calls
+    ``ray.train.report`` once (Ray needs the same number of calls on every rank); ranks that wrote
+    files attach them as a ``Checkpoint`` (Ray merges the parts in its run storage), then the local
+    copy is removed. ``latest``: ``ray.train.get_checkpoint()``, the checkpoint a restarted worker
+    group resumes from (None on a fresh run).
+    """
+
+    def __init__(self) -> None:
+        self._created: set[str] = set()
+        self._downloads: list[str] = []
+
+    def next_dir(self) -> str:
+        path = tempfile.mkdtemp(prefix="dtrain_ckpt_")
+        self._created.add(path)
+        return path
+
+    def saved(self, directory: str) -> None:
+        import ray.train
+
+        try:
+            has_files = os.path.isdir(directory) and any(os.scandir(directory))
+            checkpoint = ray.train.Checkpoint.from_directory(directory) if has_files else None
+            ray.train.report({}, checkpoint=checkpoint)
+            # Ray registers a reported checkpoint only when its controller next polls the workers (every
+            # ~2 s): if a worker died before that, a restart would not see it. Wait until it is committed,
+            # on every rank, so no rank runs ahead of a checkpoint Ray does not yet know about.
+            ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+        finally:
+            if directory in self._created:
+                self._created.discard(directory)
+                shutil.rmtree(directory, ignore_errors=True)
+
+    def latest(self) -> str | None:
+        import ray.train
+
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            return None
+        path = checkpoint.path
+        if _is_local_fs(checkpoint) and os.path.isdir(path):
+            return path
+        target = tempfile.mkdtemp(prefix="dtrain_restore_")  # remote storage (s3://, gs://): download once
+        self._downloads.append(target)
+        return checkpoint.to_directory(target)
+
+    def cleanup(self) -> None:
+        for path in [*self._created, *self._downloads]:
+            shutil.rmtree(path, ignore_errors=True)
+        self._created.clear()
+        self._downloads.clear()
+
+
+def _is_local_fs(checkpoint: Any) -> bool:
+    try:
+        import pyarrow.fs
+
+        return isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem)
+    except Exception:
+        return False
+
+
+def _train_loop(config: dict) -> None:
+    """``train_loop_per_worker``: one Ray Train worker = one rank of the run."""
+    import ray.train
+
+    from ...worker import run_worker
+
+    cwd = config.get("cwd")
+    if cwd and os.path.isdir(cwd):  # same relative paths and imports as the notebook (and as --backend local)
+        os.chdir(cwd)
+        if cwd not in sys.path:
+            sys.path.insert(0, cwd)
+    context = ray.train.get_context()
+    ranks = RankInfo(
+        rank=context.get_world_rank(),
+        local_rank=context.get_local_rank(),
+        world_size=context.get_world_size(),
+        local_world_size=context.get_local_world_size(),
+    )
+    store = RayCheckpointStore()
+    printer = builtins.print
+    # Ray Train's worker logging reaches the root logger's console handler (which writes to our stream):
+    # keep INFO chatter ("Reporting training result ...") out of the cell; as on --backend local, the
+    # user's function sees WARNING and above unless it configures logging itself.
+    quiet = [logging.getLogger(), logging.getLogger("ray.train")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.WARNING)
+    builtins.print = _unpatched_print()  # Ray Train tees print() into its logger too: each line came twice
+    try:
+        run_worker(config["job"], ranks, checkpoints=store)
+    finally:
+        builtins.print = printer
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+        store.cleanup()
+
+
+def _unpatched_print():
+    try:
+        from ray.train.v2._internal.logging.patch_print import _original_print
+
+        return _original_print
+    except ImportError:
+        return builtins.print

@@ -1,0 +1,99 @@
+"""What runs in every torchrun process that TorchDistributor starts (shipped by reference: this module must
+be importable on every executor, as dtrain_magic is)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from ...worker import WorkerJob
+from ..base import loopback_interface
+
+
+def _spark_train_fn(job: WorkerJob, tracking_uri: str | None = None, watch: tuple | None = None) -> None:
+    """TorchDistributor's train function: watchdog, per-node system metrics, then ``run_worker(job)``.
+
+    Returns None: the user's value travels over the channel. The user's exception is swallowed after
+    ``run_worker`` reported it over the channel, so torchrun and Spark end cleanly and the notebook shows
+    the worker's own short error instead of a Spark traceback.
+    """
+    from ...worker import run_worker
+
+    if os.environ.get("MASTER_ADDR", "").startswith("127.") or os.environ.get("MASTER_ADDR") == "localhost":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+    rank = int(os.environ.get("RANK", "0"))
+    guard = _start_watchdog(watch, rank) if watch else None
+    # Per-node system metrics in cluster mode; in local mode the workers run on the driver, whose own
+    # monitor (started by the notebook) already samples this machine, and importing MLflow here would
+    # only delay the first step.
+    per_node = not job.config.local_mode and os.environ.get("LOCAL_RANK", "0") == "0"
+    monitor = _start_node_metrics(job, tracking_uri) if per_node else None
+    try:
+        run_worker(job)
+    except BaseException:
+        pass  # already reported over the channel by run_worker
+    finally:
+        if guard is not None:
+            try:  # ended in Python (result or reported error), not killed
+                guard.stdin.write(b"done\n")
+                guard.stdin.flush()
+            except Exception:
+                pass
+        _finish_node_metrics(monitor)
+    return None
+
+
+def _start_watchdog(watch: tuple, rank: int) -> Any:
+    """A watchdog process (`dtrain_magic.watchdog`, rank-watch mode) for this worker: it holds this rank's
+    connection to the launcher's `_RankWatch` and SIGKILLs this process when the notebook closes it (run
+    over, cancelled, notebook gone), whatever this process is doing, even blocked in native code."""
+    from ... import watchdog
+
+    host, port, authkey = watch
+    return watchdog.start("rank-watch", host, str(port), str(rank), str(os.getpid()), secret=authkey)
+
+
+class _NodeMetrics:
+    def __init__(self) -> None:
+        self.monitor: Any = None
+        self.thread: threading.Thread | None = None
+
+
+def _start_node_metrics(job: WorkerJob, tracking_uri: str | None) -> _NodeMetrics | None:
+    """MLflow's SystemMetricsMonitor on this node's first local rank (started off the training path)."""
+    if not job.run_id or not tracking_uri:
+        return None
+    node = _NodeMetrics()
+    node_id = f"node{os.environ.get('GROUP_RANK', os.environ.get('NODE_RANK', '0'))}"
+
+    def start() -> None:
+        try:
+            import logging
+
+            from ...tracking.system_metrics import quiet_mlflow, start_monitor
+
+            quiet_mlflow(logging.ERROR)
+            node.monitor = start_monitor(job.run_id, tracking_uri, node_id)
+        except Exception:
+            node.monitor = None
+
+    node.thread = threading.Thread(target=start, name="dtrain-node-metrics", daemon=True)
+    node.thread.start()
+    return node
+
+
+def _finish_node_metrics(node: _NodeMetrics | None) -> None:
+    if node is None:
+        return
+    if node.thread is not None:
+        node.thread.join(30)
+    monitor = node.monitor
+    if monitor is None:
+        return
+    try:
+        from ...tracking.system_metrics import finish_monitor
+
+        finish_monitor(monitor)
+    except Exception:
+        pass

@@ -1,0 +1,212 @@
+"""The MLflow run of one ``%%distribute``: `RunTracker` (params, metrics, result, status) and `RunOpening`
+(opening it in a background thread while the workers start)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from typing import Any, Mapping
+
+from ..config import RunConfig, redact_uri
+from ..errors import ConfigError
+from .preload import wait_for_preload
+from .system_metrics import SYSTEM_METRICS_INTERVAL_S, finish_monitor, quiet_mlflow, start_monitor
+from .uri import NOTHING_LAUNCHED, WORKERS_STOPPED, deleted_experiment_error, resolve_tracking_uri, tracking_uri_error
+from .writer import MetricWriter
+
+
+class RunTracker:
+    """The MLflow run of one ``%%distribute``."""
+
+    def __init__(self, client: Any, run_id: str, experiment_id: str, tracking_uri: str):
+        self.client = client
+        self.run_id = run_id
+        self.experiment_id = experiment_id
+        self.tracking_uri = tracking_uri
+        self._monitors: list[Any] = []
+        self._writer = MetricWriter(client, run_id)
+        self.last_metrics: dict[str, float] = {}
+
+    @classmethod
+    def start(cls, config: RunConfig, tags: Mapping[str, str] | None = None) -> "RunTracker":
+        """Create the run (and the experiment if new); a store MLflow cannot use is a `ConfigError`."""
+        wait_for_preload()
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+
+        quiet_mlflow()
+        uri = resolve_tracking_uri(config)
+        try:
+            client = MlflowClient(tracking_uri=uri)
+            experiment = client.get_experiment_by_name(config.experiment)
+        except Exception as exc:  # e.g. an unwritable path, a file store MLflow refuses, not an MLflow server
+            raise tracking_uri_error(config, f"MLflow cannot use this store: {_first_sentence(exc)}") from None
+        if experiment is not None and experiment.lifecycle_stage == "deleted":
+            raise deleted_experiment_error(config, uri)
+        experiment_id = experiment.experiment_id if experiment else client.create_experiment(config.experiment)
+        run_tags = {"dtrain_magic.backend": config.backend, "dtrain_magic.strategy": config.strategy}
+        run_tags.update(tags or {})
+        run = client.create_run(experiment_id, tags=run_tags)
+        params = [Param(key, value[:6000]) for key, value in config.to_params().items()]
+        client.log_batch(run.info.run_id, params=params)
+        return cls(client, run.info.run_id, experiment_id, uri)
+
+    # -- during the run ---------------------------------------------------------------------------
+    def log_metrics(self, step: int, metrics: Mapping[str, float], timestamp_ms: int | None = None) -> None:
+        from mlflow.entities import Metric
+
+        stamp = timestamp_ms or int(time.time() * 1000)
+        batch = [Metric(key, float(value), stamp, int(step)) for key, value in metrics.items()]
+        self.last_metrics.update({key: float(value) for key, value in metrics.items()})
+        self._writer.queue.put(batch)
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        if tags:
+            self.client.log_batch(self.run_id, tags=[RunTag(key, str(value)[:5000]) for key, value in tags.items()])
+
+    def start_system_metrics(self, node_id: str | None = None, interval_s: float = SYSTEM_METRICS_INTERVAL_S) -> None:
+        """Sample CPU/memory (and GPU) of this machine into the run every ``interval_s`` seconds."""
+        self._monitors.append(start_monitor(self.run_id, self.tracking_uri, node_id, interval_s))
+
+    def log_result(self, value: Any) -> None:
+        """The run's result as an artifact: ``result.json`` when it is JSON data, else ``result.txt``."""
+        try:
+            text = json.dumps(value, indent=2, default=_json_default)
+            self.client.log_text(self.run_id, text, "result.json")
+        except (TypeError, ValueError):
+            self.client.log_text(self.run_id, repr(value)[:100_000], "result.txt")
+
+    # -- at the end ------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Write every metric queued so far."""
+        self._writer.close()
+
+    def finish(self, status: str, reason: str | None = None, tags: Mapping[str, Any] | None = None) -> None:
+        """Stop system metrics, flush every queued metric, set ``tags`` and the status (FINISHED, FAILED,
+        KILLED); ``reason`` goes to the ``dtrain_magic.failure`` tag."""
+        for monitor in self._monitors:
+            try:
+                finish_monitor(monitor)
+            except Exception:
+                pass
+        self._monitors.clear()
+        self.flush()
+        tags = dict(tags or {})
+        if reason:
+            tags["dtrain_magic.failure"] = reason
+        self.set_tags(tags)
+        self.client.set_terminated(self.run_id, status=status)
+
+    def ui_link(self) -> str:
+        """Where to see the run: an http(s) tracking server's page, else the store's location."""
+        base = redact_uri(self.tracking_uri)
+        if base.startswith("http"):
+            return f"{base.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
+        return f"{base} (run {self.run_id}; view with `mlflow ui --backend-store-uri {base}`)"
+
+
+class RunOpening:
+    """`RunTracker.start` and its system-metrics monitor, in a background thread.
+
+    A kernel's first run imports MLflow (about 2 s of CPU here, as long as torch's whole launch): opened
+    this way, the backend can start meanwhile. ``deferred``: do nothing, not even import MLflow, until
+    `wait` or `close` is called (workers started first get the machine's cores to themselves). `wait` gives the tracker
+    (or raises what opening it raised); `close` ends the run whether or not anyone waited for it, so no
+    run is left RUNNING.
+    """
+
+    def __init__(self, config: RunConfig, tags: Mapping[str, str] | None = None, system_metrics: bool = True,
+                 deferred: bool = False):
+        self._config, self._tags, self._system_metrics = config, dict(tags or {}), system_metrics
+        self.workers_started = False  # set by the caller before waiting: it changes what an error says
+        self._tracker: RunTracker | None = None
+        self._error: BaseException | None = None
+        self._closing: tuple | None = None
+        self._lock = threading.Lock()
+        self._go = threading.Event()
+        if not deferred:
+            self._go.set()
+        self._thread = threading.Thread(target=self._open, name="dtrain-mlflow-open", daemon=True)
+        self._thread.start()
+
+    def _open(self) -> None:
+        self._go.wait()
+        try:
+            tracker = RunTracker.start(self._config, self._tags)
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread by wait()
+            self._error = exc
+            return
+        try:
+            if self._system_metrics:
+                tracker.start_system_metrics()
+        except Exception:
+            logging.getLogger(__name__).warning("system metrics are off for this run", exc_info=True)
+        with self._lock:
+            closing = self._closing
+            if closing is None:
+                self._tracker = tracker
+                return
+        status, reason, tags, metrics = closing
+        for step, values, stamp in metrics:
+            tracker.log_metrics(step, values, stamp)
+        tracker.finish(status, reason, tags)  # the caller gave up waiting (an interrupt): end the run it asked for
+
+    def begin(self) -> None:
+        """Start opening a deferred run now, in the background (`wait` also does)."""
+        self._go.set()
+
+    def settled(self, timeout: float | None = None) -> bool:
+        """True once opening has ended, with a run or an error (waits up to ``timeout`` seconds)."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def wait(self) -> RunTracker:
+        """The open run's tracker; raises the `ConfigError` (or other error) that opening it raised."""
+        self._go.set()
+        self._thread.join()
+        error = self._error
+        if isinstance(error, ConfigError) and self.workers_started:
+            message = str(error)[len(error.flag) + 2:].replace(NOTHING_LAUNCHED, WORKERS_STOPPED)
+            raise ConfigError(error.flag, message) from None
+        if error is not None:
+            raise error
+        assert self._tracker is not None
+        return self._tracker
+
+    def close(self, status: str, reason: str | None = None, tags: Mapping[str, Any] | None = None,
+              timeout: float = 30.0, metrics: list[tuple[int, Mapping[str, float], int]] = ()) -> None:
+        """End the run with ``status`` (and ``tags``): now if it is open, else when it opens. ``metrics``
+        ((step, values, timestamp_ms), received while it was opening) are logged first."""
+        metrics = list(metrics)
+        with self._lock:
+            self._closing = (status, reason, tags, metrics)
+            tracker, self._tracker = self._tracker, None
+        self._go.set()  # a run that never opened is still recorded, with this status
+        if tracker is not None:
+            for step, values, stamp in metrics:
+                tracker.log_metrics(step, values, stamp)
+            tracker.finish(status, reason, tags)
+        else:
+            self._thread.join(timeout)  # it ends the run itself if it opens after this
+
+
+
+def _first_sentence(exc: Exception) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0].rstrip(".")[:300]
+
+
+def _json_default(value: Any) -> Any:
+    try:
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            return value.tolist()
+    except ImportError:
+        pass
+    raise TypeError(type(value).__name__)
