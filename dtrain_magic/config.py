@@ -176,30 +176,13 @@ class RunConfig:
 
     def flag_line(self) -> str:
         """The ``%%distribute`` line that reproduces this config (``flags.config_from_line`` reads it back to
-        an equal config). Values with spaces or quotes are quoted (see `quote_flag_value`)."""
-        parts = [f"--backend {self.backend}", f"--strategy {self.strategy}"]
-        if self.zero is not None:
-            parts.append(f"--zero {self.zero}")
-        parts += [f"--precision {self.precision}", f"-n {self.num_processes}", "--gpu" if self.use_gpu else "--cpu"]
-        if self.grad_accum != 1:
-            parts.append(f"--grad-accum {self.grad_accum}")
-        optional = {
-            "--fn": self.fn, "--result": self.result, "--tracking-uri": self.tracking_uri, "--seed": self.seed,
-            "--timeout": self.timeout, "--spark-master": self.spark_master, "--ray-address": self.ray_address,
-            "--storage": self.storage, "--micro-batch": self.micro_batch, "--train-batch": self.train_batch,
-        }
-        parts += [f"{flag} {quote_flag_value(flag, value)}" for flag, value in optional.items() if value is not None]
-        if self.experiment != DEFAULT_EXPERIMENT:
-            parts.append(f"--experiment {quote_flag_value('--experiment', self.experiment)}")
-        if not self.local_mode:
-            parts.append("--cluster")
-        if self.max_restarts:
-            parts.append(f"--max-restarts {self.max_restarts}")
-        if self.deepspeed_config is not None:
-            # JSON text always has spaces or quotes a reader would trip on: always quoted
-            parts.append(f"--deepspeed-config {quote_flag_value('--deepspeed-config', self.deepspeed_config, always=True)}")
-        parts.append("--ui" if self.ui else "--no-ui")
-        return "%%distribute " + " ".join(parts)
+        an equal config, ``dry_run`` aside: the line is the one that launches). Written from the flag table
+        (`dtrain_magic.flagtable`), in its order; values with spaces or quotes are quoted (`quote_flag_value`)."""
+        from .flagtable import FLAGS  # the table imports this module's constants
+
+        words = [word for row in FLAGS if row.field is not None
+                 for word in row.line_words(getattr(self, row.field), quote_flag_value)]
+        return "%%distribute " + " ".join(words)
 
 
 _NEEDS_QUOTES = re.compile(r"[\s'\"]")
