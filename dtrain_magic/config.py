@@ -193,11 +193,16 @@ def quote_flag_value(flag: str, value: Any, always: bool = False) -> str:
 
     IPython splits magic lines with ``shlex`` in non-POSIX mode: quotes group words but are kept, and
     there are no escapes (``flags.parse_line`` strips one pair of surrounding quotes). So a value with
-    whitespace or a quote is wrapped in the quote character it does not contain; one with both kinds
-    of quotes cannot be written on the line (a `ConfigError` naming the flag).
+    whitespace or a quote, or one starting with ``-`` (argparse would take it for a flag), is wrapped in
+    the quote character it does not contain. A value with both kinds of quotes, or a line break (the magic's
+    line would end there), cannot be written on the line: a `ConfigError` naming the flag. (A line pasted
+    into a cell is also expanded by IPython before parsing: a value with ``$name`` or ``{expr}`` in it may change.)
     """
     text = str(value)
-    if not always and text and not _NEEDS_QUOTES.search(text):
+    if len(f"x{text}x".splitlines()) > 1:
+        raise ConfigError(flag, f"got {text!r}, which has a line break: it cannot be written on a %%distribute line")
+    flag_like = isinstance(value, str) and text.startswith("-")  # numbers stay bare: argparse takes -1 as a value
+    if not always and text and not flag_like and not _NEEDS_QUOTES.search(text):
         return text
     for quote in ("'", '"'):
         if quote not in text:

@@ -331,7 +331,7 @@ def docs_page() -> str:
         "The *equivalent line* (in the `--dry-run` plan and the panel, and what the panel's \"Write cell\" "
         f"writes) always has {names(ALWAYS)}, so that it pins what the machine-dependent defaults resolved "
         f"to; any other flag only when its value is not the default; never {names(NEVER)}. Values with spaces "
-        "or quotes are quoted.",
+        "or quotes, or starting with `-`, are quoted.",
     ]
     for group, rows in groups():
         parts += ["", f"## {group}", "", markdown_table(rows, details=True)]

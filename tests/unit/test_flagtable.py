@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dtrain_magic import flags, flagtable
-from dtrain_magic.config import RunConfig
+from dtrain_magic.config import RunConfig, quote_flag_value
 from dtrain_magic.errors import ConfigError
 from dtrain_magic.flagtable import FLAGS, NEVER, SWITCH, VALUE
 
@@ -19,10 +19,10 @@ REPO = Path(__file__).resolve().parents[2]
 FIELDS = [f.name for f in dataclasses.fields(RunConfig) if f.name != "extra"]
 MAGIC_ONLY = {"--configure"}  # flags the magic acts on itself: no RunConfig field
 
-# Text that must survive a flag line: spaces, each quote kind, tabs, unicode, padding. (Both quote kinds
-# at once cannot be written: see the refusal test.)
+# Text that must survive a flag line: spaces, each quote kind, tabs, a leading dash (argparse would take
+# it for a flag), unicode, padding. (Both quote kinds at once cannot be written: see the refusal test.)
 TEXTS = ["plain", "two words", "a  b", "it's", 'say "hi"', "'quoted'", '"double"', "tab\there", "  padded  ",
-         "-5", "x=y,z", "ünïcode ✓", "%%distribute", "$HOME"]
+         "-leading-dash", "--looks-like-a-flag", "-5", "x=y,z", "ünïcode ✓", "%%distribute", "$HOME"]
 FREE_TEXT = {  # text fields, with what they need to be valid
     "experiment": {}, "tracking_uri": {}, "spark_master": {"backend": "spark"}, "ray_address": {"backend": "ray"},
     "storage": {}, "deepspeed_config": {"strategy": "deepspeed"},
@@ -154,11 +154,19 @@ def test_flag_line_follows_the_table_order():
 @pytest.mark.parametrize("field", sorted(FREE_TEXT))
 def test_values_that_cannot_be_written_on_a_line_are_refused_naming_the_flag(field):
     flag = flagtable.BY_FIELD[field].name
-    for text, why in [("a'b\"c", "both ' and \" quotes")]:
+    for text, why in [("a'b\"c", "both ' and \" quotes"), ("two\nlines", "line break"), ("cr\rhere", "line break"),
+                      ("sep\u2028here", "line break")]:
         config = RunConfig(**{**FREE_TEXT[field], field: text})
         with pytest.raises(ConfigError, match=why) as info:
             config.flag_line()
         assert info.value.flag == flag
+
+
+def test_quote_flag_value_leaves_plain_values_and_numbers_bare():
+    assert quote_flag_value("--seed", -1) == "-1"  # argparse reads a negative number as a value
+    assert quote_flag_value("--experiment", "plain") == "plain"
+    assert quote_flag_value("--experiment", "-x") == "'-x'"
+    assert quote_flag_value("--deepspeed-config", "ds.json", always=True) == "'ds.json'"
 
 
 # -- generated docs -----------------------------------------------------------------------------------
