@@ -176,30 +176,13 @@ class RunConfig:
 
     def flag_line(self) -> str:
         """The ``%%distribute`` line that reproduces this config (``flags.config_from_line`` reads it back to
-        an equal config). Values with spaces or quotes are quoted (see `quote_flag_value`)."""
-        parts = [f"--backend {self.backend}", f"--strategy {self.strategy}"]
-        if self.zero is not None:
-            parts.append(f"--zero {self.zero}")
-        parts += [f"--precision {self.precision}", f"-n {self.num_processes}", "--gpu" if self.use_gpu else "--cpu"]
-        if self.grad_accum != 1:
-            parts.append(f"--grad-accum {self.grad_accum}")
-        optional = {
-            "--fn": self.fn, "--result": self.result, "--tracking-uri": self.tracking_uri, "--seed": self.seed,
-            "--timeout": self.timeout, "--spark-master": self.spark_master, "--ray-address": self.ray_address,
-            "--storage": self.storage, "--micro-batch": self.micro_batch, "--train-batch": self.train_batch,
-        }
-        parts += [f"{flag} {quote_flag_value(flag, value)}" for flag, value in optional.items() if value is not None]
-        if self.experiment != DEFAULT_EXPERIMENT:
-            parts.append(f"--experiment {quote_flag_value('--experiment', self.experiment)}")
-        if not self.local_mode:
-            parts.append("--cluster")
-        if self.max_restarts:
-            parts.append(f"--max-restarts {self.max_restarts}")
-        if self.deepspeed_config is not None:
-            # JSON text always has spaces or quotes a reader would trip on: always quoted
-            parts.append(f"--deepspeed-config {quote_flag_value('--deepspeed-config', self.deepspeed_config, always=True)}")
-        parts.append("--ui" if self.ui else "--no-ui")
-        return "%%distribute " + " ".join(parts)
+        an equal config, ``dry_run`` aside: the line is the one that launches). Written from the flag table
+        (`dtrain_magic.flagtable`), in its order; values with spaces or quotes are quoted (`quote_flag_value`)."""
+        from .flagtable import FLAGS  # the table imports this module's constants
+
+        words = [word for row in FLAGS if row.field is not None
+                 for word in row.line_words(getattr(self, row.field), quote_flag_value)]
+        return "%%distribute " + " ".join(words)
 
 
 _NEEDS_QUOTES = re.compile(r"[\s'\"]")
@@ -210,11 +193,16 @@ def quote_flag_value(flag: str, value: Any, always: bool = False) -> str:
 
     IPython splits magic lines with ``shlex`` in non-POSIX mode: quotes group words but are kept, and
     there are no escapes (``flags.parse_line`` strips one pair of surrounding quotes). So a value with
-    whitespace or a quote is wrapped in the quote character it does not contain; one with both kinds
-    of quotes cannot be written on the line (a `ConfigError` naming the flag).
+    whitespace or a quote, or one starting with ``-`` (argparse would take it for a flag), is wrapped in
+    the quote character it does not contain. A value with both kinds of quotes, or a line break (the magic's
+    line would end there), cannot be written on the line: a `ConfigError` naming the flag. (A line pasted
+    into a cell is also expanded by IPython before parsing: a value with ``$name`` or ``{expr}`` in it may change.)
     """
     text = str(value)
-    if not always and text and not _NEEDS_QUOTES.search(text):
+    if len(f"x{text}x".splitlines()) > 1:
+        raise ConfigError(flag, f"got {text!r}, which has a line break: it cannot be written on a %%distribute line")
+    flag_like = isinstance(value, str) and text.startswith("-")  # numbers stay bare: argparse takes -1 as a value
+    if not always and text and not flag_like and not _NEEDS_QUOTES.search(text):
         return text
     for quote in ("'", '"'):
         if quote not in text:

@@ -1,4 +1,8 @@
-"""The ``%%distribute`` flags (IPython ``magic_arguments``) and their translation into a `RunConfig`."""
+"""The ``%%distribute`` flags (IPython ``magic_arguments``) and their translation into a `RunConfig`.
+
+The flags themselves are declared once, in `dtrain_magic.flagtable`; this module turns that table into the
+magic's parser and help, and parsed arguments into a validated `RunConfig`.
+"""
 
 from __future__ import annotations
 
@@ -16,16 +20,8 @@ from IPython.core.magic_arguments import (
     parse_argstring,
 )
 
-from .config import (
-    BACKENDS,
-    DEFAULT_EXPERIMENT,
-    PRECISIONS,
-    STRATEGIES,
-    ZERO_STAGES,
-    RunConfig,
-    cuda_available,
-    detect_backend,
-)
+from .config import RunConfig, cuda_available, detect_backend
+from .flagtable import FLAGS
 
 USAGE_EXAMPLE = """\
 Run the cell's training function on several processes, GPUs or nodes.
@@ -47,58 +43,23 @@ class _HelpFormatter(MagicHelpFormatter, argparse.ArgumentDefaultsHelpFormatter)
     """IPython's magic help layout, plus "(default: ...)" after every flag."""
 
 
-def _seconds(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number of seconds: {text!r}") from None
+def _declared(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` with the IPython ``magic_arguments`` of every row of `flagtable.FLAGS`, as if decorated by
+    hand: one ``argument_group`` per run of rows of a help group, then the rows' ``argument`` calls."""
+    decorators: list[Callable[[Any], Any]] = [magic_arguments(), kwds(formatter_class=_HelpFormatter,
+                                                                       description=USAGE_EXAMPLE)]
+    group = None
+    for row in FLAGS:
+        if row.group != group:
+            group = row.group
+            decorators.append(argument_group(group))
+        decorators += [argument(*options, **keywords) for options, keywords in row.argparse_calls()]
+    for decorator in reversed(decorators):  # the decorator written first is applied last
+        func = decorator(func)
+    return func
 
 
-@magic_arguments()
-@kwds(formatter_class=_HelpFormatter, description=USAGE_EXAMPLE)
-@argument_group("Where and how")
-@argument("--backend", choices=BACKENDS, default="auto",
-          help="auto: spark with an active SparkSession, ray when Ray is initialised, else local")
-@argument("--strategy", choices=STRATEGIES, default=None,
-          help="parallelism strategy (None means ddp, or deepspeed when --zero is given)")
-@argument("--zero", type=int, choices=ZERO_STAGES, default=None, help="DeepSpeed ZeRO stage (implies --strategy deepspeed)")
-@argument("--precision", choices=PRECISIONS, default="fp32", help="numeric precision of training")
-@argument("-n", "--num-processes", "--num-workers", dest="num_processes", type=int, default=None,
-          help="number of worker processes (None means one per GPU with --gpu, else 2)")
-@argument("--gpu", dest="gpu", action="store_const", const=True, default=None,
-          help="one GPU per process (None means GPU when CUDA is available)")
-@argument("--cpu", dest="gpu", action="store_const", const=False, help="train on CPU even if CUDA is available")
-@argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation)")
-@argument("--seed", type=int, default=None, help="seed torch/numpy/random on every rank before calling the function")
-@argument("--timeout", type=_seconds, default=None, help="fail the run (and stop every worker) after this many seconds")
-@argument_group("The cell")
-@argument("--fn", default=None, help="name of the function to ship (None means the last top-level def in the cell)")
-@argument("--result", default=None, help="also bind the RunResult to this notebook variable")
-@argument("--dry-run", action="store_true", default=False, help="validate and show the plan, launch nothing")
-@argument_group("Tracking and display")
-@argument("--experiment", default=DEFAULT_EXPERIMENT, help="MLflow experiment name")
-@argument("--tracking-uri", default=None,
-          help="MLflow tracking URI (None means $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
-@argument("--ui", dest="ui", action="store_const", const=True, default=None,
-          help="show the live panel (None means on in a notebook front-end)")
-@argument("--no-ui", dest="ui", action="store_const", const=False, help="plain text progress only")
-@argument("--configure", action="store_true", default=False, help="show the configuration panel instead of running")
-@argument_group("Spark (TorchDistributor)")
-@argument("--local-mode", dest="local_mode", action="store_const", const=True, default=True,
-          help="run the processes on the driver node (TorchDistributor local_mode=True)")
-@argument("--cluster", dest="local_mode", action="store_const", const=False,
-          help="run the processes as barrier tasks on the executors (local_mode=False)")
-@argument("--spark-master", default=None, help="master URL for a new SparkSession when none is active")
-@argument_group("Ray (TorchTrainer)")
-@argument("--ray-address", default=None, help="join this Ray cluster (None means $RAY_ADDRESS, else a local one)")
-@argument("--max-restarts", type=int, default=0, help="restart failed workers up to N times (ray, local)")
-@argument("--storage", default=None,
-          help="where numbered checkpoints go, under dtrain_<run key>; Ray Train's run storage (None means ./dtrain_runs)")
-@argument_group("DeepSpeed and batch arithmetic")
-@argument("--deepspeed-config", default=None, help="a DeepSpeed config (JSON text or path) merged over the flags")
-@argument("--micro-batch", type=int, default=None, help="micro batch per process (DeepSpeed train_micro_batch_size_per_gpu)")
-@argument("--train-batch", type=int, default=None,
-          help="global batch (DeepSpeed train_batch_size); must equal micro x grad-accum x processes")
+@_declared
 def distribute(line: str, cell: str | None = None) -> None:  # pragma: no cover - holder of the parser only
     """Placeholder whose decorators define the flags; the real magic lives in dtrain_magic.magic."""
 
@@ -129,7 +90,7 @@ def parse_line(line: str) -> argparse.Namespace:
 
 def _unknown_flag_hint(message: str) -> str:
     """"; did you mean --x?" for near-misses, then where every flag is listed."""
-    known = [opt for action in distribute.parser._actions for opt in action.option_strings]
+    known = [option for row in FLAGS for option in row.all_options]
     guesses = []
     for word in message.partition(":")[2].split():
         if word.startswith("-"):
@@ -148,39 +109,23 @@ def config_from_args(
     in_frontend: bool = False,
     gpu_count: Callable[[], int] | None = None,
 ) -> RunConfig:
-    """Resolve the defaults that depend on the environment and build the validated `RunConfig`."""
-    use_gpu = gpu_available() if args.gpu is None else args.gpu
-    strategy = args.strategy or ("deepspeed" if args.zero is not None else "ddp")
-    num_processes = args.num_processes
-    if num_processes is None:
-        count = (gpu_count or _cuda_device_count)() if use_gpu else 0
-        num_processes = count if count > 0 else 2
-    backend = backend_detector() if args.backend == "auto" else args.backend
-    values: dict[str, Any] = dict(
-        backend=backend,
-        strategy=strategy,
-        zero=args.zero,
-        precision=args.precision,
-        num_processes=num_processes,
-        use_gpu=use_gpu,
-        grad_accum=args.grad_accum,
-        fn=args.fn,
-        result=args.result,
-        experiment=args.experiment,
-        tracking_uri=args.tracking_uri,
-        ui=in_frontend if args.ui is None else args.ui,
-        dry_run=args.dry_run,
-        seed=args.seed,
-        timeout=args.timeout,
-        local_mode=args.local_mode,
-        spark_master=args.spark_master,
-        ray_address=args.ray_address,
-        max_restarts=args.max_restarts,
-        storage=args.storage,
-        deepspeed_config=args.deepspeed_config,
-        micro_batch=args.micro_batch,
-        train_batch=args.train_batch,
-    )
+    """Resolve the defaults that depend on the environment and build the validated `RunConfig`.
+
+    Every row of the flag table with a `RunConfig` field passes its parsed value on; the rows whose
+    default is ``resolved`` (backend, strategy, processes, GPU, UI) are resolved here.
+    """
+    values: dict[str, Any] = {row.field: getattr(args, row.field) for row in FLAGS if row.field is not None}
+    if values["use_gpu"] is None:
+        values["use_gpu"] = gpu_available()
+    if values["strategy"] is None:
+        values["strategy"] = "deepspeed" if values["zero"] is not None else "ddp"
+    if values["num_processes"] is None:
+        count = (gpu_count or _cuda_device_count)() if values["use_gpu"] else 0
+        values["num_processes"] = count if count > 0 else 2
+    if values["backend"] == "auto":
+        values["backend"] = backend_detector()
+    if values["ui"] is None:
+        values["ui"] = in_frontend
     return RunConfig(**values)
 
 

@@ -29,11 +29,12 @@ from typing import Any, Callable
 import anywidget
 import traitlets
 
-from ..config import BACKENDS, PRECISIONS, STRATEGIES, ZERO_STAGES, RunConfig, cuda_available
+from ..config import RunConfig, cuda_available
 from ..errors import ConfigError, DistributeError
+from ..flagtable import CHECKBOX, DROPDOWN, INT_BOX, TEXT, Flag, panel_rows
 from ..memory import CellModel
 
-CONTROLS = ("backend", "strategy", "zero", "precision", "num_processes", "grad_accum", "use_gpu", "experiment")
+CONTROLS = tuple(row.field for row in panel_rows())  # the RunConfig fields the panel sets, from the flag table
 DEFAULT_PARAMS = 125_000_000  # the memory estimate's what-if size when the cell's model is not known
 RESULT_NAME = "_distribute_result"
 OUTPUT_LINES = 400  # the panel keeps this many lines of worker text (the monitor shows a tail too)
@@ -95,14 +96,13 @@ class PanelState:
         return self.values["strategy"] == "deepspeed"
 
     def options(self) -> dict[str, list[tuple[str, Any]]]:
-        """(label, value) choices per dropdown; choices that cannot work here are labelled, not hidden."""
-        precisions = [(p if p != "fp16" or self.values["use_gpu"] else "fp16 (needs GPU)", p) for p in PRECISIONS]
-        return {
-            "backend": [(b, b) for b in BACKENDS if b != "auto"],
-            "strategy": [(s, s) for s in STRATEGIES],
-            "zero": [(f"ZeRO-{z}", z) for z in ZERO_STAGES],
-            "precision": precisions,
-        }
+        """(label, value) choices per dropdown (from the flag table); choices that cannot work here are
+        labelled, not hidden."""
+        options = {row.field: row.panel.options(row.choices) for row in panel_rows() if row.panel.widget == DROPDOWN}
+        if not self.values["use_gpu"]:
+            options["precision"] = [(f"{label} (needs GPU)" if value == "fp16" else label, value)
+                                    for label, value in options["precision"]]
+        return options
 
     # -- what Run would do -----------------------------------------------------------------------
     def _build(self, **overrides: Any) -> RunConfig:
@@ -221,17 +221,7 @@ class ConfigurePanel:
         opts = self.state.options()
         v = self.state.values
         style = {"description_width": "150px"}
-        self.controls = {
-            "backend": w.Dropdown(options=opts["backend"], value=v["backend"], description="backend", style=style),
-            "strategy": w.Dropdown(options=opts["strategy"], value=v["strategy"], description="strategy", style=style),
-            "zero": w.Dropdown(options=opts["zero"], value=v["zero"] if v["zero"] is not None else 0,
-                               description="ZeRO stage", style=style, disabled=not self.state.zero_enabled),
-            "precision": w.Dropdown(options=opts["precision"], value=v["precision"], description="precision", style=style),
-            "num_processes": w.BoundedIntText(value=v["num_processes"], min=1, max=4096, description="processes", style=style),
-            "grad_accum": w.BoundedIntText(value=v["grad_accum"], min=1, max=100000, description="grad accumulation", style=style),
-            "use_gpu": w.Checkbox(value=v["use_gpu"], description="GPU", indent=False),
-            "experiment": w.Text(value=v["experiment"], description="experiment", style=style),
-        }
+        self.controls = {row.field: _control(w, row, v[row.field], opts.get(row.field), style) for row in panel_rows()}
         for name, control in self.controls.items():
             control.add_class(f"dtm-control-{name.replace('_', '-')}")
         self.params = w.FloatText(value=self.state.num_params / 1e6, description="model (M params)", style=style,
@@ -265,11 +255,10 @@ class ConfigurePanel:
         self.params.observe(lambda change: self._changed("num_params", int(round(max(0.0, change["new"] or 0) * 1e6))),
                             names="value")
         self.run_button.on_click(lambda _: self.run())
-        c = self.controls
+        columns = [[self.controls[row.field] for row in panel_rows() if row.panel.column == i] for i in (0, 1)]
         self.widget = w.VBox([
             w.HTML("<b>dtrain_magic · configure the run</b>"),
-            w.HBox([w.VBox([c["backend"], c["strategy"], c["zero"], c["precision"]]),
-                    w.VBox([c["num_processes"], c["grad_accum"], c["use_gpu"], c["experiment"], self.params])]),
+            w.HBox([w.VBox(columns[0]), w.VBox(columns[1] + [self.params])]),
             self.memory, self.problems, self.flag_line, w.HBox([self.run_button, self.writer]), self.cell_output, self.monitor_box, self.output,
         ])
         self.widget.add_class("dtm-configure")
@@ -368,6 +357,22 @@ class ConfigurePanel:
         self.thread.start()
         if wait:
             self.thread.join()
+
+
+def _control(w: Any, row: Flag, value: Any, options: list[tuple[str, Any]] | None, style: dict) -> Any:
+    """The ipywidgets control of a flag-table row (its `flagtable.PanelControl`), showing ``value``."""
+    spec = row.panel
+    if spec.widget == DROPDOWN:  # a disabled ZeRO stage (None) shows the first stage
+        return w.Dropdown(options=options, value=options[0][1] if value is None else value, description=spec.label,
+                          style=style)
+    if spec.widget == INT_BOX:
+        low, high = spec.bounds
+        return w.BoundedIntText(value=value, min=low, max=high, description=spec.label, style=style)
+    if spec.widget == CHECKBOX:
+        return w.Checkbox(value=value, description=spec.label, indent=False)
+    if spec.widget == TEXT:
+        return w.Text(value=value, description=spec.label, style=style)
+    raise ValueError(f"{row.name}: unknown panel widget {spec.widget!r}")
 
 
 class _OutputWriter:

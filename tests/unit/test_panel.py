@@ -229,3 +229,25 @@ def test_panel_text_output_is_capped_and_kernel_written():
     kinds = [(o["name"], o["text"]) for o in out.outputs]
     assert kinds == [("stdout", "[earlier lines not kept]\nline 4\nline 5\nline 6\nline 7\n"),
                      ("stderr", "oops\n"), ("stdout", "partial")]
+
+
+def test_controls_labels_and_options_come_from_the_flag_table():
+    from dtrain_magic.config import BACKENDS, PRECISIONS, STRATEGIES, ZERO_STAGES
+    from dtrain_magic.flagtable import FLAGS
+    from dtrain_magic.ui.panel import CONTROLS
+
+    rows = [row for row in FLAGS if row.panel is not None]
+    assert CONTROLS == tuple(row.field for row in rows)
+    assert set(CONTROLS) == {"backend", "strategy", "zero", "precision", "num_processes", "grad_accum", "use_gpu",
+                             "experiment"}
+    options = PanelState(RunConfig(use_gpu=True), gpu_available=lambda: True).options()
+    assert options == {"backend": [(b, b) for b in BACKENDS if b != "auto"], "strategy": [(s, s) for s in STRATEGIES],
+                       "zero": [(f"ZeRO-{z}", z) for z in ZERO_STAGES], "precision": [(p, p) for p in PRECISIONS]}
+    config = flags.config_from_line("--backend local", gpu_available=lambda: False)
+    panel = ConfigurePanel(config, "def train(ctx):\n    return 1\n", shell=None, checker=lambda c: None)
+    assert [panel.controls[row.field].description for row in rows] == [row.panel.label for row in rows]
+    left, right = panel.widget.children[1].children
+    assert list(left.children) == [panel.controls[r.field] for r in rows if r.panel.column == 0]
+    assert list(right.children) == [panel.controls[r.field] for r in rows if r.panel.column == 1] + [panel.params]
+    assert (panel.controls["num_processes"].min, panel.controls["num_processes"].max) == (1, 4096)
+    assert (panel.controls["grad_accum"].min, panel.controls["grad_accum"].max) == (1, 100000)

@@ -1,0 +1,399 @@
+"""The ``%%distribute`` flags, declared once: one `Flag` row per flag in `FLAGS`.
+
+Everything else about the flags comes from this table:
+
+- the magic's parser and the ``%%distribute?`` help (`dtrain_magic.flags` applies IPython's
+  ``argument``/``argument_group`` for each row, in table order, one help group per run of rows);
+- `flags.config_from_args`: each row's parsed value goes to its `RunConfig` field; the defaults that depend
+  on the environment or on other flags (rows with ``resolved=True``) are resolved there explicitly;
+- `RunConfig.flag_line`: rows are written in table order, as their ``line`` says, every value through
+  `config.quote_flag_value`;
+- the ``--configure`` panel's controls, labels and options (`dtrain_magic.ui.panel`): rows with a `PanelControl`;
+- the flag tables of ``docs/flags.md`` and README.md: ``python -m dtrain_magic.flagtable --write-docs``
+  (``--check`` says whether they are current; ``tests/unit/test_flagtable.py`` fails when they are not).
+
+Adding a flag (say ``--tp N``)
+------------------------------
+1. `RunConfig` (config.py): add the field with its default, and its validation in ``__post_init__``; errors
+   name the flag (``ConfigError("--tp", "got 0; must be an integer >= 1")``).
+2. Here: add one row where it belongs in the help, the docs and flag lines (its group's rows stay together)::
+
+       Flag(("--tp",), "tp", WHERE, type=int, default=1, placeholder="N",
+            help="tensor-parallel degree (processes per model replica)"),
+
+   ``default`` is the RunConfig field's default, except for a default that depends on the environment:
+   then ``default`` is the parser's "not given" value (None), ``resolved=True``, ``default_doc`` says how it
+   is resolved, and `flags.config_from_args` resolves it. Give ``panel=PanelControl(...)`` to show it in the
+   ``--configure`` panel, ``line=NEVER`` for a flag an equivalent line must not repeat (``--dry-run``).
+3. Add non-default sample values for the field to ``ROUND_TRIP`` in tests/unit/test_flagtable.py.
+4. ``python -m dtrain_magic.flagtable --write-docs`` and commit docs/flags.md and README.md with it.
+
+tests/unit/test_flagtable.py fails until each of these is done (a field without a row or a row without a
+field, a default that disagrees with RunConfig, a field without round-trip samples, stale docs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from .config import BACKENDS, DEFAULT_EXPERIMENT, PRECISIONS, STRATEGIES, ZERO_STAGES
+
+# How a flag takes its value.
+VALUE = "value"  # --flag VALUE
+SWITCH = "switch"  # an on/off pair setting one boolean: --gpu / --cpu
+STORE_TRUE = "store_true"  # --flag alone sets True
+
+# How `RunConfig.flag_line` writes a row.
+ALWAYS = "always"  # every time (a default resolved on this machine is pinned, so the line means the same elsewhere)
+CHANGED = "changed"  # when the value differs from the row's default
+NEVER = "never"  # not at all
+
+# Help groups, in the order ``%%distribute?`` shows them (the table keeps each group's rows together).
+WHERE = "Where and how"
+CELL = "The cell"
+TRACKING = "Tracking and display"
+SPARK = "Spark (TorchDistributor)"
+RAY = "Ray (TorchTrainer)"
+DEEPSPEED = "DeepSpeed and batch arithmetic"
+
+# How the ``--configure`` panel shows a row.
+DROPDOWN = "dropdown"
+INT_BOX = "int"
+CHECKBOX = "checkbox"
+TEXT = "text"
+
+
+@dataclass(frozen=True)
+class PanelControl:
+    """How the ``--configure`` panel shows a flag: the widget, its label and where it goes."""
+
+    widget: str  # DROPDOWN (the row's choices), INT_BOX, CHECKBOX or TEXT
+    label: str
+    column: int = 0  # 0: left, 1: right; within a column, table order
+    option_label: str = "{}"  # DROPDOWN: each choice's label, ``.format(choice)``
+    hidden: tuple[Any, ...] = ()  # DROPDOWN: choices not offered (``auto`` is resolved before the panel opens)
+    bounds: tuple[int, int] = (1, 4096)  # INT_BOX: (min, max)
+
+    def options(self, choices: tuple[Any, ...]) -> list[tuple[str, Any]]:
+        """(label, value) pairs of a dropdown."""
+        return [(self.option_label.format(choice), choice) for choice in choices if choice not in self.hidden]
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One ``%%distribute`` flag: how it parses, where it goes, how it is written, shown and documented."""
+
+    options: tuple[str, ...]  # option strings; flag lines write the first (``-n``)
+    field: str | None  # the RunConfig field and parser dest; None: a magic-only flag, not in RunConfig
+    group: str  # help group
+    help: str  # ``%%distribute?`` text (argparse appends "(default: ...)")
+    kind: str = VALUE  # VALUE, SWITCH or STORE_TRUE
+    type: Callable[[str], Any] | None = None  # VALUE: converts the text (None: kept as text)
+    choices: tuple[Any, ...] | None = None  # VALUE: the allowed values
+    default: Any = None  # when the flag is not given; RunConfig's default unless ``resolved``
+    resolved: bool = False  # the default depends on the environment or other flags: config_from_args resolves it
+    off_options: tuple[str, ...] = ()  # SWITCH: the flags that set False (``--cpu``)
+    off_help: str = ""  # SWITCH: the off flags' help
+    line: str = CHANGED  # how RunConfig.flag_line writes it: ALWAYS, CHANGED or NEVER
+    quote_always: bool = False  # flag_line quotes the value even without spaces or quotes in it
+    placeholder: str | None = None  # VALUE: the value's name in the docs (``N``, ``URI``)
+    doc: str | None = None  # markdown meaning in the docs (None: ``help``)
+    default_doc: str | None = None  # markdown default in the docs (None: written from ``default``)
+    panel: PanelControl | None = None  # shown in the --configure panel
+
+    @property
+    def name(self) -> str:
+        """The flag's name in messages and docs: its first long option (``--num-processes``)."""
+        return next((o for o in self.options if o.startswith("--")), self.options[0])
+
+    @property
+    def all_options(self) -> tuple[str, ...]:
+        return self.options + self.off_options
+
+    def argparse_calls(self) -> Iterator[tuple[tuple[str, ...], dict[str, Any]]]:
+        """The ``add_argument`` calls (positional, keywords) that declare this flag."""
+        dest = {"dest": self.field} if self.field else {}
+        if self.kind == VALUE:
+            extra = {k: v for k, v in (("type", self.type), ("choices", self.choices)) if v is not None}
+            yield self.options, {**dest, **extra, "default": self.default, "help": self.help}
+        elif self.kind == SWITCH:
+            on = {**dest, "action": "store_const", "const": True, "default": self.default, "help": self.help}
+            yield self.options, on
+            yield self.off_options, {"dest": self.field, "action": "store_const", "const": False, "help": self.off_help}
+        elif self.kind == STORE_TRUE:
+            yield self.options, {**dest, "action": "store_true", "default": self.default, "help": self.help}
+        else:
+            raise ValueError(f"{self.name}: unknown kind {self.kind!r}")
+
+    def line_words(self, value: Any, quote: Callable[[str, Any, bool], str]) -> list[str]:
+        """This flag's words in a ``%%distribute`` line for ``value`` (none when the line leaves it out);
+        ``quote(flag, value, always)`` writes a value as one token."""
+        if self.line == NEVER or (self.line == CHANGED and value == self.default):
+            return []
+        if self.kind == VALUE:
+            return [self.options[0], quote(self.name, value, self.quote_always)]
+        if self.kind == SWITCH:
+            return [self.options[0] if value else self.off_options[0]]
+        return [self.options[0]] if value else []
+
+
+def seconds(text: str) -> float:
+    """``--timeout`` values: a number of seconds."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of seconds: {text!r}") from None
+
+
+FLAGS: tuple[Flag, ...] = (
+    # -- where and how ---------------------------------------------------------------------------------
+    Flag(("--backend",), "backend", WHERE, choices=BACKENDS, default="auto", resolved=True, line=ALWAYS,
+         help="auto: spark with an active SparkSession, ray when Ray is initialised, else local",
+         doc="`auto`: spark when a SparkSession is active, ray when Ray is initialised, else local",
+         panel=PanelControl(DROPDOWN, "backend", hidden=("auto",))),
+    Flag(("--strategy",), "strategy", WHERE, choices=STRATEGIES, default=None, resolved=True, line=ALWAYS,
+         help="parallelism strategy (None means ddp, or deepspeed when --zero is given)",
+         doc="parallelism strategy", default_doc="ddp (deepspeed if `--zero` is given)",
+         panel=PanelControl(DROPDOWN, "strategy")),
+    Flag(("--zero",), "zero", WHERE, type=int, choices=ZERO_STAGES, default=None,
+         help="DeepSpeed ZeRO stage (implies --strategy deepspeed)",
+         doc="DeepSpeed ZeRO stage; implies `--strategy deepspeed`", default_doc="none (DeepSpeed's 0)",
+         panel=PanelControl(DROPDOWN, "ZeRO stage", option_label="ZeRO-{}")),
+    Flag(("--precision",), "precision", WHERE, choices=PRECISIONS, default="fp32", line=ALWAYS,
+         help="numeric precision of training", doc="fp16 needs a GPU (on CPU: an error suggesting bf16)",
+         panel=PanelControl(DROPDOWN, "precision")),
+    Flag(("-n", "--num-processes", "--num-workers"), "num_processes", WHERE, type=int, default=None, resolved=True,
+         line=ALWAYS, placeholder="N",
+         help="number of worker processes (None means one per GPU with --gpu, else 2)",
+         doc="number of worker processes", default_doc="one per GPU with `--gpu`, else 2",
+         panel=PanelControl(INT_BOX, "processes", column=1, bounds=(1, 4096))),
+    Flag(("--gpu",), "use_gpu", WHERE, kind=SWITCH, off_options=("--cpu",), default=None, resolved=True, line=ALWAYS,
+         help="one GPU per process (None means GPU when CUDA is available)",
+         off_help="train on CPU even if CUDA is available",
+         doc="one GPU per process, or CPU only", default_doc="GPU when CUDA is available",
+         panel=PanelControl(CHECKBOX, "GPU", column=1)),
+    Flag(("--grad-accum",), "grad_accum", WHERE, type=int, default=1, placeholder="N",
+         help="micro-batches per optimizer step (gradient accumulation)", doc="micro-batches per optimizer step",
+         panel=PanelControl(INT_BOX, "grad accumulation", column=1, bounds=(1, 100000))),
+    Flag(("--seed",), "seed", WHERE, type=int, default=None, placeholder="N",
+         help="seed torch/numpy/random on every rank before calling the function",
+         doc="seed `random`, numpy and torch on every rank before the call"),
+    Flag(("--timeout",), "timeout", WHERE, type=seconds, default=None, placeholder="S",
+         help="fail the run (and stop every worker) after this many seconds",
+         doc="stop every worker and fail the run after S seconds"),
+    # -- the cell --------------------------------------------------------------------------------------
+    Flag(("--fn",), "fn", CELL, default=None, placeholder="NAME",
+         help="name of the function to ship (None means the last top-level def in the cell)",
+         doc="the function to ship", default_doc="last top-level def"),
+    Flag(("--result",), "result", CELL, default=None, placeholder="NAME",
+         help="also bind the RunResult to this notebook variable",
+         doc="also bind the `RunResult` to this notebook variable"),
+    # Never on an equivalent line: the line shown by --dry-run's plan and the panel is the one that launches.
+    Flag(("--dry-run",), "dry_run", CELL, kind=STORE_TRUE, default=False, line=NEVER,
+         help="validate and show the plan, launch nothing",
+         doc="validate, show the plan and the equivalent flag line; launch nothing"),
+    # -- tracking and display --------------------------------------------------------------------------
+    Flag(("--experiment",), "experiment", TRACKING, default=DEFAULT_EXPERIMENT, placeholder="NAME",
+         help="MLflow experiment name", doc="MLflow experiment",
+         panel=PanelControl(TEXT, "experiment", column=1)),
+    Flag(("--tracking-uri",), "tracking_uri", TRACKING, default=None, placeholder="URI",
+         help="MLflow tracking URI (None means $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)",
+         doc="MLflow tracking store", default_doc="`$MLFLOW_TRACKING_URI`, else `sqlite:///./mlflow.db`"),
+    Flag(("--ui",), "ui", TRACKING, kind=SWITCH, off_options=("--no-ui",), default=None, resolved=True, line=ALWAYS,
+         help="show the live panel (None means on in a notebook front-end)", off_help="plain text progress only",
+         doc="live panel, or plain-text progress", default_doc="ui in a notebook front-end"),
+    # The magic itself acts on it (shows the panel): no RunConfig field, never on a line.
+    Flag(("--configure",), None, TRACKING, kind=STORE_TRUE, default=False, line=NEVER,
+         help="show the configuration panel instead of running"),
+    # -- Spark -----------------------------------------------------------------------------------------
+    Flag(("--local-mode",), "local_mode", SPARK, kind=SWITCH, off_options=("--cluster",), default=True,
+         help="run the processes on the driver node (TorchDistributor local_mode=True)",
+         off_help="run the processes as barrier tasks on the executors (local_mode=False)",
+         doc="Spark: processes on the driver, or barrier tasks on executors", default_doc="local mode"),
+    Flag(("--spark-master",), "spark_master", SPARK, default=None, placeholder="URL",
+         help="master URL for a new SparkSession when none is active",
+         doc="master for a new SparkSession when none is active", default_doc="`local[*]`"),
+    # -- Ray -------------------------------------------------------------------------------------------
+    Flag(("--ray-address",), "ray_address", RAY, default=None, placeholder="ADDR",
+         help="join this Ray cluster (None means $RAY_ADDRESS, else a local one)",
+         doc="join an existing Ray cluster", default_doc="`$RAY_ADDRESS`, else a local Ray"),
+    Flag(("--max-restarts",), "max_restarts", RAY, type=int, default=0, placeholder="N",
+         help="restart failed workers up to N times (ray, local)"),
+    Flag(("--storage",), "storage", RAY, default=None, placeholder="PATH",
+         help="where numbered checkpoints go, under dtrain_<run key>; Ray Train's run storage "
+              "(None means ./dtrain_runs)",
+         doc="where `ctx.save_checkpoint()` puts numbered checkpoints (`<PATH>/dtrain_<run key>/`, every backend; "
+             "the MLflow run's `dtrain_magic.checkpoint_root` tag and `RunResult.checkpoint_root` name it); "
+             "Ray Train's run storage (ray also takes `s3://`, `gs://`)",
+         default_doc="`./dtrain_runs`"),
+    # -- DeepSpeed -------------------------------------------------------------------------------------
+    # JSON text nearly always has spaces or quotes that a reader would trip over: always quoted on a line.
+    Flag(("--deepspeed-config",), "deepspeed_config", DEEPSPEED, default=None, quote_always=True,
+         placeholder="JSON_OR_PATH", help="a DeepSpeed config (JSON text or path) merged over the flags",
+         doc="a DeepSpeed config merged over the flags; conflicts are errors"),
+    Flag(("--micro-batch",), "micro_batch", DEEPSPEED, type=int, default=None, placeholder="N",
+         help="micro batch per process (DeepSpeed train_micro_batch_size_per_gpu)",
+         doc="per-process batch (DeepSpeed `train_micro_batch_size_per_gpu`)"),
+    Flag(("--train-batch",), "train_batch", DEEPSPEED, type=int, default=None, placeholder="N",
+         help="global batch (DeepSpeed train_batch_size); must equal micro x grad-accum x processes",
+         doc="global batch (DeepSpeed `train_batch_size`); must equal micro × grad-accum × processes"),
+)
+
+BY_FIELD: dict[str, Flag] = {row.field: row for row in FLAGS if row.field is not None}
+
+
+def panel_rows() -> tuple[Flag, ...]:
+    """The rows the ``--configure`` panel shows, in table order."""
+    return tuple(row for row in FLAGS if row.panel is not None)
+
+
+# -- docs ------------------------------------------------------------------------------------------------
+
+DOCS_COMMAND = "python -m dtrain_magic.flagtable --write-docs"
+DOCS_PAGE = Path("docs") / "flags.md"
+README = Path("README.md")
+README_BEGIN = "<!-- BEGIN generated: flags -->"
+README_END = "<!-- END generated: flags -->"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def doc_flag(row: Flag) -> str:
+    """How the docs write a flag (markdown): ```--zero {0,1,2,3}```, ```-n, --num-processes, --num-workers N```,
+    ```--gpu` / `--cpu```."""
+    if row.kind == SWITCH:
+        return " / ".join(f"`{', '.join(opts)}`" for opts in (row.options, row.off_options))
+    text = ", ".join(row.options)
+    if row.kind == VALUE:
+        if row.choices is not None:
+            text += " {" + ",".join(str(c) for c in row.choices) + "}"
+        else:
+            text += " " + (row.placeholder or (row.field or row.name.lstrip("-")).upper())
+    return f"`{text}`"
+
+
+def doc_default(row: Flag) -> str:
+    """The default as the docs say it (markdown)."""
+    if row.default_doc is not None:
+        return row.default_doc
+    if row.default is None:
+        return "none"
+    if isinstance(row.default, bool):
+        return "on" if row.default else "off"
+    if isinstance(row.default, str):
+        return f"`{row.default}`"
+    return str(row.default)
+
+
+def markdown_table(rows: tuple[Flag, ...] = FLAGS, details: bool = False) -> str:
+    """The flags as a markdown table: flag, default, meaning (and with ``details``, the RunConfig field and
+    the panel control)."""
+    head = ["flag", "default", "meaning"] + (["`RunConfig` field", "panel"] if details else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [doc_flag(row), doc_default(row), row.doc or row.help]
+        if details:
+            cells.append(f"`{row.field}`" if row.field else "none: the magic acts on it")
+            cells.append(row.panel.label if row.panel else "")
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def groups() -> list[tuple[str, tuple[Flag, ...]]]:
+    """(group, rows) in table order."""
+    found: dict[str, list[Flag]] = {}
+    for row in FLAGS:
+        found.setdefault(row.group, []).append(row)
+    return [(group, tuple(rows)) for group, rows in found.items()]
+
+
+def docs_page() -> str:
+    """The text of docs/flags.md."""
+    def names(line: str) -> str:
+        return ", ".join(f"`{' / '.join(row.options[:1] + row.off_options[:1])}`" for row in FLAGS if row.line == line)
+
+    parts = [
+        "# `%%distribute` flags",
+        "",
+        f"<!-- Generated from dtrain_magic/flagtable.py by `{DOCS_COMMAND}`: edit the table there. -->",
+        "",
+        "Every flag of the `%%distribute` cell magic, by help group; `%%distribute?` prints the same list in a "
+        "notebook. Each flag sets one field of the validated `RunConfig` (`dtrain_magic/config.py`); the panel "
+        "column names the control of the `--configure` panel that sets it.",
+        "",
+        "The *equivalent line* (in the `--dry-run` plan and the panel, and what the panel's \"Write cell\" "
+        f"writes) always has {names(ALWAYS)}, so that it pins what the machine-dependent defaults resolved "
+        f"to; any other flag only when its value is not the default; never {names(NEVER)}. Values with spaces "
+        "or quotes, or starting with `-`, are quoted.",
+    ]
+    for group, rows in groups():
+        parts += ["", f"## {group}", "", markdown_table(rows, details=True)]
+    return "\n".join(parts) + "\n"
+
+
+def readme_block() -> str:
+    """README's flag table, markers included."""
+    return "\n".join([README_BEGIN, f"<!-- {DOCS_COMMAND} writes this table from dtrain_magic/flagtable.py -->",
+                      markdown_table(), README_END])
+
+
+def _with_readme_block(text: str) -> str:
+    pattern = re.compile(re.escape(README_BEGIN) + r".*?" + re.escape(README_END), re.S)
+    if not pattern.search(text):
+        raise ValueError(f"README.md has no {README_BEGIN} ... {README_END} block for the flag table")
+    return pattern.sub(lambda _: readme_block(), text, count=1)
+
+
+def expected_docs(root: Path) -> dict[Path, str]:
+    """Each generated file under ``root`` (the repository) and the text it should have."""
+    readme = (root / README).read_text(encoding="utf-8")
+    return {root / DOCS_PAGE: docs_page(), root / README: _with_readme_block(readme)}
+
+
+def stale_docs(root: Path) -> list[Path]:
+    """The generated files under ``root`` that are not current."""
+    return [path for path, text in expected_docs(root).items()
+            if not path.exists() or path.read_text(encoding="utf-8") != text]
+
+
+def write_docs(root: Path) -> list[Path]:
+    """Regenerate docs/flags.md and README's flag table under ``root``; the files that changed."""
+    changed = stale_docs(root)
+    for path, text in expected_docs(root).items():
+        if path in changed:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dtrain_magic.flagtable --write-docs | --check [--root REPO]``; the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m dtrain_magic.flagtable",
+                                     description="Write or check the docs generated from dtrain_magic/flagtable.py.")
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--write-docs", action="store_true", help="regenerate docs/flags.md and README's flag table")
+    action.add_argument("--check", action="store_true", help="exit 1 when either is not current")
+    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1],
+                        help="the repository (default: the one this package is in)")
+    args = parser.parse_args(argv)
+    if not (args.root / README).exists():
+        parser.error(f"{args.root} has no README.md: give the repository with --root")
+    if args.check:
+        stale = stale_docs(args.root)
+        for path in stale:
+            print(f"not current: {path}; run `{DOCS_COMMAND}`")
+        return 1 if stale else 0
+    for path in write_docs(args.root):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
