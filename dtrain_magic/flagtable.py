@@ -105,6 +105,7 @@ class Flag:
     doc: str | None = None  # markdown meaning in the docs (None: ``help``)
     default_doc: str | None = None  # markdown default in the docs (None: written from ``default``)
     panel: PanelControl | None = None  # shown in the --configure panel
+    cheatsheet: bool = False  # also in README's short table (docs/flags.md has every flag)
 
     @property
     def name(self) -> str:
@@ -152,38 +153,38 @@ def seconds(text: str) -> float:
 
 FLAGS: tuple[Flag, ...] = (
     # -- where and how ---------------------------------------------------------------------------------
-    Flag(("--backend",), "backend", WHERE, choices=BACKENDS, default="auto", resolved=True, line=ALWAYS,
+    Flag(("--backend",), "backend", WHERE, cheatsheet=True, choices=BACKENDS, default="auto", resolved=True, line=ALWAYS,
          help="auto: spark with an active SparkSession, ray when Ray is initialised, else local",
          doc="`auto`: spark when a SparkSession is active, ray when Ray is initialised, else local",
          panel=PanelControl(DROPDOWN, "backend", hidden=("auto",))),
-    Flag(("--strategy",), "strategy", WHERE, choices=STRATEGIES, default=None, resolved=True, line=ALWAYS,
+    Flag(("--strategy",), "strategy", WHERE, cheatsheet=True, choices=STRATEGIES, default=None, resolved=True, line=ALWAYS,
          help="parallelism strategy (None means ddp, or deepspeed when --zero is given)",
          doc="parallelism strategy", default_doc="ddp (deepspeed if `--zero` is given)",
          panel=PanelControl(DROPDOWN, "strategy")),
-    Flag(("--zero",), "zero", WHERE, type=int, choices=ZERO_STAGES, default=None,
+    Flag(("--zero",), "zero", WHERE, cheatsheet=True, type=int, choices=ZERO_STAGES, default=None,
          help="DeepSpeed ZeRO stage (implies --strategy deepspeed)",
          doc="DeepSpeed ZeRO stage; implies `--strategy deepspeed`", default_doc="none (DeepSpeed's 0)",
          panel=PanelControl(DROPDOWN, "ZeRO stage", option_label="ZeRO-{}")),
-    Flag(("--precision",), "precision", WHERE, choices=PRECISIONS, default="fp32", line=ALWAYS,
+    Flag(("--precision",), "precision", WHERE, cheatsheet=True, choices=PRECISIONS, default="fp32", line=ALWAYS,
          help="numeric precision of training", doc="fp16 needs a GPU (on CPU: an error suggesting bf16)",
          panel=PanelControl(DROPDOWN, "precision")),
-    Flag(("-n", "--num-processes", "--num-workers"), "num_processes", WHERE, type=int, default=None, resolved=True,
+    Flag(("-n", "--num-processes", "--num-workers"), "num_processes", WHERE, cheatsheet=True, type=int, default=None, resolved=True,
          line=ALWAYS, placeholder="N",
          help="number of worker processes (None means one per GPU with --gpu, else 2)",
          doc="number of worker processes", default_doc="one per GPU with `--gpu`, else 2",
          panel=PanelControl(INT_BOX, "processes", column=1, bounds=(1, 4096))),
-    Flag(("--gpu",), "use_gpu", WHERE, kind=SWITCH, off_options=("--cpu",), default=None, resolved=True, line=ALWAYS,
+    Flag(("--gpu",), "use_gpu", WHERE, cheatsheet=True, kind=SWITCH, off_options=("--cpu",), default=None, resolved=True, line=ALWAYS,
          help="one GPU per process (None means GPU when CUDA is available)",
          off_help="train on CPU even if CUDA is available",
          doc="one GPU per process, or CPU only", default_doc="GPU when CUDA is available",
          panel=PanelControl(CHECKBOX, "GPU", column=1)),
-    Flag(("--grad-accum",), "grad_accum", WHERE, type=int, default=1, placeholder="N",
+    Flag(("--grad-accum",), "grad_accum", WHERE, cheatsheet=True, type=int, default=1, placeholder="N",
          help="micro-batches per optimizer step (gradient accumulation)", doc="micro-batches per optimizer step",
          panel=PanelControl(INT_BOX, "grad accumulation", column=1, bounds=(1, 100000))),
-    Flag(("--seed",), "seed", WHERE, type=int, default=None, placeholder="N",
+    Flag(("--seed",), "seed", WHERE, cheatsheet=True, type=int, default=None, placeholder="N",
          help="seed torch/numpy/random on every rank before calling the function",
          doc="seed `random`, numpy and torch on every rank before the call"),
-    Flag(("--timeout",), "timeout", WHERE, type=seconds, default=None, placeholder="S",
+    Flag(("--timeout",), "timeout", WHERE, cheatsheet=True, type=seconds, default=None, placeholder="S",
          help="fail the run (and stop every worker) after this many seconds",
          doc="stop every worker and fail the run after S seconds"),
     # -- the cell --------------------------------------------------------------------------------------
@@ -194,7 +195,7 @@ FLAGS: tuple[Flag, ...] = (
          help="also bind the RunResult to this notebook variable",
          doc="also bind the `RunResult` to this notebook variable"),
     # Never on an equivalent line: the line shown by --dry-run's plan and the panel is the one that launches.
-    Flag(("--dry-run",), "dry_run", CELL, kind=STORE_TRUE, default=False, line=NEVER,
+    Flag(("--dry-run",), "dry_run", CELL, cheatsheet=True, kind=STORE_TRUE, default=False, line=NEVER,
          help="validate and show the plan, launch nothing",
          doc="validate, show the plan and the equivalent flag line; launch nothing"),
     # -- tracking and display --------------------------------------------------------------------------
@@ -208,7 +209,7 @@ FLAGS: tuple[Flag, ...] = (
          help="show the live panel (None means on in a notebook front-end)", off_help="plain text progress only",
          doc="live panel, or plain-text progress", default_doc="ui in a notebook front-end"),
     # The magic itself acts on it (shows the panel): no RunConfig field, never on a line.
-    Flag(("--configure",), None, TRACKING, kind=STORE_TRUE, default=False, line=NEVER,
+    Flag(("--configure",), None, TRACKING, cheatsheet=True, kind=STORE_TRUE, default=False, line=NEVER,
          help="show the configuration panel instead of running"),
     # -- Spark -----------------------------------------------------------------------------------------
     Flag(("--local-mode",), "local_mode", SPARK, kind=SWITCH, off_options=("--cluster",), default=True,
@@ -339,9 +340,11 @@ def docs_page() -> str:
 
 
 def readme_block() -> str:
-    """README's flag table, markers included."""
+    """README's short flag table (the rows marked ``cheatsheet``), markers included."""
+    rows = tuple(row for row in FLAGS if row.cheatsheet)
+    more = f"The other {len(FLAGS) - len(rows)} flags (tracking, Spark, Ray, DeepSpeed, the cell): [docs/flags.md](docs/flags.md)."
     return "\n".join([README_BEGIN, f"<!-- {DOCS_COMMAND} writes this table from dtrain_magic/flagtable.py -->",
-                      markdown_table(), README_END])
+                      markdown_table(rows), "", more, README_END])
 
 
 def _with_readme_block(text: str) -> str:

@@ -1,6 +1,6 @@
 """``--strategy deepspeed --zero {0,1,2,3}``: DeepSpeed's engine with a config the magic builds.
 
-The flags map onto DeepSpeed's config keys (see the README, "Strategies and precision")::
+The flags map onto DeepSpeed's config keys (see docs/strategies.md)::
 
     --zero S                   zero_optimization.stage = S
     --precision fp16 / bf16    fp16.enabled / bf16.enabled

@@ -185,7 +185,7 @@ def test_write_docs_replaces_only_the_marked_block(tmp_path):
     text = readme.read_text()
     assert text.startswith("# x\nbefore\n" + flagtable.README_BEGIN)
     assert text.endswith(flagtable.README_END + "\nafter\n")
-    assert "| `--train-batch N` |" in text and "| stale |" not in text
+    assert "| `--grad-accum N` |" in text and "| `--train-batch N` |" not in text and "| stale |" not in text  # the short table
     assert (tmp_path / "docs" / "flags.md").read_text() == flagtable.docs_page()
     assert flagtable.write_docs(tmp_path) == []  # nothing to rewrite
     readme.write_text("# no markers\n")
