@@ -165,8 +165,8 @@ class _Pump:
         self.config, self.channel, self.observer, self.t0 = config, channel, observer, t0
         self.t0_wall = time.time() - (time.monotonic() - t0)  # the workers stamp metrics with wall-clock time
         self.tracker: RunTracker | None = None
-        self.results: dict[int, bytes] = {}
-        self.errors: list[tuple[float, int | None, str, str]] = []
+        self.results: dict[int, bytes] = {}  # rank -> its cloudpickled return value
+        self.errors: list[ch.Error] = []
         self.failures: list = []
         self.hellos: set = set()
         self.first_metric_s: float | None = None
@@ -182,7 +182,7 @@ class _Pump:
             message = self.channel.get(timeout=_POLL_S)
             if message is not None:
                 self.handle(message)
-                if message[0] in (ch.METRIC, ch.RESULT, ch.ERROR):
+                if isinstance(message, (ch.Metric, ch.Result, ch.Error)):
                     break
             state = running.poll()
             if state.restarted:
@@ -265,48 +265,51 @@ class _Pump:
         while (message := self.channel.get(timeout=0.01)) is not None:
             self.handle(message)
 
-    def handle(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == ch.OUTPUT:
-            self.observer.output(message[1], message[2], message[3])
-        elif kind == ch.METRIC:
-            _, rank, step, metrics, stamp = message
-            if self.first_metric_s is None:  # when the worker logged it: the loop may have started later
-                self.first_metric_s = stamp / 1000 - self.t0_wall if stamp else time.monotonic() - self.t0
-            stamp = stamp or int(time.time() * 1000)  # one stamp for MLflow and the live charts: they match on it
-            if self.tracker is None:  # the MLflow run is still opening: `attach` logs these
-                self.waiting_metrics.append((step, metrics, stamp))
-            else:
-                self.tracker.log_metrics(step, metrics, stamp)
-            if self._metric_takes_stamp:
-                self.observer.metric(step, metrics, timestamp_ms=stamp)
-            else:  # an observer written before metric() had a timestamp
-                self.observer.metric(step, metrics)
-        elif kind == ch.RESULT:
-            self.results[message[1]] = message[2]
-        elif kind == ch.ERROR:
-            self.errors.append((message[4], message[1], message[2], message[3]))
-        elif kind == ch.STATUS:
-            self.observer.status(message[1], message[2], message[3])
-        elif kind == ch.TOTAL:
-            self.observer.total(message[2])
-        elif kind == ch.HELLO:
-            if message[1] in self.hellos:  # a second HELLO from a rank: the backend restarted the workers
-                self._forget_attempt(keep_last=True)
-            self.hellos.add(message[1])
-            self.observer.status(message[1], "starting", message[2].get("host", ""))
+    def handle(self, message: ch.Message) -> None:
+        match message:
+            case ch.Output():
+                self.observer.output(message.rank, message.stream, message.text)
+            case ch.Metric():
+                self._metric(message)
+            case ch.Result():
+                self.results[message.rank] = message.pickled_value
+            case ch.Error():
+                self.errors.append(message)
+            case ch.Status():
+                self.observer.status(message.rank, message.state, message.detail)
+            case ch.Total():
+                self.observer.total(message.steps)
+            case ch.Hello():
+                if message.rank in self.hellos:  # a second Hello from a rank: the backend restarted the workers
+                    self._forget_attempt(keep_last=True)
+                self.hellos.add(message.rank)
+                self.observer.status(message.rank, "starting", message.host)
+
+    def _metric(self, message: ch.Metric) -> None:
+        step, metrics, stamp = message.step, message.metrics, message.timestamp_ms
+        if self.first_metric_s is None:  # when the worker logged it: the loop may have started later
+            self.first_metric_s = stamp / 1000 - self.t0_wall if stamp else time.monotonic() - self.t0
+        stamp = stamp or int(time.time() * 1000)  # one stamp for MLflow and the live charts: they match on it
+        if self.tracker is None:  # the MLflow run is still opening: `attach` logs these
+            self.waiting_metrics.append((step, metrics, stamp))
+        else:
+            self.tracker.log_metrics(step, metrics, stamp)
+        if self._metric_takes_stamp:
+            self.observer.metric(step, metrics, timestamp_ms=stamp)
+        else:  # an observer written before metric() had a timestamp
+            self.observer.metric(step, metrics)
 
     def collect(self) -> list[Any]:
         """Every rank's value, or the error that explains why not."""
-        reported = {rank for _, rank, _, _ in self.errors}
+        reported = {error.rank for error in self.errors}
         silent = [f for f in self.failures if f.rank not in reported]
         if silent:  # killed or crashed below Python: that is the root cause, the rest are consequences
             first = silent[0]
             raise WorkerError(first.rank, first.reason, first.detail)
         if self.errors:
             # The earliest error is the cause; later ones are peers noticing (connection reset by peer).
-            _, rank, summary, remote = min(self.errors, key=lambda e: e[0])
-            raise WorkerError(rank, summary, remote)
+            first = min(self.errors, key=lambda error: error.unix_time)
+            raise WorkerError(first.rank, first.summary, first.traceback)
         world = self.config.num_processes
         missing = [rank for rank in range(world) if rank not in self.results]
         if missing:
