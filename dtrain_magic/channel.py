@@ -231,11 +231,22 @@ class AuthenticatedListener:
             pass
         with self._lock:
             for conn in self._connections:
+                _hang_up(conn)
                 try:
                     conn.close()
                 except Exception:
                     pass
 
+
+def _hang_up(conn: Connection) -> None:
+    """Make the peer see ``conn`` close although its server thread is blocked reading it: ``close()`` alone
+    frees the descriptor but (on Linux) leaves the socket open while a ``recv`` is in progress on it, so
+    nothing reaches the peer (a rank watch's watchdog would never kill its worker). ``shutdown`` does."""
+    try:
+        with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:  # a dup: closing it is safe
+            sock.shutdown(socket.SHUT_RDWR)
+    except (OSError, ValueError):  # already closed
+        pass
 
 
 class Channel:

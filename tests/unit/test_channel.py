@@ -132,3 +132,16 @@ def test_the_watchdog_imports_the_standard_library_only():
     assert not any(isinstance(node, ast.ImportFrom) and node.level > 0 for node in ast.walk(tree))
     assert imported <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)
 
+
+def test_closing_the_listener_hangs_up_on_connected_peers():
+    """The peer sees the close although the channel's reader thread is blocked reading its connection (the
+    rank watch relies on it: a watchdog kills its worker when the notebook's side closes)."""
+    channel = Channel()
+    conn = Client((channel.address.host, channel.address.port), authkey=channel.address.authkey)
+    conn.send(ch.Hello(0, 1, "h").wire())
+    assert channel.get(timeout=5) == ch.Hello(0, 1, "h")  # its reader thread is now blocked in recv()
+    channel.close()
+    assert conn.poll(5)
+    with pytest.raises(EOFError):
+        conn.recv()
+    conn.close()
