@@ -4,6 +4,23 @@ Workers connect back to a listener in the notebook process and send small messag
 metrics, status, their result or their error. It is the standard library's authenticated
 ``multiprocessing.connection`` (HMAC challenge with a per-run secret), so only this run's workers can
 talk to it. It listens on 127.0.0.1 unless a launcher asks for a cluster-reachable address.
+
+The protocol: every message is one small frozen class below, a subclass of `Message`. A worker sends, in
+order: `Hello` once it is connected; `Output` lines as its Python code writes them (a launcher also emits
+`Output` for what it reads from a process's own pipes, with ``rank=None`` for its own notes); `Status`
+(running, done, failed); rank 0's `Metric` for each ``ctx.log`` and `Total` for ``ctx.set_total``; then
+`Result` (its cloudpickled return value) or `Error`. A second `Hello` from a rank means the backend
+restarted the workers. The driver's message pump dispatches on the class.
+
+The Spark launcher's rank watch speaks the same protocol on a listener of its own: each worker's watchdog
+process sends `RankStarted`, then `RankDone` once the worker ended in Python; a connection that closes
+without `RankDone` is a worker that died. (The watchdog runs without the package, ``python -S -I``: it
+sends the wire tuples of these two classes itself, and a unit test checks they agree.)
+
+On the wire a message is a plain tuple, ``(KIND, *fields)`` in the order the fields are declared
+(`Message.wire`), which pickles about twice as fast as the instance (``ctx.log`` every step goes through
+this); `decode` turns it back into its class on the reading side. Sender and reader are always the same
+version of this package.
 """
 
 from __future__ import annotations
@@ -15,16 +32,136 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any, Callable
+from operator import attrgetter
+from typing import Any, Callable, ClassVar
 
-# Message kinds (first element of each tuple a worker sends).
-HELLO = "hello"  # (HELLO, rank, {"pid":..., "host":...})
-OUTPUT = "out"  # (OUTPUT, rank, "stdout"|"stderr", text)
-METRIC = "metric"  # (METRIC, rank, step, {name: value}, timestamp_ms)
-STATUS = "status"  # (STATUS, rank, state, detail)
-RESULT = "result"  # (RESULT, rank, pickled_value)
-ERROR = "error"  # (ERROR, rank, summary, traceback_text, unix_time)
-TOTAL = "total"  # (TOTAL, rank, total_steps)
+
+class Message:
+    """One channel message: a frozen dataclass with a ``KIND`` tag, sent as its `wire` tuple."""
+
+    __slots__ = ()
+    KIND: ClassVar[str]
+    _values: ClassVar[Callable[["Message"], tuple]]  # the fields' values in declared order (set by `_protocol`)
+
+    def wire(self) -> tuple:
+        """``(KIND, *fields)``: what travels over the connection; `decode` reverses it."""
+        return (self.KIND, *self._values(self))
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    """A worker connected (sent first). A second one from the same rank: the backend restarted the workers."""
+
+    KIND: ClassVar[str] = "hello"
+    rank: int
+    pid: int
+    host: str
+
+
+@dataclass(frozen=True, slots=True)
+class Output(Message):
+    """Text a worker wrote (``stream`` is ``"stdout"`` or ``"stderr"``); ``rank`` None: the launcher's own note."""
+
+    KIND: ClassVar[str] = "out"
+    rank: int | None
+    stream: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Metric(Message):
+    """Rank 0's ``ctx.log``: ``metrics`` at ``step``, stamped with the worker's clock (ms since the epoch)."""
+
+    KIND: ClassVar[str] = "metric"
+    rank: int
+    step: int
+    metrics: dict[str, float]
+    timestamp_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Status(Message):
+    """A worker's state: ``"running"`` (the function was called), ``"done"`` or ``"failed"`` (with ``detail``)."""
+
+    KIND: ClassVar[str] = "status"
+    rank: int
+    state: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Total(Message):
+    """``ctx.set_total(steps)`` on rank 0: the run's length, for the progress bar and its ETA."""
+
+    KIND: ClassVar[str] = "total"
+    rank: int
+    steps: int
+
+
+@dataclass(frozen=True, slots=True)
+class Result(Message):
+    """A rank's return value, cloudpickled in the worker (unpickled in the notebook once every rank's is in)."""
+
+    KIND: ClassVar[str] = "result"
+    rank: int
+    pickled_value: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    """A rank's failure: the exception's one-line ``summary``, its ``traceback`` (trimmed to the cell's
+    frames) and when it happened (``unix_time``: the earliest error of a run is its cause). ``rank`` is None
+    for a message the notebook could not read."""
+
+    KIND: ClassVar[str] = "error"
+    rank: int | None
+    summary: str
+    traceback: str
+    unix_time: float
+
+
+@dataclass(frozen=True, slots=True)
+class RankStarted(Message):
+    """Rank watch: the watchdog of ``rank``'s worker is connected (its connection now stands for the worker)."""
+
+    KIND: ClassVar[str] = "start"
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankDone(Message):
+    """Rank watch: ``rank``'s worker ended in Python (result or reported error), so its closing is no death."""
+
+    KIND: ClassVar[str] = "done"
+    rank: int
+
+
+def _protocol(*classes: type[Message]) -> dict[str, type[Message]]:
+    """Give each class its fields' getter (``operator.attrgetter``, in C: `wire` is on every ``ctx.log``) and
+    index the classes by kind for `decode`."""
+    kinds: dict[str, type[Message]] = {}
+    for cls in classes:
+        names = cls.__match_args__
+        get = attrgetter(*names)
+        cls._values = staticmethod(get if len(names) > 1 else lambda message, get=get: (get(message),))
+        assert cls.KIND not in kinds, cls.KIND
+        kinds[cls.KIND] = cls
+    return kinds
+
+
+_BY_KIND = _protocol(Hello, Output, Metric, Status, Total, Result, Error, RankStarted, RankDone)
+
+
+class ProtocolError(ValueError):
+    """What arrived is not the wire form of any `Message`."""
+
+
+def decode(wire: Any) -> Message:
+    """The `Message` whose `Message.wire` is ``wire``; `ProtocolError` if there is none."""
+    try:
+        return _BY_KIND[wire[0]](*wire[1:])
+    except (KeyError, IndexError, TypeError):
+        raise ProtocolError(f"not a channel message: {wire!r:.100}") from None
 
 
 @dataclass(frozen=True)
@@ -94,10 +231,22 @@ class AuthenticatedListener:
             pass
         with self._lock:
             for conn in self._connections:
+                _hang_up(conn)
                 try:
                     conn.close()
                 except Exception:
                     pass
+
+
+def _hang_up(conn: Connection) -> None:
+    """Make the peer see ``conn`` close although its server thread is blocked reading it: ``close()`` alone
+    frees the descriptor but (on Linux) leaves the socket open while a ``recv`` is in progress on it, so
+    nothing reaches the peer (a rank watch's watchdog would never kill its worker). ``shutdown`` does."""
+    try:
+        with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:  # a dup: closing it is safe
+            sock.shutdown(socket.SHUT_RDWR)
+    except (OSError, ValueError):  # already closed
+        pass
 
 
 class Channel:
@@ -105,7 +254,7 @@ class Channel:
 
     def __init__(self, host: str = "127.0.0.1"):
         # (connection serial or None for the driver's own messages, message)
-        self.messages: "queue.Queue[tuple[int | None, tuple]]" = queue.Queue()
+        self.messages: "queue.Queue[tuple[int | None, Message]]" = queue.Queue()
         self._delivered: set[int] = set()  # connections get() has returned a message from
         self._retired: set[int] = set()
         self.last_serial: int | None = None
@@ -115,19 +264,19 @@ class Channel:
     def _read_loop(self, conn: Connection, serial: int) -> None:
         try:
             while True:
-                self.messages.put((serial, conn.recv()))
+                self.messages.put((serial, decode(conn.recv())))
         except (EOFError, OSError):
             pass
-        except Exception as exc:  # unpicklable message: report rather than lose it silently
-            self.messages.put((serial, (ERROR, None, f"unreadable message from a worker: {exc!r}", "", time.time())))
+        except Exception as exc:  # unpicklable, or not a message: report rather than lose it silently
+            self.messages.put((serial, Error(None, f"unreadable message from a worker: {exc!r}", "", time.time())))
         finally:
             conn.close()
 
-    def put(self, message: tuple) -> None:
+    def put(self, message: Message) -> None:
         """Inject a message from the driver side (a launcher's captured process output, say)."""
         self.messages.put((None, message))
 
-    def get(self, timeout: float) -> tuple | None:
+    def get(self, timeout: float) -> Message | None:
         """The next message (None after ``timeout``), skipping those of retired connections."""
         deadline = time.monotonic() + timeout
         while True:
@@ -177,12 +326,13 @@ class WorkerLink:
         self._lock = threading.Lock()
         self._broken = False
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: Message) -> None:
         if self._broken:
             return
+        wire = message.wire()
         with self._lock:
             try:
-                self._conn.send(message)
+                self._conn.send(wire)
             except (OSError, EOFError):
                 # The notebook went away (run cancelled): keep training code from crashing on a log call.
                 self._broken = True

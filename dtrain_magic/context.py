@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
+from .channel import Message, Metric, Total
 from .config import RunConfig
 from .strategies.base import Strategy
 
@@ -72,7 +73,7 @@ class TrainContext:
         local_rank: int,
         world_size: int,
         device: torch.device,
-        send: Callable[[tuple], None] | None = None,
+        send: Callable[[Message], None] | None = None,
         checkpoint_store: Any = None,
     ):
         self.config = config
@@ -138,12 +139,12 @@ class TrainContext:
                 numbers[str(key)] = float(value)
             except (TypeError, ValueError):
                 raise TypeError(f"ctx.log: metric {key!r} must be a number, got {type(value).__name__}") from None
-        self._send(("metric", self.rank, int(step), numbers, int(time.time() * 1000)))
+        self._send(Metric(self.rank, int(step), numbers, int(time.time() * 1000)))
 
     def set_total(self, steps: int) -> None:
         """Declare how many steps the run will take, for the progress bar and its ETA."""
         if self.is_main:
-            self._send(("total", self.rank, int(steps)))
+            self._send(Total(self.rank, int(steps)))
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, directory: str | None = None, **client_state: Any) -> None:

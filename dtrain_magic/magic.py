@@ -47,16 +47,16 @@ class DistributeMagics(Magics):
                     "with flags only; nothing was launched"
                 ) from None
             return show_panel(config, cell, self.shell)
-        runner.check(config)  # bad input: a clear error before the cell runs or anything launches
+        plan = runner.check(config)  # bad input: a clear error before the cell runs or anything launches
         payload, _ = capture(cell, self.shell.user_ns, config.fn, self.shell)
         runner.check_payload(config, payload)  # e.g. a Ray Train loop off --backend ray: before --dry-run too
         if config.dry_run:
             from .memory import model_of_cell  # the cell ran: its helpers and globals are in the namespace
 
-            print(runner.plan(config, payload, model=model_of_cell(cell, self.shell.user_ns, payload.name)))
+            print(runner.dry_run_text(plan, payload, model=model_of_cell(cell, self.shell.user_ns, payload.name)))
             return None
         observer = make_observer(config)
-        result = runner.execute(config, payload, observer, stop=getattr(observer, "stop_event", None), checked=True)
+        result = runner.execute(config, payload, observer, stop=getattr(observer, "stop_event", None), plan=plan)
         if config.result:
             self.shell.user_ns[config.result] = result
         return result

@@ -11,6 +11,8 @@ import inspect
 import threading
 import time
 import uuid
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import cloudpickle
@@ -21,11 +23,12 @@ from .channel import Channel
 from .checkpoints import run_checkpoint_root
 from .config import RunConfig
 from .errors import ConfigError, DistributeError, LaunchError, RunInterrupted, RunTimeout, WorkerError
-from .launchers import get_launcher
+from .launchers import Launcher, get_launcher
 from .observer import RunObserver, TextObserver
 from .result import RunResult
 from .strategies import get_strategy
 from .tracking import RunOpening, RunTracker, check_tracking_uri, preload_mlflow, resolve_tracking_uri, sqlite_experiment_stage
+from .tracking.uri import deleted_experiment_error
 from .worker import WorkerJob
 
 _POLL_S = 0.05
@@ -36,14 +39,51 @@ _ERROR_GRACE_S = 1.0  # after the first worker error, let the others report befo
 _EARLY_START_HOLD_S = 10.0
 
 
-def check(config: RunConfig) -> None:
-    """Everything that can be checked before launch; raises `DistributeError` subclasses."""
+@dataclass(frozen=True)
+class RunPlan:
+    """What `check` found out about one run, so that `execute` looks nothing up again.
+
+    ``launcher``: the backend's (cached) `Launcher`. ``tracking_uri``: the MLflow store checked (``--tracking-uri``,
+    else ``MLFLOW_TRACKING_URI``, else ``./mlflow.db``); ``store_stage``: what that store says of the experiment
+    without MLflow (`tracking.sqlite_experiment_stage`: "active", "absent", or None when it cannot tell; "deleted"
+    never gets this far). ``starts_before_tracking``: the workers start before the MLflow run exists (see `check`).
+    A plan is for one run: the next run checks again (the store, a session may have changed meanwhile).
+    """
+
+    config: RunConfig
+    launcher: Launcher
+    tracking_uri: str
+    store_stage: str | None
+    starts_before_tracking: bool
+
+    @cached_property
+    def channel_host(self) -> str:
+        """Where the run's channel listens (`Launcher.channel_host`), asked once, when the run starts: after
+        `Launcher.warm_up`, which Ray's answer needs (its connection), so that a dry run never starts Ray."""
+        return self.launcher.channel_host(self.config)
+
+
+def check(config: RunConfig) -> RunPlan:
+    """Everything that can be checked before launch, each looked up once; raises `DistributeError` subclasses.
+
+    Returns the `RunPlan` that `execute` runs. The workers start before the MLflow run exists when the backend
+    does not need the run's id and nothing can go wrong with the run that a look at the store did not already
+    rule out (a writable SQLite file, the experiment not deleted): a kernel's first run then does not wait for
+    MLflow's import (about 2 s of CPU here), which waits until the workers are past their start so it does not
+    slow them either. Otherwise MLflow's import starts now, beside the rest of the check and the cell's capture.
+    """
     launcher = get_launcher(config.backend)
-    if not _starts_before_tracking(launcher, config):
+    uri = resolve_tracking_uri(config)
+    stage = sqlite_experiment_stage(uri, config.experiment)
+    early = launcher.starts_before_tracking(config) and stage in ("active", "absent")
+    if not early:
         preload_mlflow()  # the run will need MLflow first: import it meanwhile (a SparkSession start, the capture)
     launcher.check(config)
     get_strategy(config.strategy).check(config)
-    check_tracking_uri(config)  # last: it may wait up to a few seconds for an http(s) server
+    check_tracking_uri(config)  # it may wait up to a few seconds for an http(s) server
+    if stage == "deleted":
+        raise deleted_experiment_error(config, uri)
+    return RunPlan(config, launcher, uri, stage, early)
 
 
 def check_payload(config: RunConfig, payload: Payload) -> None:
@@ -58,43 +98,36 @@ def check_payload(config: RunConfig, payload: Payload) -> None:
         )
 
 
-def _starts_before_tracking(launcher: Any, config: RunConfig) -> bool:
-    """Start the workers before the MLflow run exists? Yes when the backend does not need the run's id and
-    nothing can go wrong with the run that a look at the store did not already rule out (a writable SQLite
-    file, the experiment not deleted): a kernel's first run then does not wait for MLflow's import (about
-    2 s of CPU here), which waits until the workers are past their start so it does not slow them either."""
-    return launcher.starts_before_tracking(config) and sqlite_experiment_stage(
-        resolve_tracking_uri(config), config.experiment
-    ) in ("active", "absent")
-
-
 def execute(
     config: RunConfig,
     payload: Payload,
     observer: RunObserver | None = None,
     stop: threading.Event | None = None,
-    checked: bool = False,
+    plan: RunPlan | None = None,
 ) -> RunResult:
     """Run ``payload`` under ``config`` and return its `RunResult`, or raise a short `DistributeError`.
 
-    ``checked``: `check` already passed for this config (the magic checks before capturing the cell).
+    ``plan``: what `check` returned for this config (the magic checks before capturing the cell); without
+    one, `execute` checks first.
     """
     observer = observer or TextObserver()
-    launcher = get_launcher(config.backend)
-    if not checked:
-        check(config)
+    if plan is None:
+        plan = check(config)
+    elif plan.config != config:
+        raise ValueError("execute: the plan was made by check() for another config")
+    launcher = plan.launcher
     check_payload(config, payload)
     # ctx.save_checkpoint() without a directory: one directory per run, the same on every backend (Ray
     # Train keeps its own checkpoints there); named before the MLflow run exists, recorded in a tag.
     root = run_checkpoint_root(config.storage, uuid.uuid4().hex)
-    early = _starts_before_tracking(launcher, config)
+    early = plan.starts_before_tracking
     opening = RunOpening(config, tags={"dtrain_magic.checkpoint_root": root}, deferred=early)
     started = time.monotonic()
     status, reason = "FAILED", None
     outcome: _Pump | None = None
     try:
         launcher.warm_up(config)
-        with Channel(host=launcher.channel_host(config)) as channel:
+        with Channel(host=plan.channel_host) as channel:
             job = WorkerJob(payload, config, channel.address, checkpoint_root=root)
             tracker = None if early else opening.wait()
             outcome = _Pump(config, channel, observer, started)
@@ -165,8 +198,8 @@ class _Pump:
         self.config, self.channel, self.observer, self.t0 = config, channel, observer, t0
         self.t0_wall = time.time() - (time.monotonic() - t0)  # the workers stamp metrics with wall-clock time
         self.tracker: RunTracker | None = None
-        self.results: dict[int, bytes] = {}
-        self.errors: list[tuple[float, int | None, str, str]] = []
+        self.results: dict[int, bytes] = {}  # rank -> its cloudpickled return value
+        self.errors: list[ch.Error] = []
         self.failures: list = []
         self.hellos: set = set()
         self.first_metric_s: float | None = None
@@ -182,7 +215,7 @@ class _Pump:
             message = self.channel.get(timeout=_POLL_S)
             if message is not None:
                 self.handle(message)
-                if message[0] in (ch.METRIC, ch.RESULT, ch.ERROR):
+                if isinstance(message, (ch.Metric, ch.Result, ch.Error)):
                     break
             state = running.poll()
             if state.restarted:
@@ -265,48 +298,51 @@ class _Pump:
         while (message := self.channel.get(timeout=0.01)) is not None:
             self.handle(message)
 
-    def handle(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == ch.OUTPUT:
-            self.observer.output(message[1], message[2], message[3])
-        elif kind == ch.METRIC:
-            _, rank, step, metrics, stamp = message
-            if self.first_metric_s is None:  # when the worker logged it: the loop may have started later
-                self.first_metric_s = stamp / 1000 - self.t0_wall if stamp else time.monotonic() - self.t0
-            stamp = stamp or int(time.time() * 1000)  # one stamp for MLflow and the live charts: they match on it
-            if self.tracker is None:  # the MLflow run is still opening: `attach` logs these
-                self.waiting_metrics.append((step, metrics, stamp))
-            else:
-                self.tracker.log_metrics(step, metrics, stamp)
-            if self._metric_takes_stamp:
-                self.observer.metric(step, metrics, timestamp_ms=stamp)
-            else:  # an observer written before metric() had a timestamp
-                self.observer.metric(step, metrics)
-        elif kind == ch.RESULT:
-            self.results[message[1]] = message[2]
-        elif kind == ch.ERROR:
-            self.errors.append((message[4], message[1], message[2], message[3]))
-        elif kind == ch.STATUS:
-            self.observer.status(message[1], message[2], message[3])
-        elif kind == ch.TOTAL:
-            self.observer.total(message[2])
-        elif kind == ch.HELLO:
-            if message[1] in self.hellos:  # a second HELLO from a rank: the backend restarted the workers
-                self._forget_attempt(keep_last=True)
-            self.hellos.add(message[1])
-            self.observer.status(message[1], "starting", message[2].get("host", ""))
+    def handle(self, message: ch.Message) -> None:
+        match message:
+            case ch.Output():
+                self.observer.output(message.rank, message.stream, message.text)
+            case ch.Metric():
+                self._metric(message)
+            case ch.Result():
+                self.results[message.rank] = message.pickled_value
+            case ch.Error():
+                self.errors.append(message)
+            case ch.Status():
+                self.observer.status(message.rank, message.state, message.detail)
+            case ch.Total():
+                self.observer.total(message.steps)
+            case ch.Hello():
+                if message.rank in self.hellos:  # a second Hello from a rank: the backend restarted the workers
+                    self._forget_attempt(keep_last=True)
+                self.hellos.add(message.rank)
+                self.observer.status(message.rank, "starting", message.host)
+
+    def _metric(self, message: ch.Metric) -> None:
+        step, metrics, stamp = message.step, message.metrics, message.timestamp_ms
+        if self.first_metric_s is None:  # when the worker logged it: the loop may have started later
+            self.first_metric_s = stamp / 1000 - self.t0_wall if stamp else time.monotonic() - self.t0
+        stamp = stamp or int(time.time() * 1000)  # one stamp for MLflow and the live charts: they match on it
+        if self.tracker is None:  # the MLflow run is still opening: `attach` logs these
+            self.waiting_metrics.append((step, metrics, stamp))
+        else:
+            self.tracker.log_metrics(step, metrics, stamp)
+        if self._metric_takes_stamp:
+            self.observer.metric(step, metrics, timestamp_ms=stamp)
+        else:  # an observer written before metric() had a timestamp
+            self.observer.metric(step, metrics)
 
     def collect(self) -> list[Any]:
         """Every rank's value, or the error that explains why not."""
-        reported = {rank for _, rank, _, _ in self.errors}
+        reported = {error.rank for error in self.errors}
         silent = [f for f in self.failures if f.rank not in reported]
         if silent:  # killed or crashed below Python: that is the root cause, the rest are consequences
             first = silent[0]
             raise WorkerError(first.rank, first.reason, first.detail)
         if self.errors:
             # The earliest error is the cause; later ones are peers noticing (connection reset by peer).
-            _, rank, summary, remote = min(self.errors, key=lambda e: e[0])
-            raise WorkerError(rank, summary, remote)
+            first = min(self.errors, key=lambda error: error.unix_time)
+            raise WorkerError(first.rank, first.summary, first.traceback)
         world = self.config.num_processes
         missing = [rank for rank in range(world) if rank not in self.results]
         if missing:
@@ -314,13 +350,13 @@ class _Pump:
         return [cloudpickle.loads(self.results[rank]) for rank in range(world)]
 
 
-def plan(config: RunConfig, payload: Payload, model: Any = None) -> str:
-    """What ``--dry-run`` prints: the validated config and what would be launched; with ``model`` (a
-    `memory.CellModel`), the memory estimate for the cell's own model, or why it is not known yet."""
+def dry_run_text(plan: RunPlan, payload: Payload, model: Any = None) -> str:
+    """What ``--dry-run`` prints for a checked ``plan``: the validated config and what would be launched; with
+    ``model`` (a `memory.CellModel`), the memory estimate for the cell's own model, or why it is not known yet."""
     from .memory import estimate
     from .observer import plan_with_backend
 
-    launcher = get_launcher(config.backend)
+    config, launcher = plan.config, plan.launcher
     call = payload.call_text or (f"{payload.name}(ctx)" if payload.takes_ctx else f"{payload.name}()")
     lines = [
         "dtrain_magic dry run: nothing launched.",

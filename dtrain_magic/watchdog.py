@@ -8,11 +8,11 @@ whatever the watched process is doing. Two modes:
 
 ``rank-watch HOST PORT RANK PID`` (authkey as hex on the first stdin line)
     For a worker on any host (Spark's torchrun processes, local or on executors): connect to the
-    notebook's rank watch (authenticated ``multiprocessing.connection``) and say ``("start", RANK)``.
-    The worker writes ``done`` to our stdin when it ended in Python (result or reported error), and its
-    exit closes our stdin. If the notebook's side closes (run over, cancelled, notebook process gone),
-    the worker PID is SIGKILLed. If the worker dies first, our connection closes without ``done``, which
-    tells the notebook that the worker died without reporting.
+    notebook's rank watch (authenticated ``multiprocessing.connection``) and send `rank_started`. The
+    worker writes ``done`` to our stdin when it ended in Python (result or reported error): we send
+    `rank_done`; its exit closes our stdin. If the notebook's side closes (run over, cancelled, notebook
+    process gone), the worker PID is SIGKILLed. If the worker dies first, our connection closes without
+    `rank_done`, which tells the notebook that the worker died without reporting.
 
 ``sweep KEY=VALUE [--rmtree DIR]``
     For a backend instance the magic started on this machine (its local Ray): when our stdin closes
@@ -33,6 +33,17 @@ import sys
 import time
 
 HERE = os.path.abspath(__file__)
+
+
+# The rank watch's messages in the channel's wire form (``dtrain_magic.channel.RankStarted`` / ``RankDone``,
+# `Message.wire`): this module runs without the package, so it writes the tuples itself; a unit test
+# checks that they are what the channel's classes send and decode.
+def rank_started(rank: int) -> tuple:
+    return ("start", rank)
+
+
+def rank_done(rank: int) -> tuple:
+    return ("done", rank)
 
 
 def command(*args: str) -> list[str]:
@@ -67,7 +78,7 @@ def _rank_watch(host: str, port: int, rank: int, pid: int) -> None:
     secret = bytes.fromhex(stdin.readline().strip().decode())
     try:
         conn = Client((host, port), authkey=secret)
-        conn.send(("start", rank))
+        conn.send(rank_started(rank))
     except Exception:
         _kill(pid)  # the notebook is not there (any more): nothing this worker does can reach it
         return
@@ -83,10 +94,10 @@ def _rank_watch(host: str, port: int, rank: int, pid: int) -> None:
             return
         data = os.read(fd, 256)
         if not data:
-            return  # the worker exited: our connection closes (without "done" if it died)
+            return  # the worker exited: our connection closes (without rank_done if it died)
         if b"done" in data:
             try:
-                conn.send(("done", rank))
+                conn.send(rank_done(rank))
             except Exception:
                 pass
 

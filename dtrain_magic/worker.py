@@ -21,10 +21,9 @@ from typing import Any
 
 import cloudpickle
 
-from . import channel as ch
 from . import integrations
 from .capture import Payload
-from .channel import ChannelAddress, WorkerLink
+from .channel import ChannelAddress, Error, Hello, Output, Result, Status, WorkerLink
 from .config import RunConfig
 from .tracebacks import short_traceback, summary
 
@@ -72,12 +71,12 @@ class _ChannelStream(io.TextIOBase):
         self._buffer += text
         if "\n" in self._buffer:
             complete, _, self._buffer = self._buffer.rpartition("\n")
-            self._link.send((ch.OUTPUT, self._rank, self._name, complete + "\n"))
+            self._link.send(Output(self._rank, self._name, complete + "\n"))
         return len(text)
 
     def flush(self) -> None:
         if self._buffer:
-            self._link.send((ch.OUTPUT, self._rank, self._name, self._buffer))
+            self._link.send(Output(self._rank, self._name, self._buffer))
             self._buffer = ""
 
     def isatty(self) -> bool:
@@ -148,7 +147,7 @@ def run_worker(job: WorkerJob, ranks: RankInfo | None = None, checkpoints: Any =
     for key, value in job.env.items():
         os.environ.setdefault(key, value)
     link = WorkerLink(job.channel, ranks.rank)
-    link.send((ch.HELLO, ranks.rank, {"pid": os.getpid(), "host": socket.gethostname()}))
+    link.send(Hello(ranks.rank, os.getpid(), socket.gethostname()))
     streams = sys.stdout, sys.stderr
     sys.stdout = _ChannelStream(link, ranks.rank, "stdout")
     sys.stderr = _ChannelStream(link, ranks.rank, "stderr")
@@ -178,7 +177,7 @@ def run_worker(job: WorkerJob, ranks: RankInfo | None = None, checkpoints: Any =
         # names the cell imported (init_process_group, ray.train.report) resolve to the adapted ones.
         integrations.install(job.config, ctx, job.config.backend)
         fn = job.payload.load()
-        link.send((ch.STATUS, ranks.rank, "running", ""))
+        link.send(Status(ranks.rank, "running", ""))
         value = fn(ctx) if job.payload.takes_ctx else fn()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -189,8 +188,8 @@ def run_worker(job: WorkerJob, ranks: RankInfo | None = None, checkpoints: Any =
                 f"the function's return value ({type(value).__name__}) cannot be pickled to send it back: {exc}. "
                 "Return plain Python data (lists, dicts, numbers) or tensors"
             ) from None
-        link.send((ch.RESULT, ranks.rank, data))
-        link.send((ch.STATUS, ranks.rank, "done", ""))
+        link.send(Result(ranks.rank, data))
+        link.send(Status(ranks.rank, "done", ""))
         if owns_group:
             # Leave together: a rank that finished its last collective first (a broadcast's sender) must
             # not close its connections while a peer is still reading from them. A peer that failed makes
@@ -206,8 +205,8 @@ def run_worker(job: WorkerJob, ranks: RankInfo | None = None, checkpoints: Any =
                 stream.flush()
             except Exception:
                 pass
-        link.send((ch.ERROR, ranks.rank, summary(exc), short_traceback(exc, job.payload.labels), time.time()))
-        link.send((ch.STATUS, ranks.rank, "failed", summary(exc)))
+        link.send(Error(ranks.rank, summary(exc), short_traceback(exc, job.payload.labels), time.time()))
+        link.send(Status(ranks.rank, "failed", summary(exc)))
         raise
     finally:
         sys.stdout, sys.stderr = streams

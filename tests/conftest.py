@@ -53,6 +53,31 @@ def mlflow(tracking_uri):
     return mlflow_client(tracking_uri)
 
 
+@pytest.fixture
+def count_calls(monkeypatch):
+    """``count_calls(owner, name)``: replace ``owner.name`` (a function, or a method of a class) by one that
+    records each call's arguments, in ``owner`` and, for a module's function, in every dtrain_magic module
+    that imported it by name; returns the list of recorded calls."""
+
+    def install(owner, name):
+        original = getattr(owner, name)
+        calls = []
+
+        def counting(*args, **kwargs):
+            calls.append(args)
+            return original(*args, **kwargs)
+
+        holders = [owner]
+        if not isinstance(owner, type):
+            holders += [m for m in list(sys.modules.values())
+                        if getattr(m, "__name__", "").startswith("dtrain_magic") and getattr(m, name, None) is original]
+        for holder in holders:
+            monkeypatch.setattr(holder, name, counting)
+        return calls
+
+    return install
+
+
 def pytest_collection_modifyitems(config, items):
     gpu = False
     try:

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
+from ..channel import Message
 from ..config import RunConfig
 from ..worker import WorkerJob
 
@@ -25,8 +26,9 @@ def loopback_interface() -> str:
         return "lo"
 
 
-# A launcher reports what only it can see (process output written below Python, exits) with this.
-Emit = Callable[[tuple], None]
+# A launcher reports what only it can see (process output written below Python) with this: a channel
+# `Message` (`channel.Output`), handed to the run's channel as if a worker had sent it.
+Emit = Callable[[Message], None]
 
 
 @dataclass

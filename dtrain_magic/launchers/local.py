@@ -33,7 +33,7 @@ import time
 
 import cloudpickle
 
-from .. import channel as ch
+from ..channel import Output
 from ..config import RunConfig
 from ..errors import ConfigError, LaunchError
 from ..worker import WorkerJob
@@ -203,7 +203,7 @@ class LocalJob(RunningJob):
 
     def _pump(self, stream, rank: int, name: str) -> None:
         for raw in iter(stream.readline, b""):
-            self._emit((ch.OUTPUT, rank, name, raw.decode("utf-8", "replace")))
+            self._emit(Output(rank, name, raw.decode("utf-8", "replace")))
         stream.close()
 
     def release(self) -> None:
@@ -240,9 +240,9 @@ class LocalJob(RunningJob):
     def _restart(self, failure: Failure) -> None:
         self._restarts_left -= 1
         self._attempt += 1
-        self._emit((ch.OUTPUT, None, "stderr",
-                    f"dtrain_magic: rank {failure.rank} failed ({failure.reason}); restarting every worker "
-                    f"(restart {self._attempt}, {self._restarts_left} left)\n"))
+        self._emit(Output(None, "stderr",
+                          f"dtrain_magic: rank {failure.rank} failed ({failure.reason}); restarting every worker "
+                          f"(restart {self._attempt}, {self._restarts_left} left)\n"))
         self._stop_all()
         self._launch()
 

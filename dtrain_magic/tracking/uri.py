@@ -34,7 +34,9 @@ def resolve_tracking_uri(config: RunConfig) -> str:
 
 def check_tracking_uri(config: RunConfig, timeout_s: float = PROBE_TIMEOUT_S) -> str:
     """The tracking URI, or a short `ConfigError` when MLflow cannot use it: an unknown scheme, or an
-    http(s) server that does not answer within ``timeout_s``. Creates nothing (no database, no run)."""
+    http(s) server that does not answer within ``timeout_s``. Creates nothing (no database, no run). A deleted
+    experiment in a SQLite store is the caller's to refuse (`deleted_experiment_error`): it reads the store's
+    `sqlite_experiment_stage` once per run, for this and for when the workers may start."""
     uri = resolve_tracking_uri(config)
     bare = uri.strip().lower()
     scheme = bare if bare in {"databricks", "databricks-uc", "uc"} else urlsplit(uri).scheme.lower()
@@ -46,8 +48,6 @@ def check_tracking_uri(config: RunConfig, timeout_s: float = PROBE_TIMEOUT_S) ->
             raise tracking_uri_error(
                 config, f"no working MLflow server there ({problem})", "Start one (`mlflow server --port PORT`) or use"
             )
-    if sqlite_experiment_stage(uri, config.experiment) == "deleted":
-        raise deleted_experiment_error(config, uri)
     return uri
 
 

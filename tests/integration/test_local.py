@@ -272,6 +272,34 @@ def test_dry_run_shows_plan_and_launches_nothing(shell, mlflow, capsys):
     assert mlflow.get_experiment_by_name("dtrain_magic") is None
 
 
+def test_a_run_looks_up_its_launcher_store_state_and_channel_host_once(shell, count_calls, tracking_uri):
+    """`runner.check`'s plan is what `execute` runs: through the magic (check, capture, execute with the plan)
+    and through `runner.execute` alone (the panel's Run, which checks itself), once per run each."""
+    from dtrain_magic import launchers, runner
+    from dtrain_magic.capture import capture
+    from dtrain_magic.config import RunConfig
+    from dtrain_magic.launchers.local import LocalLauncher
+    from dtrain_magic.observer import RunObserver
+    from dtrain_magic.tracking import uri
+
+    calls = {
+        "get_launcher": count_calls(launchers, "get_launcher"),
+        "sqlite_experiment_stage": count_calls(uri, "sqlite_experiment_stage"),
+        **{name: count_calls(LocalLauncher, name) for name in ("check", "starts_before_tracking", "channel_host")},
+    }
+    cell = "def train(ctx):\n    ctx.log(loss=1.0)\n    return ctx.rank\n"
+    result = shell.run("%%distribute --backend local -n 2 --no-ui\n" + cell)
+    assert result.error_in_exec is None, result.error_in_exec
+    assert result.result.values == [0, 1]
+    assert {name: len(made) for name, made in calls.items()} == dict.fromkeys(calls, 1)
+    for made in calls.values():
+        made.clear()
+    payload, _ = capture(cell, {})
+    assert runner.execute(RunConfig(num_processes=2, tracking_uri=tracking_uri), payload, RunObserver()).values == [0, 1]
+    assert {name: len(made) for name, made in calls.items()} == dict.fromkeys(calls, 1)
+    assert_nothing_left()
+
+
 def test_worker_output_streams_while_the_run_is_going(tmp_path, tracking_uri):
     """Lines reach the notebook as they are printed, not at the end."""
     from dtrain_magic import runner

@@ -201,14 +201,15 @@ def test_numbers_keeps_numeric_metrics_only():
 
 
 # -- before launch -----------------------------------------------------------------------------------
-def test_a_ray_train_loop_off_ray_is_refused_and_dry_run_shows_the_call():
+def test_a_ray_train_loop_off_ray_is_refused_and_dry_run_shows_the_call(tmp_path):
     from dtrain_magic.capture import Payload
     from dtrain_magic.config import RunConfig
     from dtrain_magic.errors import ConfigError
-    from dtrain_magic.runner import check_payload, plan
+    from dtrain_magic.runner import check, check_payload, dry_run_text
 
     payload = Payload(b"", "loop", False, call_text="loop({'lr': 0.1})", uses_ray_train=True)
     with pytest.raises(ConfigError, match=r"--backend: loop\(\{'lr': 0.1\}\) calls Ray Train .* --backend ray"):
         check_payload(RunConfig(backend="local"), payload)
     check_payload(RunConfig(backend="ray"), payload)
-    assert "would run loop({'lr': 0.1}) on 2 local process(es)" in plan(RunConfig(backend="local"), payload)
+    plan = check(RunConfig(backend="local", tracking_uri=f"sqlite:///{tmp_path}/mlflow.db"))
+    assert "would run loop({'lr': 0.1}) on 2 local process(es)" in dry_run_text(plan, payload)

@@ -23,8 +23,6 @@ rank 0's).
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 import atexit
 import os
 import signal
@@ -35,6 +33,7 @@ import time
 import uuid
 from typing import Any
 
+from ...channel import AuthenticatedListener, RankDone, decode
 from ...config import RunConfig
 from ...errors import ConfigError, LaunchError, MissingDependencyError
 from ...worker import WorkerJob
@@ -51,12 +50,11 @@ _DIED = "the process died without reporting an error (killed by a signal, or cra
 
 
 class _RankWatch:
-    """One connection per worker: a worker whose connection drops before it said "done" was killed or
-    crashed (seen at once, before torchrun's report); closing it makes every remaining worker exit."""
+    """One connection per worker, from its watchdog (`channel.RankStarted`, then `channel.RankDone` when the
+    worker ended in Python): a worker whose connection drops before `RankDone` was killed or crashed (seen at
+    once, before torchrun's report); closing the watch makes every remaining worker's watchdog kill it."""
 
     def __init__(self, host: str):
-        from ...channel import AuthenticatedListener
-
         self.dead: dict[int, str] = {}
         self._listener = AuthenticatedListener(host, self._read, "dtrain-spark-watch")
         self.authkey = self._listener.authkey
@@ -66,9 +64,9 @@ class _RankWatch:
         rank, done = None, False
         try:
             while True:
-                kind, rank = conn.recv()
-                done = done or kind == "done"
-        except Exception:
+                message = decode(conn.recv())
+                rank, done = message.rank, done or isinstance(message, RankDone)
+        except Exception:  # the connection closed (or sent what no watchdog sends)
             pass
         if rank is not None and not done and not self._listener.closed.is_set():
             self.dead.setdefault(rank, _DIED)
@@ -99,7 +97,7 @@ class SparkJob(RunningJob):
         self._started_at = time.time()
         self._known_children = _child_pids()
         self._distributor = launcher._distributor(job.config)
-        self._watch = _RankWatch(launcher.channel_host(job.config))
+        self._watch = _RankWatch(job.channel.host)  # where the run's channel listens: reachable by every worker
         self._thread = threading.Thread(
             target=self._run, args=(job, tracking_uri), name="dtrain-spark-run", daemon=True
         )
