@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .._compat import deepspeed as deepspeed_compat
 from ..config import RunConfig
 from ..errors import ConfigError, MissingDependencyError
 from ..extensions import load_deepspeed_cpu_ops, use_private_extensions_dir
@@ -289,7 +290,7 @@ class DeepSpeedStrategy(Strategy):
             if param is not None:
                 full = safe_get_full_fp32_param(param)
                 if full is None:
-                    if hasattr(param, "ds_id"):  # ZeRO-3 param without an fp32 master (no optimizer)
+                    if deepspeed_compat.is_partitioned(param):  # ZeRO-3 param without an fp32 master (no optimizer)
                         from deepspeed import zero
 
                         with zero.GatheredParameters([param]):

@@ -131,6 +131,33 @@ def test_two_workers_match_the_local_backend(shell, mlflow, reference_weights, t
     assert "tok-planted-secret-ray" not in everything
 
 
+def test_a_ray_whose_private_parts_are_unknown_is_refused_before_anything_starts(shell, mlflow, monkeypatch):
+    """Ray's private parts (dtrain_magic._compat.ray): an unknown version is a one-line error before the cell
+    runs; DTRAIN_MAGIC_UNTESTED_VERSIONS lets it through; a Ray without a needed part is refused even then."""
+    from ray.train.v2._internal.execution.controller import TrainController
+
+    from dtrain_magic import _compat
+    from dtrain_magic.errors import UnsupportedVersionError
+
+    real = _compat.installed_version
+    monkeypatch.setattr(_compat, "installed_version", lambda d, m: "2.61.0" if d == "ray" else real(d, m))
+    monkeypatch.delenv(_compat.OPT_IN_ENV, raising=False)
+    result = shell.run("%%distribute --backend ray -n 2 --no-ui\nSIDE = 1\ndef train(ctx):\n    return 1\n")
+    assert isinstance(result.error_in_exec, UnsupportedVersionError), result.error_in_exec
+    text = "\n".join(result.error_in_exec._render_traceback_())
+    assert len(text.splitlines()) == 1 and text.startswith("UnsupportedVersionError: Ray 2.61.0 is installed")
+    assert "2.60.x" in text and "ray[default,train]==2.60.0" in text and "DTRAIN_MAGIC_UNTESTED_VERSIONS=ray" in text
+    assert "SIDE" not in shell.user_ns and mlflow.get_experiment_by_name("dtrain_magic") is None
+
+    monkeypatch.setenv(_compat.OPT_IN_ENV, "ray")
+    dry = shell.run("%%distribute --backend ray -n 2 --no-ui --dry-run\ndef train(ctx):\n    return 1\n")
+    assert dry.error_in_exec is None, dry.error_in_exec
+    monkeypatch.delattr(TrainController, "abort")
+    missing = shell.run("%%distribute --backend ray -n 2 --no-ui --dry-run\ndef train(ctx):\n    return 1\n")
+    assert isinstance(missing.error_in_exec, UnsupportedVersionError), missing.error_in_exec
+    assert "has no TrainController.abort" in str(missing.error_in_exec)
+
+
 
 # The strategies' own training function (tests/integration/test_strategies.py), unchanged, through Ray
 # Train's process group: DeepSpeed on top of it matches one process (fp32) and resumes. (FSDP and ZeRO-3

@@ -20,8 +20,8 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from typing import Any
 
+from ..._compat import ray as ray_compat
 from ...checkpoints import storage_path
 from ...config import RunConfig
 from ...errors import ConfigError, LaunchError, MissingDependencyError
@@ -31,55 +31,7 @@ from .diagnostics import failures_from, one_line
 from .instance import _Embedded, _current_address, _ensure_capacity, _host_port, connect
 from .worker import _train_loop
 
-_ABORT_WAIT_S = 4.0  # controller.abort() before we kill the controller actor outright
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def _make_trainer_class():
-    from ray.train.torch import TorchTrainer
-
-    class _Trainer(TorchTrainer):
-        """TorchTrainer that keeps the handle of its controller actor, so a run can be aborted."""
-
-        controller = None
-        cancel_requested = False
-
-        def _initialize_and_run_controller(self, **controller_init_kwargs):  # mirrors Ray 2.60's
-            import ray
-            from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
-            from ray.train.v2._internal.constants import (
-                DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
-                get_env_vars_to_propagate,
-            )
-            from ray.train.v2._internal.execution.controller import TrainController
-
-            env_vars = get_env_vars_to_propagate()
-            env_vars.setdefault(RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR, DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
-            controller_cls = ray.remote(
-                num_cpus=0,
-                label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
-                runtime_env={"env_vars": env_vars},
-            )(TrainController)
-            self.controller = controller_cls.remote(**controller_init_kwargs)
-            if self.cancel_requested:
-                _abort(self.controller)
-            ray.get(self.controller.run.remote())
-            return ray.get(self.controller.get_result.remote())
-
-    return _Trainer
-
-
-def _abort(controller: Any) -> None:
-    import ray
-
-    try:
-        ray.get(controller.abort.remote(), timeout=_ABORT_WAIT_S)
-    except Exception:  # RayActorError: it exited (as abort does); GetTimeoutError: kill it below
-        pass
-    try:
-        ray.kill(controller, no_restart=True)  # its worker actors fate-share with it
-    except Exception:
-        pass
 
 
 class RayJob(RunningJob):
@@ -96,7 +48,7 @@ class RayJob(RunningJob):
         self.name = os.path.basename(job.checkpoint_root) if job.checkpoint_root else f"dtrain_{uuid.uuid4().hex}"
         if "://" not in self.storage:  # Ray Train would create it 0755: the run's files are the user's alone
             os.makedirs(os.path.join(self.storage, self.name), mode=0o700, exist_ok=True)
-        self.trainer = _make_trainer_class()(
+        self.trainer = ray_compat.abortable_trainer_class()(
             _train_loop,
             train_loop_config={"job": job, "cwd": os.getcwd()},
             scaling_config=ray.train.ScalingConfig(num_workers=config.num_processes, use_gpu=config.use_gpu),
@@ -133,8 +85,8 @@ class RayJob(RunningJob):
             return
         self.trainer.cancel_requested = True
         if self.trainer.controller is not None:
-            _abort(self.trainer.controller)
-        self._thread.join(_ABORT_WAIT_S + 2)
+            ray_compat.abort(self.trainer.controller)
+        self._thread.join(ray_compat.ABORT_WAIT_S + 2)
 
 
 class RayLauncher(Launcher):
@@ -150,6 +102,7 @@ class RayLauncher(Launcher):
             raise MissingDependencyError(
                 f"--backend ray needs Ray Train: pip install 'ray[default,train]' ({exc})"
             ) from None
+        ray_compat.check()  # a Ray whose private parts we know (or the opt-in): before anything starts
         import ray
 
         address = config.ray_address or os.environ.get("RAY_ADDRESS")

@@ -10,6 +10,7 @@ import shutil
 import tempfile
 from typing import Any
 
+from ..._compat import ray as ray_compat
 from ...config import RunConfig
 from ...errors import LaunchError
 from .diagnostics import one_line
@@ -79,16 +80,9 @@ def _start_embedded_once(num_cpus: int) -> None:
     _Embedded.sweeper = watchdog.start("sweep", marker, "--rmtree", temp_dir)
     os.environ[_INSTANCE_ENV] = temp_dir  # inherited by the GCS, the raylet, and through it by every worker
     try:
-        ray.init(
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            log_to_driver=False,  # worker output comes over the run's channel
-            configure_logging=False,
-            _node_ip_address="127.0.0.1",
-            # Ray makes its temp dir world-writable (0777, for shared clusters); inside ours (0700, the
-            # user's alone) nobody else can reach its sockets, logs or spilled objects.
-            _temp_dir=os.path.join(temp_dir, "r"),
-        )
+        # Ray makes its temp dir world-writable (0777, for shared clusters); inside ours (0700, the
+        # user's alone) nobody else can reach its sockets, logs or spilled objects.
+        ray_compat.init_local_instance(num_cpus, os.path.join(temp_dir, "r"))
     except BaseException as exc:
         os.environ.pop(_INSTANCE_ENV, None)
         try:

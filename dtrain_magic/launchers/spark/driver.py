@@ -35,6 +35,7 @@ import time
 import uuid
 from typing import Any
 
+from ..._compat import spark as spark_compat
 from ...config import RunConfig
 from ...errors import ConfigError, LaunchError, MissingDependencyError
 from ...worker import WorkerJob
@@ -44,7 +45,6 @@ from .worker import _spark_train_fn
 
 _CANCEL_GRACE_S = 3.0
 _EXECUTOR_WAIT_S = 60.0
-_WRAPPER_MODULE = "pyspark.ml.torch.torch_run_process_wrapper"
 
 
 _DIED = "the process died without reporting an error (killed by a signal, or crashed below Python)"
@@ -112,10 +112,7 @@ class SparkJob(RunningJob):
         except BaseException as exc:  # noqa: BLE001 - reported through poll()
             self._error = exc
         finally:
-            try:
-                self._sc.setLocalProperty("spark.jobGroup.id", None)
-            except Exception:
-                pass
+            spark_compat.clear_job_group(self._sc)
 
     def poll(self) -> LaunchState:
         # In the order the deaths were seen, not by rank: the first is the cause (torchrun then SIGTERMs
@@ -223,7 +220,7 @@ def _our_torchrun_trees(since: float, known: set[int]) -> list:
             cmdline = " ".join(proc.cmdline())
         except psutil.Error:
             continue
-        if _WRAPPER_MODULE in cmdline or "torch.distributed.run" in cmdline:
+        if spark_compat.TORCHRUN_WRAPPER_MODULE in cmdline or "torch.distributed.run" in cmdline:
             found[proc.pid] = proc
             try:
                 for child in proc.children(recursive=True):
@@ -268,13 +265,11 @@ class SparkLauncher(Launcher):
     # -- the session ---------------------------------------------------------------------------------
     @staticmethod
     def _active_session() -> Any:
-        from pyspark.sql import SparkSession
-
-        session = SparkSession.getActiveSession() or getattr(SparkSession, "_instantiatedSession", None)
+        session = spark_compat.default_session()
         if session is None:
             return None
         try:
-            if session.sparkContext._jsc is None:  # stopped
+            if spark_compat.context_stopped(session.sparkContext):
                 return None
         except Exception:
             return None
@@ -307,7 +302,7 @@ class SparkLauncher(Launcher):
     @staticmethod
     def _alive(session: Any) -> bool:
         try:
-            return session.sparkContext._jsc is not None
+            return not spark_compat.context_stopped(session.sparkContext)
         except Exception:
             return False
 
@@ -397,12 +392,10 @@ class SparkLauncher(Launcher):
         deadline = time.monotonic() + _EXECUTOR_WAIT_S
         slots = 0
         while True:
-            try:
-                jsc = sc._jsc.sc()
-                executors = max(0, len(jsc.statusTracker().getExecutorInfos()) - 1)  # minus the driver
-                slots = jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile())
-            except Exception:
+            counted = spark_compat.task_slots(sc)
+            if counted is None:
                 return  # cannot tell (Spark Connect, another Spark version): let Spark decide
+            executors, slots = counted
             if slots >= needed or in_driver or time.monotonic() > deadline:
                 break
             time.sleep(0.25)
