@@ -9,6 +9,7 @@ the channel, never through the backend's own return value, so every backend beha
 
 from __future__ import annotations
 
+import signal
 import socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -27,6 +28,17 @@ def loopback_interface() -> str:
 
 # A launcher reports what only it can see (process output written below Python, exits) with this.
 Emit = Callable[[tuple], None]
+
+
+def describe_exit(code: int) -> str:
+    """A worker process's exit status in words (``code`` as `subprocess.Popen.returncode`: negative for a signal)."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"process was killed by {name}"
+    return f"process exited with code {code}"
 
 
 @dataclass

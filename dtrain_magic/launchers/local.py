@@ -37,7 +37,7 @@ from .. import channel as ch
 from ..config import RunConfig
 from ..errors import ConfigError, LaunchError
 from ..worker import WorkerJob
-from .base import Emit, Failure, Launcher, LaunchState, RunningJob, loopback_interface
+from .base import Emit, Failure, Launcher, LaunchState, RunningJob, describe_exit, loopback_interface
 from .forkserver import ForkedProcess, ForkServer
 
 _GRACE_S = 3.0
@@ -224,7 +224,7 @@ class LocalJob(RunningJob):
     def poll(self) -> LaunchState:
         codes = [proc.poll() for proc in self.processes]
         failures = [
-            Failure(rank, proc.error or _describe_exit(code))
+            Failure(rank, proc.error or describe_exit(code))
             for rank, (proc, code) in enumerate(zip(self.processes, codes)) if code not in (None, 0)
         ]
         if failures and self._restarts_left > 0 and not self._cancelled:
@@ -282,16 +282,6 @@ class LocalJob(RunningJob):
     def _cleanup(self) -> None:
         if os.path.isdir(self._run_dir):
             shutil.rmtree(self._run_dir, ignore_errors=True)
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"process was killed by {name}"
-    return f"process exited with code {code}"
 
 
 class LocalLauncher(Launcher):

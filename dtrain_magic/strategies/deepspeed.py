@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .._compat import deepspeed as deepspeed_compat
+from ..batch_sizes import check_batch_arithmetic
 from ..config import RunConfig
 from ..errors import ConfigError, MissingDependencyError
 from ..extensions import load_deepspeed_cpu_ops, use_private_extensions_dir
@@ -83,16 +84,6 @@ def _merge(base: dict, over: dict) -> dict:
         else:
             out[key] = copy.deepcopy(value)
     return out
-
-
-def _batch_error(train: int, micro: int, accum: int, world: int) -> ConfigError:
-    expected = micro * accum * world
-    return ConfigError(
-        "--train-batch",
-        f"train_batch_size {train} != train_micro_batch_size_per_gpu {micro} x gradient_accumulation_steps "
-        f"{accum} x world_size {world} (= {expected}); set train_batch_size/--train-batch to {expected}, or "
-        "change the micro batch, --grad-accum or --num-processes so the product matches",
-    )
 
 
 def build_config(config: RunConfig, world_size: int | None = None, loader_batch: int | None = None) -> dict:
@@ -152,8 +143,7 @@ def build_config(config: RunConfig, world_size: int | None = None, loader_batch:
         micro = loader_batch or 1
     if train is None:
         train = micro * accum * world
-    if train != micro * accum * world:
-        raise _batch_error(train, micro, accum, world)
+    check_batch_arithmetic(train, micro, accum, world)
     if loader_batch is not None and loader_batch != micro:
         raise ConfigError(
             "--micro-batch",

@@ -25,9 +25,10 @@ from ..._compat import ray as ray_compat
 from ...checkpoints import storage_path
 from ...config import RunConfig
 from ...errors import ConfigError, LaunchError, MissingDependencyError
+from ...tracebacks import summary
 from ...worker import WorkerJob
 from ..base import Emit, Launcher, LaunchState, RunningJob
-from .diagnostics import failures_from, one_line
+from .diagnostics import failures_from
 from .instance import _Embedded, _current_address, _ensure_capacity, _host_port, connect
 from .worker import _train_loop
 
@@ -139,7 +140,7 @@ class RayLauncher(Launcher):
         except (ConfigError, LaunchError):
             raise
         except Exception as exc:
-            raise LaunchError(f"could not start Ray Train: {one_line(exc)}") from None
+            raise LaunchError(f"could not start Ray Train: {summary(exc, limit=300)}") from None
 
     def describe(self, config: RunConfig) -> str:
         device = "GPU" if config.use_gpu else "CPU"

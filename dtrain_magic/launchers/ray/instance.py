@@ -13,7 +13,7 @@ from typing import Any
 from ..._compat import ray as ray_compat
 from ...config import RunConfig
 from ...errors import LaunchError
-from .diagnostics import one_line
+from ...tracebacks import summary
 
 
 class _Embedded:
@@ -91,7 +91,7 @@ def _start_embedded_once(num_cpus: int) -> None:
             _stop_sweeper()
             shutil.rmtree(temp_dir, ignore_errors=True)
         if isinstance(exc, Exception):
-            raise LaunchError(f"could not start a local Ray instance: {one_line(exc)}") from None
+            raise LaunchError(f"could not start a local Ray instance: {summary(exc, limit=300)}") from None
         raise
     os.environ.pop(_INSTANCE_ENV, None)  # only the instance's processes carry it, not what starts later
     _Embedded.temp_dir, _Embedded.num_cpus = temp_dir, num_cpus
@@ -153,7 +153,7 @@ def connect(config: RunConfig) -> str:
         try:
             ray.init(address=address, log_to_driver=False, configure_logging=False)
         except Exception as exc:
-            raise LaunchError(f"could not join the Ray cluster at {address}: {one_line(exc)}") from None
+            raise LaunchError(f"could not join the Ray cluster at {address}: {summary(exc, limit=300)}") from None
         _Embedded.joined = address  # Ray reports a loopback address under the node's IP: remember ours
         _Embedded.joined_gcs = _current_address()
         _Embedded.joined_job = _current_job()
