@@ -113,3 +113,8 @@ class Launcher(ABC):
     def describe(self, config: RunConfig) -> str:
         """One line for ``--dry-run`` and the panel: what would be started where."""
         return f"{config.num_processes} worker(s) via {self.name}"
+
+    def shutdown(self, at_exit: bool = False) -> None:
+        """Stop what this launcher keeps between runs (a fork server, a Ray instance, a SparkSession it
+        started); a later run starts it again. ``at_exit``: the kernel is exiting (`dtrain_magic.state`
+        calls this once for every launcher). Default: nothing kept."""

@@ -29,7 +29,7 @@ from ...tracebacks import summary
 from ...worker import WorkerJob
 from ..base import Emit, Launcher, LaunchState, RunningJob
 from .diagnostics import failures_from
-from .instance import _Embedded, _current_address, _ensure_capacity, _host_port, connect
+from .instance import RayInstance, _current_address, _host_port
 from .worker import _train_loop
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -95,6 +95,9 @@ class RayLauncher(Launcher):
 
     name = "ray"
 
+    def __init__(self) -> None:
+        self.instance = RayInstance()  # the Ray this kernel started or joined, kept between runs
+
     def check(self, config: RunConfig) -> None:
         try:
             import ray  # noqa: F401
@@ -121,26 +124,31 @@ class RayLauncher(Launcher):
         return True  # Ray Train's run is named after the checkpoint root, not the MLflow run
 
     def warm_up(self, config: RunConfig) -> None:
-        connect(config)  # ray.init (seconds, cold) while the MLflow run opens
+        self.instance.connect(config)  # ray.init (seconds, cold) while the MLflow run opens
 
     def channel_host(self, config: RunConfig) -> str:
         import ray
 
-        connect(config)
-        current = _Embedded.joined if ray.is_initialized() and _Embedded.joined else _current_address()
+        self.instance.connect(config)
+        joined = self.instance.joined
+        current = joined if ray.is_initialized() and joined else _current_address()
         if current is None or _host_port(current)[0] in _LOOPBACK:
             return "127.0.0.1"
         return ray.util.get_node_ip_address()
 
     def start(self, job: WorkerJob, emit: Emit) -> RunningJob:
-        how = connect(job.config)
-        _ensure_capacity(job.config, how)
+        how = self.instance.connect(job.config)
+        self.instance.ensure_capacity(job.config, how)
         try:
             return RayJob(job, emit)
         except (ConfigError, LaunchError):
             raise
         except Exception as exc:
             raise LaunchError(f"could not start Ray Train: {summary(exc, limit=300)}") from None
+
+    def shutdown(self, at_exit: bool = False) -> None:
+        """Shut down the local Ray instance this kernel started (a joined cluster is left as it is)."""
+        self.instance.shutdown()
 
     def describe(self, config: RunConfig) -> str:
         device = "GPU" if config.use_gpu else "CPU"

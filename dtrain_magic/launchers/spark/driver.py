@@ -23,9 +23,6 @@ rank 0's).
 
 from __future__ import annotations
 
-from __future__ import annotations
-
-import atexit
 import os
 import signal
 import socket
@@ -38,6 +35,7 @@ from typing import Any
 from ..._compat import spark as spark_compat
 from ...config import RunConfig
 from ...errors import ConfigError, LaunchError, MissingDependencyError
+from ...state import kernel_state
 from ...worker import WorkerJob
 from ..base import Emit, Failure, Launcher, LaunchState, RunningJob
 from .diagnostics import check_java, gpu_setting_error, is_loopback_master, one_line_reason, torchrun_root_cause
@@ -260,7 +258,6 @@ class SparkLauncher(Launcher):
         self._lock = threading.Lock()
         self.session_start_s: float | None = None  # how long this launcher's last session start took
         self.session_starts = 0  # how many sessions this launcher started (a warm run starts none)
-        self._exit_hook = False
 
     # -- the session ---------------------------------------------------------------------------------
     @staticmethod
@@ -289,12 +286,10 @@ class SparkLauncher(Launcher):
             check_java()
             t0 = time.monotonic()
             self._session = self._build(config.spark_master or "local[*]")
-            if not self._exit_hook:
-                # Registered after pyspark's own hooks, so it runs before them: the session is stopped
-                # while the JVM is still whole (a local-cluster stopped by the JVM's own shutdown prints
-                # hundreds of lines of executor-launch stack traces).
-                atexit.register(self.shutdown_quietly)
-                self._exit_hook = True
+            # The kernel's exit hook then runs before pyspark's own: the session is stopped while the JVM
+            # is still whole (a local-cluster stopped by the JVM's own shutdown prints hundreds of lines of
+            # executor-launch stack traces).
+            kernel_state().stop_first_at_exit()
             self.session_start_s = time.monotonic() - t0
             self.session_starts += 1
             return self._session
@@ -336,16 +331,12 @@ class SparkLauncher(Launcher):
                 pass
             self._session = None
 
-    def shutdown(self) -> None:
-        """Stop the SparkSession this launcher started (never a session it found active)."""
+    def shutdown(self, at_exit: bool = False) -> None:
+        """Stop the SparkSession this launcher started (never a session it found active). ``at_exit``: with
+        the JVM's logging off (executors being torn down report every lost connection as an error otherwise;
+        not before, as the level would stay off for a session started later in the same JVM)."""
         with self._lock:
-            self._stop_own()
-
-    def shutdown_quietly(self) -> None:
-        """At the kernel's exit: stop our session with the JVM's logging off (executors being torn down
-        report every lost connection as an error otherwise)."""
-        with self._lock:
-            if self._session is not None and self._alive(self._session):
+            if at_exit and self._session is not None and self._alive(self._session):
                 try:
                     self._session.sparkContext.setLogLevel("OFF")
                 except Exception:
