@@ -54,11 +54,12 @@ def ray_loop(config: dict) -> None:
 def fresh_ray(n: int) -> float:
     """Shut down any embedded instance and start a new one the way the launcher does; seconds taken."""
     from dtrain_magic.config import RunConfig
-    from dtrain_magic.launchers import ray as ray_launcher
+    from dtrain_magic.launchers import get_launcher
 
-    ray_launcher._shutdown_embedded()
+    instance = get_launcher("ray").instance
+    instance.shutdown()
     t0 = time.perf_counter()
-    assert ray_launcher.connect(RunConfig(backend="ray", num_processes=n)) == "embedded"
+    assert instance.connect(RunConfig(backend="ray", num_processes=n)) == "embedded"
     return time.perf_counter() - t0
 
 
@@ -150,9 +151,9 @@ def main(argv: list[str] | None = None) -> int:
                     samples["warm"][mode].append(one(mode))
                     print(f"  {mode} warm run {i + 1}: first step {samples['warm'][mode][-1]['ttfs']:.2f} s, total "
                           f"{samples['warm'][mode][-1]['total']:.2f} s", file=sys.stderr, flush=True)
-    from dtrain_magic.launchers import ray as ray_launcher
+    from dtrain_magic.launchers import get_launcher
 
-    ray_launcher._shutdown_embedded()
+    get_launcher("ray").shutdown()
 
     report = {
         "backend": "ray", "n": args.n, "gpu": args.gpu, "steps": args.steps, "repeats": args.repeats,

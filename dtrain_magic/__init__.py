@@ -18,6 +18,7 @@ from .errors import (
     RunInterrupted,
     RunTimeout,
     UnsupportedCodeError,
+    UnsupportedVersionError,
     WorkerError,
 )
 from .result import RunResult
@@ -47,5 +48,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CaptureError", "ConfigError", "DistributeError", "LaunchError", "MissingDependencyError", "RunConfig",
-    "RunInterrupted", "RunResult", "RunTimeout", "TrainContext", "UnsupportedCodeError", "WorkerError", "load_ipython_extension",
+    "RunInterrupted", "RunResult", "RunTimeout", "TrainContext", "UnsupportedCodeError", "UnsupportedVersionError", "WorkerError",
+    "load_ipython_extension",
 ]

@@ -17,6 +17,7 @@ top-level ``def``, or the ``--fn`` name, or (in a cell with no ``def``) a functi
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import io
 import linecache
@@ -27,6 +28,7 @@ from typing import Any, Callable
 
 import cloudpickle
 
+from ._compat import cloudpickle as cloudpickle_compat
 from .errors import CaptureError
 from .tracebacks import short_traceback, summary
 
@@ -88,22 +90,25 @@ def _rebuild_code(rebuild: Callable[..., types.CodeType], args: tuple, filename:
     return rebuild(*args).replace(co_filename=filename)
 
 
-def _code_reduce_keeping_filename(code: types.CodeType) -> tuple:
-    rebuild, args = cloudpickle.cloudpickle._code_reduce(code)
+def _code_reduce_keeping_filename(reduce: Callable[[types.CodeType], tuple], code: types.CodeType) -> tuple:
+    rebuild, args = reduce(code)
     return _rebuild_code, (rebuild, args, code.co_filename)
 
 
-class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, except that code objects keep their file name (cloudpickle writes "<dynamic-code>"),
-    so a worker's traceback can point at the notebook cell the function came from."""
-
-    dispatch_table = ChainMap({types.CodeType: _code_reduce_keeping_filename}, cloudpickle.Pickler.dispatch_table)
+@functools.lru_cache(maxsize=None)
+def _pickler_class() -> type:
+    """cloudpickle's Pickler, except that code objects keep their file name (cloudpickle writes
+    "<dynamic-code>"), so a worker's traceback can point at the notebook cell the function came from."""
+    reduce = cloudpickle_compat.code_reducer()
+    ours = {types.CodeType: functools.partial(_code_reduce_keeping_filename, reduce)} if reduce else {}
+    table = ChainMap(ours, cloudpickle.Pickler.dispatch_table)
+    return type("_Pickler", (cloudpickle.Pickler,), {"dispatch_table": table})
 
 
 def dumps(obj: Any) -> bytes:
     """cloudpickle.dumps, keeping code objects' file names."""
     buffer = io.BytesIO()
-    _Pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
+    _pickler_class()(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
     return buffer.getvalue()
 
 
@@ -212,9 +217,17 @@ def _is_cell_file(filename: str) -> bool:
 
 
 def cell_labels(shell: Any) -> dict[str, str]:
-    """IPython's map of cell file names to ``Cell In[N]`` labels (what its own tracebacks show)."""
-    mapping = getattr(getattr(shell, "compile", None), "_filename_map", None) or {}
-    return {name: f"Cell In[{number}]" for name, number in mapping.items()}
+    """The ``Cell In[N]`` label IPython's own tracebacks show for each cell file it compiled (its public
+    ``CachingCompiler.format_code_name``); empty without a shell."""
+    format_code_name = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    if format_code_name is None:
+        return {}
+    labels = {}
+    for name in list(linecache.cache):
+        label = format_code_name(name)
+        if label:
+            labels[name] = " ".join(label)
+    return labels
 
 
 def serialize(
@@ -281,6 +294,7 @@ def _find_unpicklable_global(fn: Callable[..., Any]) -> tuple[str, Any] | None:
 def capture(cell: str, namespace: dict, fn_name: str | None = None, shell: Any = None) -> tuple[Payload, Callable]:
     """Run the cell in the notebook, choose its function and serialize it (with the call form's
     arguments when the cell ends with a call of it)."""
+    cloudpickle_compat.check()  # before the cell runs: a cloudpickle whose code reducer we know
     call_node = call_statement(cell, namespace, fn_name)
     filename = run_cell(cell, namespace, shell, drop_last=call_node is not None)
     if call_node is None:

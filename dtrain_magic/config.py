@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
+from .batch_sizes import check_batch_arithmetic
 from .errors import ConfigError
 
 BACKENDS = ("auto", "local", "spark", "ray")
@@ -106,7 +107,7 @@ class RunConfig:
                 "use --precision bf16 on CPU, or --gpu on a machine with CUDA",
             )
         self._check_backend_flags()
-        self._check_batch_arithmetic()
+        check_batch_arithmetic(self.train_batch, self.micro_batch, self.grad_accum, self.num_processes)
 
     def _check_backend_flags(self) -> None:
         if not self.local_mode and self.backend not in ("spark", "auto"):
@@ -134,19 +135,6 @@ class RunConfig:
             raise ConfigError(
                 "--max-restarts",
                 "TorchDistributor does not restart failed workers; use --backend ray or local for restarts",
-            )
-
-    def _check_batch_arithmetic(self) -> None:
-        if self.micro_batch is None or self.train_batch is None:
-            return
-        expected = self.micro_batch * self.grad_accum * self.num_processes
-        if expected != self.train_batch:
-            raise ConfigError(
-                "--train-batch",
-                f"train_batch_size {self.train_batch} != micro_batch_per_gpu {self.micro_batch} "
-                f"x gradient_accumulation_steps {self.grad_accum} x world_size {self.num_processes} "
-                f"(= {expected}); set --train-batch {expected}, or change --micro-batch, --grad-accum "
-                "or --num-processes so the product matches",
             )
 
     @property

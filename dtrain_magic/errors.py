@@ -40,6 +40,13 @@ class MissingDependencyError(DistributeError):
     title = "MissingDependencyError"
 
 
+class UnsupportedVersionError(DistributeError):
+    """An installed library is at a version whose private parts the magic does not know (`dtrain_magic._compat`);
+    the message says which versions it knows and how to try this one anyway. Raised before anything is launched."""
+
+    title = "UnsupportedVersionError"
+
+
 class LaunchError(DistributeError):
     """The backend could not start or place the workers."""
 

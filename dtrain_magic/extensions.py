@@ -27,6 +27,8 @@ import sys
 import time
 from collections.abc import Iterator
 
+from ._compat import torch as torch_compat
+
 _WAIT_S = 900.0  # longest a rank waits for another process's build (a cold 2-core build is about a minute)
 _CPU_OPS = ("ShareMemCommBuilder",)
 
@@ -88,7 +90,7 @@ def op_build_guard(name: str, announce: bool = True, wait_s: float = _WAIT_S) ->
                     said = True
                 time.sleep(0.2)
         try:
-            stale = os.path.join(build_dir, "lock")
+            stale = os.path.join(build_dir, torch_compat.EXTENSION_BUILD_LOCK)
             if os.path.exists(stale):
                 os.remove(stale)  # left by a build that was killed: its owner no longer holds the flock
             if announce and not _built(build_dir, name):

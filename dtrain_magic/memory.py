@@ -27,6 +27,8 @@ import builtins
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ._compat import deepspeed as deepspeed_compat
+
 ADAM_MIXED_K = 12  # fp32 master weights + momentum + variance, bytes per parameter
 ADAM_MOMENTS_FP32 = 8  # momentum + variance in fp32
 
@@ -166,11 +168,11 @@ def count_parameters(model: Any) -> int:
         if id(param) in seen:
             continue
         seen.add(id(param))
-        shape = getattr(param, "ds_shape", None)  # a ZeRO-3 partitioned parameter
+        shape = deepspeed_compat.full_shape(param)  # a ZeRO-3 partitioned parameter
         if shape is not None:
             n = 1
             for d in shape:
-                n *= int(d)
+                n *= d
             total += n
         else:
             total += param.numel()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import traceback
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -32,7 +33,17 @@ def short_traceback(exc: BaseException, labels: dict[str, str] | None = None) ->
     return "".join(lines)
 
 
-def summary(exc: BaseException) -> str:
-    """``TypeName: first line of the message``."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+def summary(exc: BaseException, limit: int | None = None, sentence: bool = False) -> str:
+    """An exception in one line: ``TypeName: first line of its message`` (the only "exception to one line"
+    helper; every backend's diagnostics use it). ``limit``: at most that many characters (ends with "…").
+    ``sentence``: the message's first sentence instead, without the type name, for libraries whose
+    messages name the problem themselves and run on over several lines (MLflow's)."""
+    if sentence:
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        line = re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0].rstrip(".")
+    else:
+        lines = [part.strip() for part in str(exc).splitlines() if part.strip()]
+        line = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    if limit is not None and len(line) > limit:
+        return line[: limit - 1] + "…"
+    return line

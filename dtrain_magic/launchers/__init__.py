@@ -7,6 +7,7 @@ lazily so ``import dtrain_magic`` never pays for pyspark or ray.
 from __future__ import annotations
 
 from ..registry import load_class
+from ..state import kernel_state
 from .base import Failure, Launcher, LaunchState, RunningJob
 
 _REGISTRY: dict[str, str] = {
@@ -21,13 +22,10 @@ def available() -> tuple[str, ...]:
 
 
 def get_launcher(name: str) -> Launcher:
-    """A `Launcher` instance for ``name`` (cached per class so sessions and pools are reused)."""
+    """The kernel's `Launcher` for ``name`` (kept on `dtrain_magic.state.kernel_state`, so sessions and pools
+    are reused from run to run)."""
     cls = load_class(_REGISTRY, name, "--backend", extra_allowed=("auto",))
-    if name not in _INSTANCES or type(_INSTANCES[name]) is not cls:
-        _INSTANCES[name] = cls()
-    return _INSTANCES[name]
+    return kernel_state().launcher(name, cls)
 
-
-_INSTANCES: dict[str, Launcher] = {}
 
 __all__ = ["Failure", "Launcher", "LaunchState", "RunningJob", "available", "get_launcher"]

@@ -9,6 +9,7 @@ the channel, never through the backend's own return value, so every backend beha
 
 from __future__ import annotations
 
+import signal
 import socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -29,6 +30,17 @@ def loopback_interface() -> str:
 # A launcher reports what only it can see (process output written below Python) with this: a channel
 # `Message` (`channel.Output`), handed to the run's channel as if a worker had sent it.
 Emit = Callable[[Message], None]
+
+
+def describe_exit(code: int) -> str:
+    """A worker process's exit status in words (``code`` as `subprocess.Popen.returncode`: negative for a signal)."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"process was killed by {name}"
+    return f"process exited with code {code}"
 
 
 @dataclass
@@ -103,3 +115,8 @@ class Launcher(ABC):
     def describe(self, config: RunConfig) -> str:
         """One line for ``--dry-run`` and the panel: what would be started where."""
         return f"{config.num_processes} worker(s) via {self.name}"
+
+    def shutdown(self, at_exit: bool = False) -> None:
+        """Stop what this launcher keeps between runs (a fork server, a Ray instance, a SparkSession it
+        started); a later run starts it again. ``at_exit``: the kernel is exiting (`dtrain_magic.state`
+        calls this once for every launcher). Default: nothing kept."""

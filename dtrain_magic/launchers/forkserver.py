@@ -50,12 +50,10 @@ def _preload() -> None:
     import torch.distributed  # noqa: F401
     import torch.nn.parallel  # noqa: F401
 
-    try:
-        import sympy  # noqa: F401
-        import torch._dynamo  # noqa: F401
-    except Exception:  # an optional speed-up only
-        pass
     from .. import context, worker  # noqa: F401
+    from .._compat import torch as torch_compat
+
+    torch_compat.preload_compiler()
     from ..strategies import ddp  # noqa: F401
 
 

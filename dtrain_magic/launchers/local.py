@@ -19,7 +19,6 @@ torch itself).
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import os
 import shutil
@@ -36,8 +35,9 @@ import cloudpickle
 from ..channel import Output
 from ..config import RunConfig
 from ..errors import ConfigError, LaunchError
+from ..state import kernel_state
 from ..worker import WorkerJob
-from .base import Emit, Failure, Launcher, LaunchState, RunningJob, loopback_interface
+from .base import Emit, Failure, Launcher, LaunchState, RunningJob, describe_exit, loopback_interface
 from .forkserver import ForkedProcess, ForkServer
 
 _GRACE_S = 3.0
@@ -93,7 +93,8 @@ _IMPORT_TIME_ENV = ("OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO", "LD_PRELOAD", "
 
 
 class WorkerPool:
-    """The fork server this kernel's local runs take their workers from (started once, kept between runs).
+    """The fork server this kernel's local runs take their workers from (started on first use, kept between
+    runs on the kernel's `LocalLauncher`).
 
     ``DTRAIN_MAGIC_WARM_POOL=0``: the server imports nothing, so every worker imports torch itself, like
     a freshly spawned interpreter (slower; for debugging import-time effects)."""
@@ -102,7 +103,6 @@ class WorkerPool:
         self._server: ForkServer | None = None
         self._key: tuple | None = None
         self._lock = threading.Lock()
-        atexit.register(self.shutdown)
 
     @staticmethod
     def preload() -> bool:
@@ -119,6 +119,7 @@ class WorkerPool:
             if self._server is not None and self._server.alive() and self._key == key:
                 return self._server
             old, self._server, self._key = self._server, ForkServer(base_environment(), self.preload()), key
+        kernel_state().stop_first_at_exit()
         if old is not None:
             threading.Thread(target=old.shutdown, name="dtrain-forkserver-stop", daemon=True).start()
         return self._server
@@ -152,8 +153,6 @@ def _stop(proc: ForkedProcess) -> None:
         pass
 
 
-POOL = WorkerPool()
-
 
 class LocalJob(RunningJob):
     """The N processes of one run. With ``--max-restarts N``, a failed group is stopped and started
@@ -162,8 +161,9 @@ class LocalJob(RunningJob):
 
     early_release = True
 
-    def __init__(self, job: WorkerJob, emit: Emit, run_dir: str):
+    def __init__(self, job: WorkerJob, emit: Emit, run_dir: str, pool: WorkerPool):
         self._emit = emit
+        self._pool = pool
         self._run_dir = run_dir
         self._cancelled = False
         self._lock = threading.Lock()
@@ -185,7 +185,7 @@ class LocalJob(RunningJob):
         store_file = os.path.join(self._run_dir, f"rendezvous_{self._attempt}")
         port = free_port()  # MASTER_PORT for user code that reads it; the rendezvous itself is the file
         envs = [worker_environment(rank, n, port, _threads(n), store_file) for rank in range(n)]
-        server = POOL.server()
+        server = self._pool.server()
         processes: list[ForkedProcess] = []
         try:
             for env in envs:
@@ -224,7 +224,7 @@ class LocalJob(RunningJob):
     def poll(self) -> LaunchState:
         codes = [proc.poll() for proc in self.processes]
         failures = [
-            Failure(rank, proc.error or _describe_exit(code))
+            Failure(rank, proc.error or describe_exit(code))
             for rank, (proc, code) in enumerate(zip(self.processes, codes)) if code not in (None, 0)
         ]
         if failures and self._restarts_left > 0 and not self._cancelled:
@@ -284,20 +284,13 @@ class LocalJob(RunningJob):
             shutil.rmtree(self._run_dir, ignore_errors=True)
 
 
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"process was killed by {name}"
-    return f"process exited with code {code}"
-
-
 class LocalLauncher(Launcher):
     """torch.distributed on this machine; needs neither Spark nor Ray."""
 
     name = "local"
+
+    def __init__(self) -> None:
+        self.pool = WorkerPool()  # its fork server starts with the first run (or warm_up)
 
     def starts_before_tracking(self, config: RunConfig) -> bool:
         return True
@@ -326,15 +319,19 @@ class LocalLauncher(Launcher):
     def warm_up(self, config: RunConfig) -> None:
         # The first run in a kernel has no fork server yet: start it now, so it imports torch while the
         # notebook captures the cell and imports MLflow.
-        POOL.server()
+        self.pool.server()
 
     def start(self, job: WorkerJob, emit: Emit) -> RunningJob:
         run_dir = tempfile.mkdtemp(prefix="dtrain_run_")  # mode 0700: the pickled job is private
         try:
-            return LocalJob(job, emit, run_dir)
+            return LocalJob(job, emit, run_dir, self.pool)
         except OSError as exc:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise LaunchError(f"could not start local workers: {exc}") from None
+
+    def shutdown(self, at_exit: bool = False) -> None:
+        """Stop the fork server (it SIGKILLs any worker still alive)."""
+        self.pool.shutdown()
 
     def describe(self, config: RunConfig) -> str:
         device = "GPU" if config.use_gpu else "CPU"

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from .._compat import deepspeed as deepspeed_compat
+from ..batch_sizes import check_batch_arithmetic
 from ..config import RunConfig
 from ..errors import ConfigError, MissingDependencyError
 from ..extensions import load_deepspeed_cpu_ops, use_private_extensions_dir
@@ -82,16 +84,6 @@ def _merge(base: dict, over: dict) -> dict:
         else:
             out[key] = copy.deepcopy(value)
     return out
-
-
-def _batch_error(train: int, micro: int, accum: int, world: int) -> ConfigError:
-    expected = micro * accum * world
-    return ConfigError(
-        "--train-batch",
-        f"train_batch_size {train} != train_micro_batch_size_per_gpu {micro} x gradient_accumulation_steps "
-        f"{accum} x world_size {world} (= {expected}); set train_batch_size/--train-batch to {expected}, or "
-        "change the micro batch, --grad-accum or --num-processes so the product matches",
-    )
 
 
 def build_config(config: RunConfig, world_size: int | None = None, loader_batch: int | None = None) -> dict:
@@ -151,8 +143,7 @@ def build_config(config: RunConfig, world_size: int | None = None, loader_batch:
         micro = loader_batch or 1
     if train is None:
         train = micro * accum * world
-    if train != micro * accum * world:
-        raise _batch_error(train, micro, accum, world)
+    check_batch_arithmetic(train, micro, accum, world)
     if loader_batch is not None and loader_batch != micro:
         raise ConfigError(
             "--micro-batch",
@@ -289,7 +280,7 @@ class DeepSpeedStrategy(Strategy):
             if param is not None:
                 full = safe_get_full_fp32_param(param)
                 if full is None:
-                    if hasattr(param, "ds_id"):  # ZeRO-3 param without an fp32 master (no optimizer)
+                    if deepspeed_compat.is_partitioned(param):  # ZeRO-3 param without an fp32 master (no optimizer)
                         from deepspeed import zero
 
                         with zero.GatheredParameters([param]):

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 import time
 from typing import Any, Mapping
 
 from ..config import RunConfig, redact_uri
 from ..errors import ConfigError
+from ..tracebacks import summary
 from .preload import wait_for_preload
 from .system_metrics import SYSTEM_METRICS_INTERVAL_S, finish_monitor, quiet_mlflow, start_monitor
 from .uri import NOTHING_LAUNCHED, WORKERS_STOPPED, deleted_experiment_error, resolve_tracking_uri, tracking_uri_error
@@ -43,7 +43,8 @@ class RunTracker:
             client = MlflowClient(tracking_uri=uri)
             experiment = client.get_experiment_by_name(config.experiment)
         except Exception as exc:  # e.g. an unwritable path, a file store MLflow refuses, not an MLflow server
-            raise tracking_uri_error(config, f"MLflow cannot use this store: {_first_sentence(exc)}") from None
+            reason = summary(exc, limit=300, sentence=True)
+            raise tracking_uri_error(config, f"MLflow cannot use this store: {reason}") from None
         if experiment is not None and experiment.lifecycle_stage == "deleted":
             raise deleted_experiment_error(config, uri)
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(config.experiment)
@@ -194,11 +195,6 @@ class RunOpening:
         else:
             self._thread.join(timeout)  # it ends the run itself if it opens after this
 
-
-
-def _first_sentence(exc: Exception) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0].rstrip(".")[:300]
 
 
 def _json_default(value: Any) -> Any:

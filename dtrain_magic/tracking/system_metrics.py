@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from .._compat import mlflow as mlflow_compat
+
 SYSTEM_METRICS_INTERVAL_S = 1.0
 _NOISY_LOGGERS = ("alembic", "mlflow.store.db.utils", "mlflow.system_metrics", "mlflow.tracking")
 
@@ -45,8 +47,4 @@ def finish_monitor(monitor: Any) -> None:
     warm re-run, or workers that finished while the run was opening) would have no system metrics at all, so
     one sample is logged then."""
     monitor.finish()
-    if getattr(monitor, "_logging_step", 1) != 0:
-        return
-    monitor.collect_metrics()
-    monitor.publish_metrics(monitor.aggregate_metrics())
-    monitor.mlflow_logger.flush()
+    mlflow_compat.publish_one_sample_if_none(monitor)

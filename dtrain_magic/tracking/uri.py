@@ -12,6 +12,7 @@ import sqlite3
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+from .._compat import mlflow as mlflow_compat
 from ..config import RunConfig, default_tracking_uri, redact_uri
 from ..errors import ConfigError
 from .preload import wait_for_preload
@@ -93,15 +94,7 @@ def sqlite_experiment_stage(uri: str, experiment: str) -> str | None:
 
 def _mlflow_has_store_for(uri: str) -> bool:
     wait_for_preload()
-    try:
-        from mlflow.tracking._tracking_service.utils import _tracking_store_registry
-    except ImportError:  # MLflow moved its registry: let creating the run decide
-        return True
-    try:
-        _tracking_store_registry.get_store_builder(uri)
-    except Exception:
-        return False
-    return True
+    return mlflow_compat.has_store_for(uri) is not False  # None: cannot tell here, creating the run decides
 
 
 def _probe_http(uri: str, timeout_s: float) -> str | None:

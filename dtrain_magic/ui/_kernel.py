@@ -7,8 +7,9 @@ comm's messages to ``comm._reply_subshell_for(data, default)``. We create one su
 route the few comms that must answer during a run (the Stop button) there. The handlers then run on
 the subshell's thread; they only set a `threading.Event`.
 
-Everything here is best effort: without a ZMQ kernel, or on an ipykernel without subshells, nothing is
-routed (`route_to_subshell` returns False) and the Stop button works only when the kernel is idle (the
+Everything here is best effort: without a ZMQ kernel, or on an ipykernel without subshells (or one whose
+private subshell parts `dtrain_magic._compat.ipykernel` does not know), nothing is routed
+(`route_to_subshell` returns False) and the Stop button works only when the kernel is idle (the
 ``--configure`` panel runs in the background, so it works there); the kernel's interrupt always works.
 """
 
@@ -17,6 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 from typing import Any
+
+from .._compat import ipykernel as ipykernel_compat
 
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -31,7 +34,7 @@ def _kernel() -> Any:
     except Exception:
         return None
     kernel = getattr(shell, "kernel", None)
-    if kernel is None or not getattr(kernel, "_supports_kernel_subshells", False):
+    if kernel is None or not ipykernel_compat.supports_subshells(kernel):
         return None
     return kernel
 
@@ -40,24 +43,12 @@ def _subshell_id(kernel: Any, timeout: float = 5.0) -> str | None:
     with _lock:
         if id(kernel) in _subshell:
             return _subshell[id(kernel)]
-        manager = kernel.shell_channel_thread.manager
-        done = threading.Event()
-        box: dict[str, Any] = {}
-
-        def create() -> None:  # runs on the shell channel thread, as the manager requires
-            try:
-                box["id"] = manager._create_subshell()
-            except BaseException as exc:  # noqa: BLE001
-                box["error"] = exc
-            finally:
-                done.set()
-
-        manager._shell_channel_io_loop.add_callback(create)
-        if not done.wait(timeout) or "id" not in box:
-            _log.debug("could not create a kernel subshell: %r", box.get("error"))
+        try:
+            _subshell[id(kernel)] = ipykernel_compat.create_subshell(kernel, timeout)
+        except Exception as exc:
+            _log.debug("could not create a kernel subshell: %r", exc)
             return None
-        _subshell[id(kernel)] = box["id"]
-        return box["id"]
+        return _subshell[id(kernel)]
 
 
 def route_to_subshell(widget: Any) -> bool:
@@ -70,7 +61,7 @@ def route_to_subshell(widget: Any) -> bool:
         subshell = _subshell_id(kernel)
         if subshell is None:
             return False
-        comm._reply_subshell_for = lambda data, default: subshell  # instance attribute wins
+        ipykernel_compat.route_comm(comm, subshell)
         return True
     except Exception:  # private ipykernel API: never let it break a run
         _log.debug("routing a widget to a subshell failed", exc_info=True)

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .._compat import plotly as plotly_compat
+
 _log = logging.getLogger(__name__)
 
 TERMINAL = ("FINISHED", "FAILED", "KILLED")
@@ -46,7 +48,7 @@ def preload_plotly() -> threading.Thread | None:
     global _preload
     with _preload_lock:
         if _preload is None:
-            if "plotly.graph_objs._figurewidget" in sys.modules:
+            if plotly_compat.FIGURE_WIDGET_MODULE in sys.modules:
                 return None
             from ..tracking import import_in_background
 
@@ -342,16 +344,13 @@ class RunCharts:
         restyle messages), so it is only sent when traces were added (then a fresh figure replaces it), every few seconds,
         and at the end.
         """
-        if not hasattr(figure, "_widget_data"):
+        if not plotly_compat.can_set_view_state(figure):
             return
         now = time.monotonic()
         key = id(figure)
         added = key in self._added
         if added or final or now - self._synced.get(key, 0.0) > 5.0:
-            from copy import deepcopy
-
-            figure._widget_layout = deepcopy(figure._layout_obj._props)
-            figure._widget_data = deepcopy(figure._data)
+            plotly_compat.set_view_state(figure)
             self._synced[key] = now
             self._added.discard(key)
         frame = self._frames.get(key)

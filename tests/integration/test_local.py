@@ -17,9 +17,9 @@ pytestmark = pytest.mark.slow
 
 def worker_children():
     """Processes started by this test process that are still alive, other than the idle warm pool."""
-    from dtrain_magic.launchers.local import POOL
+    from dtrain_magic.launchers import get_launcher
 
-    idle = POOL.idle_pids()
+    idle = get_launcher("local").pool.idle_pids()
     alive = []
     for child in psutil.Process().children(recursive=True):
         if child.pid in idle:
@@ -347,13 +347,14 @@ def test_result_that_cannot_be_pickled_is_a_clear_error(shell):
 def test_rerun_gets_fresh_workers_forked_by_one_warm_server(shell):
     """Each run's workers are new processes (no state carried over), forked by the kernel's one fork
     server, which is already there for a re-run."""
-    from dtrain_magic.launchers.local import POOL
+    from dtrain_magic.launchers import get_launcher
 
+    pool = get_launcher("local").pool
     cell = "%%distribute --backend local -n 2 --no-ui\nimport os\ndef train(ctx):\n    return os.getpid(), os.getppid()\n"
     first = shell.run(cell).result
-    server = POOL.server_pid()
+    server = pool.server_pid()
     second = shell.run(cell).result
-    assert POOL.server_pid() == server
+    assert pool.server_pid() == server
     assert {parent for _, parent in first.values + second.values} == {server}
     pids = [pid for pid, _ in first.values + second.values]
     assert len(set(pids)) == 4 and server not in pids

@@ -65,18 +65,24 @@ def same_weights(a: dict, b: dict, atol: float) -> bool:
     return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=atol, rtol=0) for k in a)
 
 
+def ray_instance_state():
+    """The Ray this kernel started or joined, as the Ray launcher keeps it between runs."""
+    from dtrain_magic.launchers import get_launcher
+
+    return get_launcher("ray").instance
+
+
 @pytest.fixture(scope="module", autouse=True)
 def ray_instance():
     """One embedded Ray instance for the module (what a notebook gets), shut down at the end."""
     from dtrain_magic.config import RunConfig
-    from dtrain_magic.launchers import ray as ray_launcher
 
     assert not ray.is_initialized(), "another test left Ray running in this process"
     os.environ.pop("RAY_ADDRESS", None)
-    assert ray_launcher.connect(RunConfig(backend="ray")) == "embedded"
-    temp_dir = ray_launcher._Embedded.temp_dir
+    assert ray_instance_state().connect(RunConfig(backend="ray")) == "embedded"
+    temp_dir = ray_instance_state().temp_dir
     yield
-    ray_launcher._shutdown_embedded()
+    ray_instance_state().shutdown()
     if ray.is_initialized():
         ray.shutdown()
     assert not os.path.exists(temp_dir)
@@ -101,8 +107,6 @@ def test_auto_backend_picks_the_initialised_ray(shell, capsys):
 
 
 def test_two_workers_match_the_local_backend(shell, mlflow, reference_weights, tmp_path, monkeypatch):
-    from dtrain_magic.launchers import ray as ray_launcher
-
     monkeypatch.setenv("MY_API_TOKEN", "tok-planted-secret-ray")
     result = shell.run(cell())
     assert result.error_in_exec is None, result.error_in_exec
@@ -119,7 +123,7 @@ def test_two_workers_match_the_local_backend(shell, mlflow, reference_weights, t
     assert sorted(p.name for p in run_dir.glob("checkpoint_*/checkpoint.pt")), list(run_dir.rglob("*"))
     assert wait_dead(pids(tmp_path), 15) == []
     # private to the user: the run's checkpoints, and the embedded Ray's session (the pickled job's objects)
-    for private in (run_dir, ray_launcher._Embedded.temp_dir):  # Ray's own session: "r" inside, 0777
+    for private in (run_dir, ray_instance_state().temp_dir):  # Ray's own session: "r" inside, 0777
         assert oct(os.stat(private).st_mode & 0o777) == "0o700", private
     # a planted token in the notebook's environment reaches no param, tag or artifact
     artifacts = mlflow.list_artifacts(run.run_id)
@@ -129,6 +133,33 @@ def test_two_workers_match_the_local_backend(shell, mlflow, reference_weights, t
     for artifact in artifacts:
         everything += open(mlflow.download_artifacts(run.run_id, artifact.path)).read()
     assert "tok-planted-secret-ray" not in everything
+
+
+def test_a_ray_whose_private_parts_are_unknown_is_refused_before_anything_starts(shell, mlflow, monkeypatch):
+    """Ray's private parts (dtrain_magic._compat.ray): an unknown version is a one-line error before the cell
+    runs; DTRAIN_MAGIC_UNTESTED_VERSIONS lets it through; a Ray without a needed part is refused even then."""
+    from ray.train.v2._internal.execution.controller import TrainController
+
+    from dtrain_magic import _compat
+    from dtrain_magic.errors import UnsupportedVersionError
+
+    real = _compat.installed_version
+    monkeypatch.setattr(_compat, "installed_version", lambda d, m: "2.61.0" if d == "ray" else real(d, m))
+    monkeypatch.delenv(_compat.OPT_IN_ENV, raising=False)
+    result = shell.run("%%distribute --backend ray -n 2 --no-ui\nSIDE = 1\ndef train(ctx):\n    return 1\n")
+    assert isinstance(result.error_in_exec, UnsupportedVersionError), result.error_in_exec
+    text = "\n".join(result.error_in_exec._render_traceback_())
+    assert len(text.splitlines()) == 1 and text.startswith("UnsupportedVersionError: Ray 2.61.0 is installed")
+    assert "2.60.x" in text and "ray[default,train]==2.60.0" in text and "DTRAIN_MAGIC_UNTESTED_VERSIONS=ray" in text
+    assert "SIDE" not in shell.user_ns and mlflow.get_experiment_by_name("dtrain_magic") is None
+
+    monkeypatch.setenv(_compat.OPT_IN_ENV, "ray")
+    dry = shell.run("%%distribute --backend ray -n 2 --no-ui --dry-run\ndef train(ctx):\n    return 1\n")
+    assert dry.error_in_exec is None, dry.error_in_exec
+    monkeypatch.delattr(TrainController, "abort")
+    missing = shell.run("%%distribute --backend ray -n 2 --no-ui --dry-run\ndef train(ctx):\n    return 1\n")
+    assert isinstance(missing.error_in_exec, UnsupportedVersionError), missing.error_in_exec
+    assert "has no TrainController.abort" in str(missing.error_in_exec)
 
 
 
@@ -327,9 +358,7 @@ def _stop_head(proc: subprocess.Popen, temp_dir: str) -> None:
 
 @pytest.fixture
 def head_node():
-    from dtrain_magic.launchers import ray as ray_launcher
-
-    ray_launcher._shutdown_embedded()  # a kernel joins one cluster at a time
+    ray_instance_state().shutdown()  # a kernel joins one cluster at a time
     for attempt in range(2):  # on a loaded machine Ray's own 30 s raylet start-up wait can time out
         port = _free_port()
         temp_dir = tempfile.mkdtemp(prefix="dtr_head_", dir="/tmp")
@@ -352,9 +381,9 @@ def test_existing_cluster_with_ray_address(shell, head_node, reference_weights, 
     result = shell.run(cell(flags=f"--ray-address {head_node}"))
     assert result.error_in_exec is None, result.error_in_exec
     from dtrain_magic.errors import LaunchError
-    from dtrain_magic.launchers import ray as ray_launcher
 
-    assert ray_launcher._Embedded.joined == head_node and ray_launcher._Embedded.temp_dir is None
+    instance = ray_instance_state()
+    assert instance.joined == head_node and instance.temp_dir is None
     assert same_weights(result.result.value, reference_weights, atol=1e-5)
 
     # More workers than the cluster's 3 CPUs: a clear error at once, not a run waiting for resources forever.
@@ -368,7 +397,7 @@ def test_existing_cluster_with_ray_address(shell, head_node, reference_weights, 
     ray.init(address=head_node, log_to_driver=False)
     mine = shell.run(cell(save=False, steps=2))
     assert mine.error_in_exec is None, mine.error_in_exec
-    assert ray_launcher._Embedded.joined is None and ray_launcher._Embedded.temp_dir is None
+    assert instance.joined is None and instance.temp_dir is None
     assert ray.is_initialized()  # still the user's connection
 
     # $RAY_ADDRESS, as Ray itself reads it: joined like --ray-address (the connection only; a run through
@@ -377,8 +406,8 @@ def test_existing_cluster_with_ray_address(shell, head_node, reference_weights, 
     monkeypatch.setenv("RAY_ADDRESS", head_node)
     from dtrain_magic.config import RunConfig
 
-    assert ray_launcher.connect(RunConfig(backend="ray", use_gpu=False)) == "joined"
-    assert ray_launcher._Embedded.joined == head_node
+    assert instance.connect(RunConfig(backend="ray", use_gpu=False)) == "joined"
+    assert instance.joined == head_node
 
 
 # -- existing code, unchanged (issue #13; the local backend's: test_existing_code.py) -------------------

@@ -14,9 +14,9 @@ CELL = MIXED_CELL.format(backend="local")
 
 
 def busy_children():
-    from dtrain_magic.launchers.local import POOL
+    from dtrain_magic.launchers import get_launcher
 
-    idle = POOL.idle_pids()
+    idle = get_launcher("local").pool.idle_pids()
     alive = []
     for child in psutil.Process().children(recursive=True):
         try:

@@ -55,9 +55,9 @@ def test_local_workers_start_while_mlflow_opens_the_run(shell, mlflow, monkeypat
     """A kernel's first run imports MLflow for seconds: the local workers (no idle interpreters: spawned at
     the call) start and train meanwhile, and every metric they logged before the run existed is in it.
     (MLflow is already imported in this test process: a 6 s delay in opening the run stands in for it.)"""
-    from dtrain_magic.launchers.local import POOL
+    from dtrain_magic.launchers import get_launcher
 
-    POOL.shutdown()
+    get_launcher("local").shutdown()
     real_start = RunTracker.start.__func__
     opened = {}
 
@@ -118,9 +118,9 @@ def local_workers() -> list:
     module's JVM or Ray processes are not ours to count here)."""
     import psutil
 
-    from dtrain_magic.launchers.local import POOL
+    from dtrain_magic.launchers import get_launcher
 
-    server = POOL.server_pid()
+    server = get_launcher("local").pool.server_pid()
     found = []
     for child in psutil.Process().children(recursive=True):
         try:  # the workers: the fork server's children

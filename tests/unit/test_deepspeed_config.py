@@ -75,8 +75,8 @@ def test_batch_mismatch_names_the_three_numbers_and_the_fix():
     with pytest.raises(ConfigError) as info:
         DeepSpeedStrategy.check(cfg(zero=2, grad_accum=2, num_processes=2, deepspeed_config=json.dumps(user)))
     text = str(info.value)
-    for part in ("train_batch_size 10", "train_micro_batch_size_per_gpu 4", "gradient_accumulation_steps 2",
-                 "world_size 2", "(= 16)", "to 16"):
+    for part in ("train_batch_size 10", "micro_batch_per_gpu 4", "gradient_accumulation_steps 2",
+                 "world_size 2", "(= 16)", "--train-batch 16"):
         assert part in text, text
     with pytest.raises(ConfigError, match="not divisible"):
         build_config(cfg(zero=1, deepspeed_config='{"train_batch_size": 7}', num_processes=2))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ...tracebacks import summary
 from ..base import Failure
 
 
@@ -14,7 +15,7 @@ def failures_from(error: BaseException) -> list[Failure]:
             failures.append(Failure(rank, _worker_reason(worker_failures[rank])))
         return failures
     cause = getattr(error, "controller_failure", None) or error
-    return [Failure(None, f"Ray Train failed: {one_line(cause)}")]
+    return [Failure(None, f"Ray Train failed: {summary(cause, limit=300)}")]
 
 
 def _worker_reason(exc: BaseException) -> str:
@@ -23,7 +24,7 @@ def _worker_reason(exc: BaseException) -> str:
     inner = getattr(exc, "health_check_failure", None)  # Ray Train's WorkerHealthCheckFailedError
     if isinstance(inner, BaseException):
         if not isinstance(inner, ray.exceptions.RayActorError):
-            return f"the Ray worker stopped answering Ray Train's health checks: {one_line(inner)}"
+            return f"the Ray worker stopped answering Ray Train's health checks: {summary(inner, limit=300)}"
         exc = inner
     if isinstance(exc, ray.exceptions.OutOfMemoryError):
         return "the Ray worker process was killed by Ray's memory monitor (out of memory)"
@@ -33,12 +34,5 @@ def _worker_reason(exc: BaseException) -> str:
             "the Ray worker process died without reporting an error "
             "(killed, e.g. by SIGKILL or the OOM killer, or crashed in native code)"
         )
-    return one_line(exc)
+    return summary(exc, limit=300)
 
-
-def one_line(exc: BaseException, limit: int = 300) -> str:
-    text = str(exc).strip()
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    first = lines[0] if lines else ""
-    line = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-    return line if len(line) <= limit else line[: limit - 1] + "…"

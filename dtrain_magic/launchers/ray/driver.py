@@ -20,66 +20,19 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from typing import Any
 
+from ..._compat import ray as ray_compat
 from ...checkpoints import storage_path
 from ...config import RunConfig
 from ...errors import ConfigError, LaunchError, MissingDependencyError
+from ...tracebacks import summary
 from ...worker import WorkerJob
 from ..base import Emit, Launcher, LaunchState, RunningJob
-from .diagnostics import failures_from, one_line
-from .instance import _Embedded, _current_address, _ensure_capacity, _host_port, connect
+from .diagnostics import failures_from
+from .instance import RayInstance, _current_address, _host_port
 from .worker import _train_loop
 
-_ABORT_WAIT_S = 4.0  # controller.abort() before we kill the controller actor outright
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def _make_trainer_class():
-    from ray.train.torch import TorchTrainer
-
-    class _Trainer(TorchTrainer):
-        """TorchTrainer that keeps the handle of its controller actor, so a run can be aborted."""
-
-        controller = None
-        cancel_requested = False
-
-        def _initialize_and_run_controller(self, **controller_init_kwargs):  # mirrors Ray 2.60's
-            import ray
-            from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
-            from ray.train.v2._internal.constants import (
-                DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
-                get_env_vars_to_propagate,
-            )
-            from ray.train.v2._internal.execution.controller import TrainController
-
-            env_vars = get_env_vars_to_propagate()
-            env_vars.setdefault(RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR, DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
-            controller_cls = ray.remote(
-                num_cpus=0,
-                label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
-                runtime_env={"env_vars": env_vars},
-            )(TrainController)
-            self.controller = controller_cls.remote(**controller_init_kwargs)
-            if self.cancel_requested:
-                _abort(self.controller)
-            ray.get(self.controller.run.remote())
-            return ray.get(self.controller.get_result.remote())
-
-    return _Trainer
-
-
-def _abort(controller: Any) -> None:
-    import ray
-
-    try:
-        ray.get(controller.abort.remote(), timeout=_ABORT_WAIT_S)
-    except Exception:  # RayActorError: it exited (as abort does); GetTimeoutError: kill it below
-        pass
-    try:
-        ray.kill(controller, no_restart=True)  # its worker actors fate-share with it
-    except Exception:
-        pass
 
 
 class RayJob(RunningJob):
@@ -96,7 +49,7 @@ class RayJob(RunningJob):
         self.name = os.path.basename(job.checkpoint_root) if job.checkpoint_root else f"dtrain_{uuid.uuid4().hex}"
         if "://" not in self.storage:  # Ray Train would create it 0755: the run's files are the user's alone
             os.makedirs(os.path.join(self.storage, self.name), mode=0o700, exist_ok=True)
-        self.trainer = _make_trainer_class()(
+        self.trainer = ray_compat.abortable_trainer_class()(
             _train_loop,
             train_loop_config={"job": job, "cwd": os.getcwd()},
             scaling_config=ray.train.ScalingConfig(num_workers=config.num_processes, use_gpu=config.use_gpu),
@@ -133,14 +86,17 @@ class RayJob(RunningJob):
             return
         self.trainer.cancel_requested = True
         if self.trainer.controller is not None:
-            _abort(self.trainer.controller)
-        self._thread.join(_ABORT_WAIT_S + 2)
+            ray_compat.abort(self.trainer.controller)
+        self._thread.join(ray_compat.ABORT_WAIT_S + 2)
 
 
 class RayLauncher(Launcher):
     """Ray Train (``TorchTrainer``) on the connected, given or an embedded local Ray instance."""
 
     name = "ray"
+
+    def __init__(self) -> None:
+        self.instance = RayInstance()  # the Ray this kernel started or joined, kept between runs
 
     def check(self, config: RunConfig) -> None:
         try:
@@ -150,6 +106,7 @@ class RayLauncher(Launcher):
             raise MissingDependencyError(
                 f"--backend ray needs Ray Train: pip install 'ray[default,train]' ({exc})"
             ) from None
+        ray_compat.check()  # a Ray whose private parts we know (or the opt-in): before anything starts
         import ray
 
         address = config.ray_address or os.environ.get("RAY_ADDRESS")
@@ -167,26 +124,31 @@ class RayLauncher(Launcher):
         return True  # Ray Train's run is named after the checkpoint root, not the MLflow run
 
     def warm_up(self, config: RunConfig) -> None:
-        connect(config)  # ray.init (seconds, cold) while the MLflow run opens
+        self.instance.connect(config)  # ray.init (seconds, cold) while the MLflow run opens
 
     def channel_host(self, config: RunConfig) -> str:
         import ray
 
-        connect(config)
-        current = _Embedded.joined if ray.is_initialized() and _Embedded.joined else _current_address()
+        self.instance.connect(config)
+        joined = self.instance.joined
+        current = joined if ray.is_initialized() and joined else _current_address()
         if current is None or _host_port(current)[0] in _LOOPBACK:
             return "127.0.0.1"
         return ray.util.get_node_ip_address()
 
     def start(self, job: WorkerJob, emit: Emit) -> RunningJob:
-        how = connect(job.config)
-        _ensure_capacity(job.config, how)
+        how = self.instance.connect(job.config)
+        self.instance.ensure_capacity(job.config, how)
         try:
             return RayJob(job, emit)
         except (ConfigError, LaunchError):
             raise
         except Exception as exc:
-            raise LaunchError(f"could not start Ray Train: {one_line(exc)}") from None
+            raise LaunchError(f"could not start Ray Train: {summary(exc, limit=300)}") from None
+
+    def shutdown(self, at_exit: bool = False) -> None:
+        """Shut down the local Ray instance this kernel started (a joined cluster is left as it is)."""
+        self.instance.shutdown()
 
     def describe(self, config: RunConfig) -> str:
         device = "GPU" if config.use_gpu else "CPU"

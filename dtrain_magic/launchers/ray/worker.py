@@ -11,6 +11,7 @@ import sys
 import tempfile
 from typing import Any
 
+from ..._compat import ray as ray_compat
 from ...worker import RankInfo
 
 
@@ -105,7 +106,7 @@ def _train_loop(config: dict) -> None:
     levels = [logger.level for logger in quiet]
     for logger in quiet:
         logger.setLevel(logging.WARNING)
-    builtins.print = _unpatched_print()  # Ray Train tees print() into its logger too: each line came twice
+    builtins.print = ray_compat.unpatched_print()  # Ray Train tees print() into its logger too: each line came twice
     try:
         run_worker(config["job"], ranks, checkpoints=store)
     finally:
@@ -114,11 +115,3 @@ def _train_loop(config: dict) -> None:
             logger.setLevel(level)
         store.cleanup()
 
-
-def _unpatched_print():
-    try:
-        from ray.train.v2._internal.logging.patch_print import _original_print
-
-        return _original_print
-    except ImportError:
-        return builtins.print

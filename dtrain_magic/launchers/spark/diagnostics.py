@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 
 from ...errors import MissingDependencyError
+from ...tracebacks import summary
+from ..base import describe_exit
 
 MIN_JAVA = 17  # pyspark 4 runs on Java 17 and 21
 
@@ -106,14 +107,7 @@ def torchrun_root_cause(text: str) -> tuple[int, str] | None:
     code = re.search(r"exitcode\s*:\s*(-?\d+)", section)
     if not (rank and code):
         return None
-    exit_code = int(code.group(1))
-    if exit_code < 0:
-        try:
-            name = signal.Signals(-exit_code).name
-        except ValueError:
-            name = f"signal {-exit_code}"
-        return int(rank.group(1)), f"process was killed by {name}"
-    return int(rank.group(1)), f"process exited with code {exit_code}"
+    return int(rank.group(1)), describe_exit(int(code.group(1)))
 
 
 def one_line_reason(exc: BaseException) -> str:
@@ -129,5 +123,4 @@ def one_line_reason(exc: BaseException) -> str:
         return "the Spark job was cancelled"
     if errors:
         return errors[-1][:300]
-    first = text.strip().splitlines()[0] if text.strip() else ""
-    return f"{type(exc).__name__}: {first[:300]}" if first else type(exc).__name__
+    return summary(exc, limit=300)

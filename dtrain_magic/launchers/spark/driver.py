@@ -23,7 +23,6 @@ rank 0's).
 
 from __future__ import annotations
 
-import atexit
 import os
 import signal
 import socket
@@ -33,9 +32,11 @@ import time
 import uuid
 from typing import Any
 
+from ..._compat import spark as spark_compat
 from ...channel import AuthenticatedListener, RankDone, decode
 from ...config import RunConfig
 from ...errors import ConfigError, LaunchError, MissingDependencyError
+from ...state import kernel_state
 from ...worker import WorkerJob
 from ..base import Emit, Failure, Launcher, LaunchState, RunningJob
 from .diagnostics import check_java, gpu_setting_error, is_loopback_master, one_line_reason, torchrun_root_cause
@@ -43,7 +44,6 @@ from .worker import _spark_train_fn
 
 _CANCEL_GRACE_S = 3.0
 _EXECUTOR_WAIT_S = 60.0
-_WRAPPER_MODULE = "pyspark.ml.torch.torch_run_process_wrapper"
 
 
 _DIED = "the process died without reporting an error (killed by a signal, or crashed below Python)"
@@ -110,10 +110,7 @@ class SparkJob(RunningJob):
         except BaseException as exc:  # noqa: BLE001 - reported through poll()
             self._error = exc
         finally:
-            try:
-                self._sc.setLocalProperty("spark.jobGroup.id", None)
-            except Exception:
-                pass
+            spark_compat.clear_job_group(self._sc)
 
     def poll(self) -> LaunchState:
         # In the order the deaths were seen, not by rank: the first is the cause (torchrun then SIGTERMs
@@ -221,7 +218,7 @@ def _our_torchrun_trees(since: float, known: set[int]) -> list:
             cmdline = " ".join(proc.cmdline())
         except psutil.Error:
             continue
-        if _WRAPPER_MODULE in cmdline or "torch.distributed.run" in cmdline:
+        if spark_compat.TORCHRUN_WRAPPER_MODULE in cmdline or "torch.distributed.run" in cmdline:
             found[proc.pid] = proc
             try:
                 for child in proc.children(recursive=True):
@@ -261,18 +258,15 @@ class SparkLauncher(Launcher):
         self._lock = threading.Lock()
         self.session_start_s: float | None = None  # how long this launcher's last session start took
         self.session_starts = 0  # how many sessions this launcher started (a warm run starts none)
-        self._exit_hook = False
 
     # -- the session ---------------------------------------------------------------------------------
     @staticmethod
     def _active_session() -> Any:
-        from pyspark.sql import SparkSession
-
-        session = SparkSession.getActiveSession() or getattr(SparkSession, "_instantiatedSession", None)
+        session = spark_compat.default_session()
         if session is None:
             return None
         try:
-            if session.sparkContext._jsc is None:  # stopped
+            if spark_compat.context_stopped(session.sparkContext):
                 return None
         except Exception:
             return None
@@ -292,12 +286,10 @@ class SparkLauncher(Launcher):
             check_java()
             t0 = time.monotonic()
             self._session = self._build(config.spark_master or "local[*]")
-            if not self._exit_hook:
-                # Registered after pyspark's own hooks, so it runs before them: the session is stopped
-                # while the JVM is still whole (a local-cluster stopped by the JVM's own shutdown prints
-                # hundreds of lines of executor-launch stack traces).
-                atexit.register(self.shutdown_quietly)
-                self._exit_hook = True
+            # The kernel's exit hook then runs before pyspark's own: the session is stopped while the JVM
+            # is still whole (a local-cluster stopped by the JVM's own shutdown prints hundreds of lines of
+            # executor-launch stack traces).
+            kernel_state().stop_first_at_exit()
             self.session_start_s = time.monotonic() - t0
             self.session_starts += 1
             return self._session
@@ -305,7 +297,7 @@ class SparkLauncher(Launcher):
     @staticmethod
     def _alive(session: Any) -> bool:
         try:
-            return session.sparkContext._jsc is not None
+            return not spark_compat.context_stopped(session.sparkContext)
         except Exception:
             return False
 
@@ -339,16 +331,12 @@ class SparkLauncher(Launcher):
                 pass
             self._session = None
 
-    def shutdown(self) -> None:
-        """Stop the SparkSession this launcher started (never a session it found active)."""
+    def shutdown(self, at_exit: bool = False) -> None:
+        """Stop the SparkSession this launcher started (never a session it found active). ``at_exit``: with
+        the JVM's logging off (executors being torn down report every lost connection as an error otherwise;
+        not before, as the level would stay off for a session started later in the same JVM)."""
         with self._lock:
-            self._stop_own()
-
-    def shutdown_quietly(self) -> None:
-        """At the kernel's exit: stop our session with the JVM's logging off (executors being torn down
-        report every lost connection as an error otherwise)."""
-        with self._lock:
-            if self._session is not None and self._alive(self._session):
+            if at_exit and self._session is not None and self._alive(self._session):
                 try:
                     self._session.sparkContext.setLogLevel("OFF")
                 except Exception:
@@ -395,12 +383,10 @@ class SparkLauncher(Launcher):
         deadline = time.monotonic() + _EXECUTOR_WAIT_S
         slots = 0
         while True:
-            try:
-                jsc = sc._jsc.sc()
-                executors = max(0, len(jsc.statusTracker().getExecutorInfos()) - 1)  # minus the driver
-                slots = jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile())
-            except Exception:
+            counted = spark_compat.task_slots(sc)
+            if counted is None:
                 return  # cannot tell (Spark Connect, another Spark version): let Spark decide
+            executors, slots = counted
             if slots >= needed or in_driver or time.monotonic() > deadline:
                 break
             time.sleep(0.25)

@@ -1,0 +1,139 @@
+"""Ray's private parts, written against Ray 2.60 (constraints.txt: 2.60.0).
+
+- `abortable_trainer_class` (``launchers/ray/driver.py``): overrides ``TorchTrainer._initialize_and_run_controller``
+  with Ray 2.60's own body (``ray.train.v2._internal``'s ``TrainController`` and ``get_env_vars_to_propagate``,
+  ``ray._raylet.RAY_NODE_ID_KEY``, ``ray._common.constants``) to keep the controller actor's handle; `abort` calls
+  its ``abort``. **Required** (`check`, from ``RayLauncher.check``): without it a run cannot be stopped (Stop,
+  ``--timeout``, an interrupt, a failing rank). An opted-in version that lacks one of these parts is refused too.
+- `init_local_instance` (``launchers/ray/instance.py``): ``ray.init(_node_ip_address=..., _temp_dir=...)``.
+  **Required** (the same `check`): they keep the local instance on loopback, in a directory only the user reads.
+- `unpatched_print` (``launchers/ray/worker.py``): ``ray.train.v2._internal.logging.patch_print._original_print``.
+  **Fallback** when missing: Ray Train's own ``print``, which also tees each line into its logger (each worker
+  line then shows twice).
+
+The rest of Ray Train used (``TorchTrainer``, ``ScalingConfig``, ``RunConfig``, ``FailureConfig``,
+``ray.train.report`` / ``get_context`` / ``get_checkpoint``) is public.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from ..errors import UnsupportedVersionError
+from . import Library
+
+RAY = Library(
+    key="ray", title="Ray", module="ray", known=("2.60",), tested="2.60.0", requirement="ray[default,train]==2.60.0"
+)
+_USES = "Ray Train's controller actor, to stop a run; ray.init's _node_ip_address and _temp_dir"
+
+
+def check() -> None:
+    """Before a run on Ray: a known Ray (or the opt-in), which has every private part the backend needs.
+    Raises `UnsupportedVersionError`; imports nothing ``ray.train.torch`` has not already imported."""
+    RAY.require(_USES)
+    _controller_parts()
+
+
+def _controller_parts() -> SimpleNamespace:
+    """What Ray 2.60's ``_initialize_and_run_controller`` uses, resolved now so a missing one is a clear error."""
+    try:
+        import ray._raylet
+        from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
+        from ray.train.torch import TorchTrainer
+        from ray.train.v2._internal.constants import (
+            DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+            get_env_vars_to_propagate,
+        )
+        from ray.train.v2._internal.execution.controller import TrainController
+
+        node_id_key = ray._raylet.RAY_NODE_ID_KEY
+        if not callable(getattr(TorchTrainer, "_initialize_and_run_controller", None)):
+            raise AttributeError("TorchTrainer._initialize_and_run_controller")
+        if not callable(getattr(TrainController, "abort", None)):
+            raise AttributeError("TrainController.abort")
+    except (ImportError, AttributeError) as exc:
+        if isinstance(exc, ModuleNotFoundError):
+            what = f"module {exc.name}"
+        else:  # "cannot import name 'x' from 'module' (path)", or our own "Class.method"
+            what = str(exc).split(" (", 1)[0].replace("cannot import name ", "")
+        raise UnsupportedVersionError(RAY.missing_message(what, "to stop a Ray Train run")) from None
+    return SimpleNamespace(
+        trainer=TorchTrainer, controller=TrainController, node_id_key=node_id_key,
+        env_vars=get_env_vars_to_propagate, blocking_get_env=RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
+        blocking_get_default=DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+    )
+
+
+def abortable_trainer_class() -> type:
+    """``TorchTrainer`` that keeps the handle of its controller actor (``.controller``), so a run can be
+    aborted; ``cancel_requested`` set before the controller exists aborts it as soon as it does."""
+    parts = _controller_parts()
+
+    class AbortableTorchTrainer(parts.trainer):
+        controller: Any = None
+        cancel_requested = False
+
+        def _initialize_and_run_controller(self, **controller_init_kwargs: Any) -> Any:
+            # Ray 2.60's body, less its SIGINT handler (fit() runs in a background thread, where Ray skips it).
+            import ray
+
+            env_vars = parts.env_vars()
+            env_vars.setdefault(parts.blocking_get_env, parts.blocking_get_default)
+            controller_cls = ray.remote(
+                num_cpus=0,
+                label_selector={parts.node_id_key: ray.get_runtime_context().get_node_id()},
+                runtime_env={"env_vars": env_vars},
+            )(parts.controller)
+            self.controller = controller_cls.remote(**controller_init_kwargs)
+            if self.cancel_requested:
+                abort(self.controller)
+            ray.get(self.controller.run.remote())
+            return ray.get(self.controller.get_result.remote())
+
+    return AbortableTorchTrainer
+
+
+ABORT_WAIT_S = 4.0  # the controller's own abort, before the actor is killed outright
+
+
+def abort(controller: Any, wait_s: float = ABORT_WAIT_S) -> None:
+    """Ask the run's controller actor to abort (it stops the worker actors), then kill it if it is still
+    there after ``wait_s``; its worker actors fate-share with it."""
+    import ray
+
+    try:
+        ray.get(controller.abort.remote(), timeout=wait_s)
+    except Exception:  # RayActorError: it exited (as abort does); GetTimeoutError: killed below
+        pass
+    try:
+        ray.kill(controller, no_restart=True)
+    except Exception:
+        pass
+
+
+def init_local_instance(num_cpus: int, temp_dir: str) -> None:
+    """``ray.init`` of this kernel's own instance: loopback only, its files under ``temp_dir``."""
+    import ray
+
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=False,  # worker output comes over the run's channel
+        configure_logging=False,
+        _node_ip_address="127.0.0.1",
+        _temp_dir=temp_dir,
+    )
+
+
+def unpatched_print() -> Any:
+    """The ``print`` Ray Train replaced in its workers (it also logs each line); Ray's own when unknown."""
+    import builtins
+
+    try:
+        from ray.train.v2._internal.logging.patch_print import _original_print
+
+        return _original_print
+    except ImportError:
+        return builtins.print

@@ -1,0 +1,79 @@
+"""What this kernel keeps between runs, in one object: `kernel_state()`.
+
+It holds one launcher per backend (`KernelState.launcher`), and each launcher keeps on itself what it
+reuses from run to run: the local backend its fork server (``LocalLauncher.pool``), the Ray backend the
+instance it started or the cluster it joined (``RayLauncher.instance``), the Spark backend the
+SparkSession it started, never one it found (``SparkLauncher``). `KernelState.shutdown` is the one place
+that stops them all; it runs once at the kernel's exit.
+
+Nothing is created when a module is imported: the state on the first `kernel_state()` call, a launcher
+on its backend's first run, and what it keeps when that is first needed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from typing import Protocol, TypeVar
+
+
+class KeptLauncher(Protocol):
+    def shutdown(self, at_exit: bool = False) -> None: ...
+
+
+L = TypeVar("L", bound=KeptLauncher)
+
+
+class KernelState:
+    """The launchers of this kernel (one per backend) and the exit hook that shuts them down."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._launchers: dict[str, KeptLauncher] = {}  # in the order they were created
+
+    def launcher(self, name: str, cls: type[L]) -> L:
+        """The kernel's launcher for the backend ``name``, created the first time (again if its class
+        changed, as after a module reload)."""
+        with self._lock:
+            found = self._launchers.get(name)
+            if found is None or type(found) is not cls:
+                self._launchers.pop(name, None)
+                found = self._launchers[name] = cls()
+            return found  # type: ignore[return-value]
+
+    def launchers(self) -> dict[str, KeptLauncher]:
+        with self._lock:
+            return dict(self._launchers)
+
+    def stop_first_at_exit(self) -> None:
+        """Make `shutdown` run before every exit hook registered so far (atexit runs them last-in,
+        first-out). Launchers call it right after starting something whose library registers exit hooks
+        of its own (pyspark, Ray), so that it is stopped while that library is still whole."""
+        atexit.unregister(self._at_exit)
+        atexit.register(self._at_exit)
+
+    def shutdown(self, at_exit: bool = False) -> None:
+        """Shut down what every launcher keeps, the newest first; one that fails does not stop the others.
+        Launchers stay: a later run starts what it needs again."""
+        for name, launcher in reversed(list(self.launchers().items())):
+            try:
+                launcher.shutdown(at_exit=at_exit)
+            except Exception:  # at exit nothing may raise, and each launcher still gets its turn
+                logging.getLogger(__name__).warning("could not shut down the %s backend", name, exc_info=True)
+
+    def _at_exit(self) -> None:
+        self.shutdown(at_exit=True)
+
+
+_state: KernelState | None = None
+_state_lock = threading.Lock()
+
+
+def kernel_state() -> KernelState:
+    """This kernel's `KernelState`, created on first use."""
+    global _state
+    with _state_lock:
+        if _state is None:
+            _state = KernelState()
+        return _state

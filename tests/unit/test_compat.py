@@ -1,0 +1,248 @@
+"""`dtrain_magic._compat`: each library's private uses checked against the versions they were written for.
+
+The version lookup is monkeypatched (`_compat.installed_version`); the libraries themselves are not
+imported unless a test says so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import types
+
+import pytest
+
+from dtrain_magic import _compat
+from dtrain_magic._compat import cloudpickle as cloudpickle_compat
+from dtrain_magic._compat import deepspeed as deepspeed_compat
+from dtrain_magic._compat import ipykernel as ipykernel_compat
+from dtrain_magic._compat import mlflow as mlflow_compat
+from dtrain_magic._compat import plotly as plotly_compat
+from dtrain_magic._compat import ray as ray_compat
+from dtrain_magic._compat import spark as spark_compat
+from dtrain_magic._compat import torch as torch_compat
+from dtrain_magic.errors import DistributeError, UnsupportedVersionError
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LIBRARIES = [
+    ray_compat.RAY, cloudpickle_compat.CLOUDPICKLE, mlflow_compat.MLFLOW, spark_compat.PYSPARK,
+    ipykernel_compat.IPYKERNEL, plotly_compat.PLOTLY, deepspeed_compat.DEEPSPEED, torch_compat.TORCH,
+]
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """``installed("ray", "2.61.0")``: pretend that version is installed (the opt-in variable is unset)."""
+    monkeypatch.delenv(_compat.OPT_IN_ENV, raising=False)
+    versions: dict[str, str | None] = {}
+    monkeypatch.setattr(_compat, "installed_version", lambda distribution, module: versions.get(distribution, "0.0.0"))
+
+    def pretend(distribution: str, version: str | None) -> None:
+        versions[distribution] = version
+
+    return pretend
+
+
+def pins() -> dict[str, str]:
+    found = {}
+    for name in ("constraints.txt", "requirements.txt"):
+        with open(os.path.join(REPO, name)) as handle:
+            for line in handle:
+                match = re.match(r"^([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?==([^\s;#]+)", line.strip())
+                if match:
+                    found[match.group(1).lower()] = match.group(2)
+    return found
+
+
+@pytest.mark.parametrize("library", LIBRARIES, ids=lambda lib: lib.key)
+def test_each_library_knows_the_pinned_version_that_is_installed(library):
+    """The versions written against are those the project pins, and the installed one is known."""
+    assert pins()[library.key] == library.tested
+    assert any(_compat.in_series(library.tested, series) for series in library.known)
+    assert library.is_known(), (library.key, library.version())
+
+
+@pytest.mark.parametrize("version, series, inside", [
+    ("2.60.0", "2.60", True), ("2.60.3", "2.60", True), ("2.60", "2.60", True), ("2.13.0+cpu", "2.13", True),
+    ("2.61.0", "2.60", False), ("2.6.0", "2.60", False), ("2.600.1", "2.60", False), ("3.1.3", "3.1", True),
+])
+def test_release_series(version, series, inside):
+    assert _compat.in_series(version, series) is inside
+
+
+def test_a_known_version_passes(installed):
+    installed("ray", "2.60.0")
+    ray_compat.RAY.require("the controller")
+    installed("ray", "2.60.4")  # a patch release of a known series
+    ray_compat.RAY.require("the controller")
+    installed("cloudpickle", "3.1.3")
+    cloudpickle_compat.check()
+
+
+@pytest.mark.parametrize("library, found", [(ray_compat.RAY, "2.61.0"), (cloudpickle_compat.CLOUDPICKLE, "3.2.0")])
+def test_an_unknown_version_is_a_short_error_naming_library_version_known_versions_and_the_fix(
+    installed, library, found
+):
+    installed(library.key, found)
+    with pytest.raises(UnsupportedVersionError) as info:
+        library.require("what needs it")
+    message = str(info.value)
+    assert isinstance(info.value, DistributeError)  # rendered as one short paragraph, not a traceback
+    assert f"{library.title} {found} is installed" in message
+    assert f"{library.known[0]}.x" in message and f"tested with {library.tested}" in message
+    assert f"pip install '{library.requirement}'" in message
+    assert f"{_compat.OPT_IN_ENV}={library.key}" in message and "Nothing was launched" in message
+    assert "what needs it" in message
+    assert len(info.value._render_traceback_()) == 1
+
+
+def test_a_version_that_cannot_be_read_is_unknown(installed):
+    installed("ray", None)
+    with pytest.raises(UnsupportedVersionError, match="a version it does not report"):
+        ray_compat.RAY.require("the controller")
+
+
+@pytest.mark.parametrize("value, unlocked", [
+    ("1", True), ("true", True), ("all", True), ("ray", True), ("cloudpickle,ray", True), ("Ray", True),
+    ("cloudpickle", False), ("0", False), ("", False),
+])
+def test_the_opt_in_lets_an_unknown_version_be_tried(installed, monkeypatch, value, unlocked):
+    installed("ray", "2.61.0")
+    monkeypatch.setenv(_compat.OPT_IN_ENV, value)
+    assert ray_compat.RAY.allowed() is unlocked
+    if unlocked:
+        ray_compat.RAY.require("the controller")
+    else:
+        with pytest.raises(UnsupportedVersionError):
+            ray_compat.RAY.require("the controller")
+
+
+def test_an_unknown_cloudpickle_stops_capture_before_the_cell_runs(installed, monkeypatch):
+    from dtrain_magic.capture import capture
+
+    installed("cloudpickle", "9.0.0")
+    namespace: dict = {}
+    cell = "RAN = True\ndef train(ctx):\n    return 1\n"
+    with pytest.raises(UnsupportedVersionError, match="cloudpickle 9.0.0"):
+        capture(cell, namespace)
+    assert "RAN" not in namespace
+    monkeypatch.setenv(_compat.OPT_IN_ENV, "cloudpickle")
+    payload, _ = capture(cell, namespace)
+    assert namespace["RAN"] and payload.load()(None) == 1
+
+
+def test_cloudpickle_code_reducer_keeps_the_cells_file_name_and_plain_cloudpickle_without_it(monkeypatch):
+    import cloudpickle
+
+    from dtrain_magic import capture
+
+    def f(x):
+        return 2 * x
+
+    f.__code__ = f.__code__.replace(co_filename="<ipython-input-7-abc>")
+    assert cloudpickle_compat.code_reducer() is not None
+    assert cloudpickle.loads(capture.dumps(f)).__code__.co_filename == "<ipython-input-7-abc>"
+    monkeypatch.setattr(cloudpickle_compat, "code_reducer", lambda: None)  # an opted-in cloudpickle without one
+    capture._pickler_class.cache_clear()
+    try:
+        g = cloudpickle.loads(capture.dumps(f))
+        assert g(3) == 6 and g.__code__.co_filename != "<ipython-input-7-abc>"
+    finally:
+        capture._pickler_class.cache_clear()
+
+
+# -- gated niceties: skipped on an unknown version unless opted in ---------------------------------------
+def test_mlflow_store_registry_is_not_asked_on_an_unknown_mlflow(installed, monkeypatch):
+    installed("mlflow", "3.99.0")
+    assert mlflow_compat.has_store_for("foo://x") is None  # creating the run decides; nothing imported
+
+
+def test_spark_slot_count_is_skipped_on_an_unknown_pyspark(installed, monkeypatch):
+    class Unreachable:
+        def __getattr__(self, name):
+            raise AssertionError("the JVM was asked")
+
+    installed("pyspark", "4.4.0")
+    assert spark_compat.task_slots(Unreachable()) is None
+    monkeypatch.setenv(_compat.OPT_IN_ENV, "pyspark")
+    assert spark_compat.task_slots(Unreachable()) is None  # asked, failed: cannot tell
+
+
+def test_spark_context_stopped_and_default_session_without_a_session():
+    assert spark_compat.context_stopped(types.SimpleNamespace(_jsc=None)) is True
+    assert spark_compat.context_stopped(types.SimpleNamespace(_jsc=object())) is False
+    assert spark_compat.context_stopped(types.SimpleNamespace()) is False  # renamed: taken as running
+    pytest.importorskip("pyspark")
+    assert spark_compat.default_session() is None  # no SparkSession in this process (no JVM started)
+
+
+def test_ipykernel_subshells_only_on_a_known_ipykernel(installed, monkeypatch):
+    kernel = types.SimpleNamespace(_supports_kernel_subshells=True)
+    installed("ipykernel", "7.4.0")
+    assert ipykernel_compat.supports_subshells(kernel) is True
+    assert ipykernel_compat.supports_subshells(types.SimpleNamespace()) is False
+    installed("ipykernel", "8.0.0")
+    assert ipykernel_compat.supports_subshells(kernel) is False
+    monkeypatch.setenv(_compat.OPT_IN_ENV, "ipykernel")
+    assert ipykernel_compat.supports_subshells(kernel) is True
+    comm = types.SimpleNamespace()
+    ipykernel_compat.route_comm(comm, "sub-1")
+    assert comm._reply_subshell_for({"x": 1}, None) == "sub-1"
+
+
+def test_plotly_view_state_only_on_a_known_plotly(installed):
+    figure = types.SimpleNamespace(_widget_data=[], _widget_layout={}, _data=[{"y": [1, 2]}],
+                                   _layout_obj=types.SimpleNamespace(_props={"title": "t"}))
+    installed("plotly", "7.1.0")
+    assert plotly_compat.can_set_view_state(figure)
+    plotly_compat.set_view_state(figure)
+    assert figure._widget_data == [{"y": [1, 2]}] and figure._widget_data[0] is not figure._data[0]
+    assert figure._widget_layout == {"title": "t"}
+    assert not plotly_compat.can_set_view_state(types.SimpleNamespace(_widget_data=[]))
+    installed("plotly", "8.0.0")
+    assert not plotly_compat.can_set_view_state(figure)
+
+
+# -- fallback niceties: used when the attribute is there ---------------------------------------------------
+def test_mlflow_one_sample_is_published_only_when_none_was():
+    calls = []
+
+    class Monitor:
+        mlflow_logger = types.SimpleNamespace(flush=lambda: calls.append("flush"))
+
+        def collect_metrics(self):
+            calls.append("collect")
+
+        def aggregate_metrics(self):
+            return {"cpu": 1.0}
+
+        def publish_metrics(self, metrics):
+            calls.append(("publish", metrics))
+
+    never = Monitor()
+    never._logging_step = 0
+    mlflow_compat.publish_one_sample_if_none(never)
+    assert calls == ["collect", ("publish", {"cpu": 1.0}), "flush"]
+    calls.clear()
+    published = Monitor()
+    published._logging_step = 3
+    mlflow_compat.publish_one_sample_if_none(published)
+    mlflow_compat.publish_one_sample_if_none(Monitor())  # attribute gone: nothing extra
+    assert calls == []
+
+
+def test_deepspeed_zero3_attributes_fall_back_to_a_plain_parameter():
+    plain = types.SimpleNamespace()
+    zero3 = types.SimpleNamespace(ds_id=4, ds_shape=(3, 5))
+    assert not deepspeed_compat.is_partitioned(plain) and deepspeed_compat.full_shape(plain) is None
+    assert deepspeed_compat.is_partitioned(zero3) and deepspeed_compat.full_shape(zero3) == (3, 5)
+
+
+def test_torch_build_lock_name_is_the_one_torch_uses():
+    import inspect
+
+    from torch.utils import cpp_extension
+
+    assert f"FileBaton(os.path.join(build_directory, '{torch_compat.EXTENSION_BUILD_LOCK}'))" in inspect.getsource(
+        cpp_extension
+    )
