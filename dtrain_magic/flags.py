@@ -19,6 +19,7 @@ from IPython.core.magic_arguments import (
 from .config import (
     BACKENDS,
     DEFAULT_EXPERIMENT,
+    PP_SCHEDULES,
     PRECISIONS,
     STRATEGIES,
     ZERO_STAGES,
@@ -71,6 +72,13 @@ def _seconds(text: str) -> float:
 @argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation)")
 @argument("--seed", type=int, default=None, help="seed torch/numpy/random on every rank before calling the function")
 @argument("--timeout", type=_seconds, default=None, help="fail the run (and stop every worker) after this many seconds")
+@argument_group("Model parallelism")
+@argument("--tp", type=int, default=1,
+          help="tensor-parallel degree: each layer's weights split over this many processes (ddp, fsdp)")
+@argument("--pp", type=int, default=1, help="pipeline stages: the model split into this many consecutive parts (ddp, fsdp)")
+@argument("--microbatches", type=int, default=None,
+          help="micro-batches per pipeline step with --pp (None means 2 x --pp)")
+@argument("--pp-schedule", choices=PP_SCHEDULES, default="gpipe", help="pipeline schedule with --pp")
 @argument_group("The cell")
 @argument("--fn", default=None, help="name of the function to ship (None means the last top-level def in the cell)")
 @argument("--result", default=None, help="also bind the RunResult to this notebook variable")
@@ -180,6 +188,10 @@ def config_from_args(
         deepspeed_config=args.deepspeed_config,
         micro_batch=args.micro_batch,
         train_batch=args.train_batch,
+        tp=args.tp,
+        pp=args.pp,
+        microbatches=args.microbatches,
+        pp_schedule=args.pp_schedule,
     )
     return RunConfig(**values)
 
