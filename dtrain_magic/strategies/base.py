@@ -235,7 +235,7 @@ class TorchStrategy(Strategy):
             return super().train_step(inputs, targets, loss_fn)
         inputs, targets = _to_device(inputs, self.device), _to_device(targets, self.device)
         with self.autocast():
-            loss = self.pipeline.run(inputs, targets, loss_fn)
+            loss = self.pipeline.run(inputs, targets, lambda outputs, target: loss_fn(_as_float(outputs), target))
         self._step()
         return loss
 
