@@ -25,6 +25,7 @@ CASES = [
     ("pp", "--pp 2 --microbatches 4", PP_WIDTHS, 1, 2, True),
     ("pp_1f1b_accum", "--pp 2 --pp-schedule 1f1b --grad-accum 2", PP_WIDTHS, 2, 2, True),
     ("fsdp_x_tp_4", "--strategy fsdp --tp 2", TP_WIDTHS, 1, 4, False),
+    ("ddp_x_pp_4", "--pp 2", PP_WIDTHS, 1, 4, False),  # 2 pipelines: gradients averaged over the replicas
     # the same function, flag line only: plain data parallelism and DeepSpeed run it too
     ("ddp", "--strategy ddp", TP_WIDTHS, 1, 2, False),
     ("zero3", "--zero 3", TP_WIDTHS, 1, 2, False),
@@ -44,6 +45,62 @@ def test_one_train_step_function_matches_one_process_and_resumes(shell, tmp_path
         assert "[rank 0] pipeline stage 0: 0..3" in out, out  # balanced: 2 Linears per stage
     if flags == "--strategy fsdp --tp 2":
         assert "dp 2 x tp 2" in out and "[rank 0] memory estimate (fsdp x tp 2, fp32, 4 processes" in out, out
+
+
+BLOCKS_CELL = """%%distribute --backend local -n 2 --no-ui --pp 2
+import torch
+
+class Blocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(4))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+def make():
+    torch.manual_seed(0)
+    return Blocks()
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(64, 8, generator=g), torch.randn(64, 4, generator=g)
+
+def train(ctx):
+    X, Y = data()
+    model = make()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model, opt = ctx.prepare(model, opt)
+    for i in range(0, 64, 16):
+        ctx.train_step(X[i:i + 16], Y[i:i + 16], torch.nn.functional.mse_loss)
+    balanced = sorted(model.module.state_dict())
+    final = ctx.full_state_dict()
+    split = make()
+    split, _ = ctx.prepare(split, torch.optim.Adam(split.parameters()), pp_split=["layers.3"])
+    return {"final": final, "balanced": balanced, "split": sorted(split.module.state_dict())}
+"""
+
+
+def test_a_module_list_model_is_split_balanced_or_where_asked_and_matches_one_process(shell):
+    result = shell.run(BLOCKS_CELL)
+    assert result.error_in_exec is None, result.error_in_exec
+    model, (X, Y) = shell.user_ns["make"](), shell.user_ns["data"]()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for i in range(0, 64, 16):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(X[i:i + 16]), Y[i:i + 16]).backward()
+        opt.step()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(result.result.value["final"][key], value, atol=1e-5, rtol=0, msg=key)
+    first, second = (v["balanced"] for v in result.result.values)
+    assert first == sorted(f"{p}.{w}" for p in ("embed", "layers.0.0", "layers.1.0") for w in ("bias", "weight"))
+    assert second[0] == "head.bias" and "layers.2.0.weight" in second  # names as in the whole model
+    assert [n for n in result.result.values[1]["split"] if n.startswith("layers")] == ["layers.3.0.bias", "layers.3.0.weight"]
 
 
 def test_hugging_face_gpt2_and_llama_tensor_parallel_match_one_process(shell):
