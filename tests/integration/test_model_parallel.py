@@ -1,5 +1,6 @@
 """Model parallelism through the real magic on the local backend (CPU, gloo): tensor parallel, pipeline parallel,
-2-D FSDP x TP with 4 processes, Hugging Face GPT-2 and Llama under --tp, and the errors.
+2-D FSDP x TP with 4 processes, Hugging Face GPT-2 and Llama under --tp, and misuse under --pp (bad flag mixes
+are in test_strategies.py's test_invalid_combinations_fail_before_launch).
 
 One training function (workloads.MODEL_PARALLEL_CELL, written with ctx.train_step) runs under every flag line;
 each run is compared with one process on the same data, seed and global batch (fp32, weights and losses within
@@ -141,21 +142,6 @@ def test_the_five_call_loop_under_pp_is_a_short_error_pointing_at_train_step(she
     assert "loss = ctx.train_step(inputs, targets, loss_fn)" in text
     assert "line 7, in train" in text  # the cell's own line numbers
     assert len(text.splitlines()) < 25, text
-
-
-@pytest.mark.parametrize(
-    "flags,expected",
-    [
-        ("-n 2 --zero 2 --pp 2", "--pp: --pp 2 is not supported with --strategy deepspeed (ZeRO 2)"),
-        ("-n 3 --tp 2", "--tp: -n 3 processes cannot be arranged as --tp 2"),
-        ("-n 4 --pp 4 --microbatches 2 --pp-schedule 1f1b", "needs at least as many micro-batches as stages"),
-        ("-n 2 --microbatches 4", "--microbatches: applies only to pipeline parallelism"),
-    ],
-)
-def test_bad_mixes_fail_before_launch(shell, tmp_path, flags, expected):
-    result = shell.run(f"%%distribute --backend local --no-ui {flags}\ndef train(ctx):\n    raise SystemExit('launched')\n")
-    assert result.error_in_exec is not None and expected in str(result.error_in_exec), str(result.error_in_exec)
-    assert not (tmp_path / "mlflow.db").exists()  # nothing launched, no MLflow run
 
 
 def test_dry_run_shows_the_model_parallel_estimate(shell, capsys):
