@@ -21,6 +21,7 @@ BACKENDS = ("auto", "local", "spark", "ray")
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
 PRECISIONS = ("fp32", "fp16", "bf16")
 ZERO_STAGES = (0, 1, 2, 3)
+PP_SCHEDULES = ("gpipe", "1f1b")
 DEFAULT_EXPERIMENT = "dtrain_magic"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -70,6 +71,11 @@ class RunConfig:
     deepspeed_config: str | None = None
     micro_batch: int | None = None
     train_batch: int | None = None
+    # Model parallelism: tensor-parallel degree, pipeline stages, micro-batches per pipeline step, schedule
+    tp: int = 1
+    pp: int = 1
+    microbatches: int | None = None
+    pp_schedule: str = "gpipe"
     # Extra options for strategies or backends, kept as sorted (key, value) pairs so the config stays hashable.
     extra: tuple[tuple[str, Any], ...] = field(default=())
 
@@ -108,6 +114,7 @@ class RunConfig:
             )
         self._check_backend_flags()
         check_batch_arithmetic(self.train_batch, self.micro_batch, self.grad_accum, self.num_processes)
+        self._check_model_parallel()
 
     def _check_backend_flags(self) -> None:
         if not self.local_mode and self.backend not in ("spark", "auto"):
@@ -136,6 +143,59 @@ class RunConfig:
                 "--max-restarts",
                 "TorchDistributor does not restart failed workers; use --backend ray or local for restarts",
             )
+
+    def _check_model_parallel(self) -> None:
+        _positive_int("--tp", self.tp)
+        _positive_int("--pp", self.pp)
+        _choice("--pp-schedule", self.pp_schedule, PP_SCHEDULES)
+        if self.microbatches is not None:
+            _positive_int("--microbatches", self.microbatches)
+        if self.pp == 1:
+            if self.microbatches is not None:
+                raise ConfigError("--microbatches", "applies only to pipeline parallelism: add --pp N (N >= 2) or drop it")
+            if self.pp_schedule != "gpipe":
+                raise ConfigError("--pp-schedule", "applies only to pipeline parallelism: add --pp N (N >= 2) or drop it")
+        if self.tp == 1 and self.pp == 1:
+            return
+        degrees = " x ".join(f"--{name} {value}" for name, value in (("tp", self.tp), ("pp", self.pp)) if value > 1)
+        if self.strategy == "deepspeed":
+            raise ConfigError(
+                "--tp" if self.tp > 1 else "--pp",
+                f"{degrees} is not supported with --strategy deepspeed (ZeRO {self.zero_stage}): DeepSpeed's own "
+                "tensor/pipeline engines need models written for them. Use --strategy fsdp with it (FSDP over the "
+                "data-parallel ranks, ZeRO-3-like) or --strategy ddp",
+            )
+        model_parallel = self.tp * self.pp
+        if self.num_processes % model_parallel:
+            lower = (self.num_processes // model_parallel) * model_parallel
+            options = " or ".join(str(n) for n in (lower, lower + model_parallel) if n > 0)
+            raise ConfigError(
+                "--tp" if self.tp > 1 else "--pp",
+                f"-n {self.num_processes} processes cannot be arranged as {degrees} (= {model_parallel} processes per "
+                f"model replica): the number of processes must be a multiple of {model_parallel}; use -n {options}, "
+                "or change the degrees",
+            )
+        if self.precision == "fp16":
+            raise ConfigError("--precision", f"fp16 with {degrees} is not supported (no loss scaling across tensor-parallel "
+                              "shards or pipeline stages); use --precision bf16")
+        if self.pp > 1:
+            microbatches = self.pipeline_microbatches
+            if self.pp_schedule == "1f1b" and microbatches < self.pp:
+                raise ConfigError(
+                    "--microbatches",
+                    f"--pp-schedule 1f1b needs at least as many micro-batches as stages: got --microbatches "
+                    f"{microbatches} for --pp {self.pp}; use --microbatches {self.pp} or more, or --pp-schedule gpipe",
+                )
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Model replicas: processes / (tensor-parallel degree x pipeline stages)."""
+        return self.num_processes // (self.tp * self.pp)
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Micro-batches per pipeline step: ``--microbatches``, else twice the stages."""
+        return self.microbatches if self.microbatches is not None else 2 * self.pp
 
     @property
     def zero_stage(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -90,24 +90,54 @@ class TrainContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def data_parallel_size(self) -> int:
+        """Model replicas: ``world_size`` without ``--tp``/``--pp``, else ``world_size / (tp x pp)``. A function
+        that sizes its per-process batch as ``global_batch // ctx.data_parallel_size`` keeps the global batch
+        under every strategy."""
+        return self.strategy.data_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This process's model replica (0 .. data_parallel_size - 1); its loaders' shard."""
+        return self.strategy.data_parallel_rank
+
     # -- model, optimizer, data ------------------------------------------------------------------
-    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *loaders: DataLoader):
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *loaders: DataLoader,
+                tp_plan: Mapping[str, Any] | None = None, pp_split: Sequence[str | int] | None = None):
         """Wrap model and optimizer for the strategy, move them to ``device``, shard each loader.
 
-        Returns ``(model, optimizer, *loaders)``, or ``(model, optimizer)`` without loaders.
+        Returns ``(model, optimizer, *loaders)``, or ``(model, optimizer)`` without loaders. Loaders are sharded
+        over the model replicas: with ``--tp``/``--pp`` the ranks holding parts of one replica get the same batches.
+        ``tp_plan`` (with ``--tp``): ``{"module.name": ColwiseParallel(), ...}`` as ``parallelize_module`` takes
+        (default: an automatic plan). ``pp_split`` (with ``--pp``): the parts where stages 2, 3, ... begin
+        (default: balanced by parameter count). Both are ignored without their flag.
         """
         self.strategy.set_loaders(loaders)
+        self.strategy.set_model_parallel_options(tp_plan=tp_plan, pp_split=pp_split)
         model, optimizer = self.strategy.wrap(model, optimizer)
         seed = self.config.seed or 0
-        sharded = [shard_loader(loader, self.rank, self.world_size, seed) for loader in loaders]
+        sharded = [shard_loader(loader, self.data_parallel_rank, self.data_parallel_size, seed) for loader in loaders]
         return (model, optimizer, *sharded)
 
+    def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+        """Forward (under `autocast`), ``loss_fn(outputs, targets)``, backward, and the optimizer step at the
+        ``--grad-accum`` boundary, for any strategy; returns the loss (detached).
+
+        ``inputs``: a tensor (``model(inputs)``), a tuple of positional arguments, or a dict of keyword arguments.
+        Under ``--pp`` this is the only way to train (the batch runs through the pipeline schedule in
+        ``--microbatches`` micro-batches) and the loss, the mean over micro-batches, is returned on every rank.
+        """
+        return self.strategy.train_step(inputs, targets, loss_fn)
+
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward pass through the strategy (loss scaling, accumulation, DeepSpeed's engine)."""
+        """Backward pass through the strategy (loss scaling, accumulation, DeepSpeed's engine). Not under ``--pp``:
+        use `train_step`."""
         self.strategy.backward(loss)
 
     def step(self) -> bool:
-        """Optimizer step and zero_grad at each ``--grad-accum`` boundary. True if the optimizer stepped."""
+        """Optimizer step and zero_grad at each ``--grad-accum`` boundary. True if the optimizer stepped. Not under
+        ``--pp`` (`train_step` steps)."""
         return self.strategy.step()
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -167,8 +197,9 @@ class TrainContext:
         return self.strategy.load_checkpoint(directory)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's full-precision state dict (ZeRO-3/FSDP shards gathered), loadable into the plain
-        model; every rank must call it (it is a collective), save it on rank 0."""
+        """The whole model's full-precision state dict (ZeRO-3/FSDP/tensor-parallel shards gathered, pipeline
+        stages merged), loadable into the plain model; every rank must call it (it is a collective), save it on
+        rank 0."""
         return self.strategy.full_state_dict()
 
     def _require_prepared(self, method: str) -> None:

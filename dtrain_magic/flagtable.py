@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .config import BACKENDS, DEFAULT_EXPERIMENT, PRECISIONS, STRATEGIES, ZERO_STAGES
+from .config import BACKENDS, DEFAULT_EXPERIMENT, PP_SCHEDULES, PRECISIONS, STRATEGIES, ZERO_STAGES
 
 # How a flag takes its value.
 VALUE = "value"  # --flag VALUE
@@ -60,6 +60,7 @@ TRACKING = "Tracking and display"
 SPARK = "Spark (TorchDistributor)"
 RAY = "Ray (TorchTrainer)"
 DEEPSPEED = "DeepSpeed and batch arithmetic"
+MODEL_PARALLEL = "Model parallelism"
 
 # How the ``--configure`` panel shows a row.
 DROPDOWN = "dropdown"
@@ -187,6 +188,21 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--timeout",), "timeout", WHERE, cheatsheet=True, type=seconds, default=None, placeholder="S",
          help="fail the run (and stop every worker) after this many seconds",
          doc="stop every worker and fail the run after S seconds"),
+    # -- model parallelism (docs/model-parallel.md) ---------------------------------------------------
+    Flag(("--tp",), "tp", MODEL_PARALLEL, type=int, default=1, placeholder="N",
+         help="tensor-parallel degree: each layer's weights split over this many processes (ddp, fsdp)",
+         doc="tensor-parallel degree: each layer's weights split over N processes (ddp, fsdp; with fsdp and more "
+             "processes: 2-D, FSDP over the replicas)",
+         panel=PanelControl(INT_BOX, "tensor parallel", column=1, bounds=(1, 4096))),
+    Flag(("--pp",), "pp", MODEL_PARALLEL, type=int, default=1, placeholder="N",
+         help="pipeline stages: the model split into this many consecutive parts (ddp, fsdp)",
+         doc="pipeline stages: the model split into N consecutive parts (ddp, fsdp); train with `ctx.train_step`",
+         panel=PanelControl(INT_BOX, "pipeline stages", column=1, bounds=(1, 4096))),
+    Flag(("--microbatches",), "microbatches", MODEL_PARALLEL, type=int, default=None, placeholder="M",
+         help="micro-batches per pipeline step with --pp (None means 2 x --pp)",
+         doc="micro-batches per pipeline step with `--pp`", default_doc="2 × `--pp`"),
+    Flag(("--pp-schedule",), "pp_schedule", MODEL_PARALLEL, choices=PP_SCHEDULES, default="gpipe",
+         help="pipeline schedule with --pp", doc="pipeline schedule with `--pp`"),
     # -- the cell --------------------------------------------------------------------------------------
     Flag(("--fn",), "fn", CELL, default=None, placeholder="NAME",
          help="name of the function to ship (None means the last top-level def in the cell)",

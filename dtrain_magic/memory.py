@@ -16,6 +16,13 @@ DDP and FSDP with ``--precision bf16/fp16`` use autocast, which keeps the stored
 gradients and optimizer states in fp32, so the fp32 numbers apply to them. FSDP (FULL_SHARD) shards
 like ZeRO-3. Activations, temporary buffers and the framework's own overhead are not included.
 
+Model parallelism (``--tp T``, ``--pp P``): each process holds 1/T of every layer and one of P stages, so its share
+of the model is Ψ/(T·P) (assuming every layer is tensor-parallel and the stages are even); the formulas above then
+apply to that share, with N = the data-parallel degree world/(T·P). Left out, beyond activations: layers a
+tensor-parallel plan keeps replicated (embeddings, norms, biases of row-wise layers), uneven stages, and the
+pipeline's in-flight micro-batches (a stage holds the activations of up to --microbatches of them, GPipe, or
+about P, 1F1B) and its idle time (bubbles), which costs time rather than memory.
+
 Everything here is pure arithmetic except :func:`device_memory_bytes`, :func:`optimizer_state_bytes` and
 :func:`model_of_cell` (which builds the cell's model on torch's meta device to count its parameters).
 """
@@ -46,6 +53,8 @@ class MemoryEstimate:
     grads: float
     optimizer: float
     optimizer_moments: float  # the part of ``optimizer`` that is Adam's momentum + variance
+    tp: int = 1
+    pp: int = 1
 
     @property
     def total(self) -> float:
@@ -53,18 +62,21 @@ class MemoryEstimate:
 
     @property
     def label(self) -> str:
-        if self.strategy == "deepspeed":
-            return f"deepspeed ZeRO-{self.zero or 0}"
-        return self.strategy
+        label = f"deepspeed ZeRO-{self.zero or 0}" if self.strategy == "deepspeed" else self.strategy
+        return label + "".join(f" x {name} {degree}" for name, degree in (("tp", self.tp), ("pp", self.pp)) if degree > 1)
 
     def line(self) -> str:
         """One line for the cell's output."""
-        return (
+        text = (
             f"memory estimate ({self.label}, {self.precision}, {self.world_size} process"
             f"{'es' if self.world_size != 1 else ''}, {self.num_params:,} parameters): "
             f"params {format_bytes(self.params)} + grads {format_bytes(self.grads)} + optimizer "
             f"{format_bytes(self.optimizer)} = {format_bytes(self.total)} per process"
         )
+        if self.tp > 1 or self.pp > 1:
+            text += (" (an even 1/" + str(self.tp * self.pp) + " of the model each; not counted: activations, "
+                     "replicated layers" + (", the pipeline's in-flight micro-batches" if self.pp > 1 else "") + ")")
+        return text
 
 
 def _sharding(strategy: str, zero: int | None) -> int:
@@ -94,11 +106,14 @@ def bytes_per_param(strategy: str, zero: int | None, precision: str) -> tuple[in
 
 
 def estimate(num_params: int, strategy: str = "ddp", zero: int | None = None, precision: str = "fp32",
-             world_size: int = 1, k: int | None = None) -> MemoryEstimate:
-    """Per-process bytes for parameters, gradients and optimizer states; ``k`` overrides K."""
+             world_size: int = 1, k: int | None = None, tp: int = 1, pp: int = 1) -> MemoryEstimate:
+    """Per-process bytes for parameters, gradients and optimizer states; ``k`` overrides K. With ``tp``/``pp``
+    each process holds an even 1/(tp x pp) of the model, sharded further over the world/(tp x pp) replicas."""
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
-    psi, n = float(num_params), float(world_size)
+    if tp < 1 or pp < 1 or world_size % (tp * pp):
+        raise ValueError(f"world_size {world_size} is not a multiple of tp {tp} x pp {pp}")
+    psi, n = float(num_params) / (tp * pp), float(world_size // (tp * pp))
     p, g, kk, moments = bytes_per_param(strategy, zero, precision)
     if k is not None:
         kk = k
@@ -109,17 +124,20 @@ def estimate(num_params: int, strategy: str = "ddp", zero: int | None = None, pr
     optimizer = kk * psi / (n if stage >= 1 else 1)
     optimizer_moments = moments * psi / (n if stage >= 1 else 1)
     return MemoryEstimate(strategy, stage if strategy == "deepspeed" else None, precision, world_size,
-                          int(num_params), params, grads, optimizer, optimizer_moments)
+                          int(num_params), params, grads, optimizer, optimizer_moments, tp, pp)
 
 
-def table(num_params: int, precision: str = "fp32", world_size: int = 2) -> str:
-    """A text table of the estimate for every strategy and stage (for the dry run or the docs)."""
-    rows = [estimate(num_params, "ddp", None, precision, world_size), estimate(num_params, "fsdp", None, precision, world_size)]
-    rows += [estimate(num_params, "deepspeed", s, precision, world_size) for s in (0, 1, 2, 3)]
-    header = f"{'strategy':<18}{'params':>12}{'grads':>12}{'optimizer':>12}{'total':>12}"
+def table(num_params: int, precision: str = "fp32", world_size: int = 2, tp: int = 1, pp: int = 1) -> str:
+    """A text table of the estimate for every strategy and stage (for the dry run or the docs); with ``tp``/``pp``,
+    the strategies that support them (ddp, fsdp)."""
+    rows = [estimate(num_params, "ddp", None, precision, world_size, tp=tp, pp=pp),
+            estimate(num_params, "fsdp", None, precision, world_size, tp=tp, pp=pp)]
+    if tp == 1 and pp == 1:
+        rows += [estimate(num_params, "deepspeed", s, precision, world_size) for s in (0, 1, 2, 3)]
+    header = f"{'strategy':<22}{'params':>12}{'grads':>12}{'optimizer':>12}{'total':>12}"
     lines = [f"memory per process: {num_params:,} parameters, {precision}, {world_size} processes", header]
     for r in rows:
-        lines.append(f"{r.label:<18}{format_bytes(r.params):>12}{format_bytes(r.grads):>12}"
+        lines.append(f"{r.label:<22}{format_bytes(r.params):>12}{format_bytes(r.grads):>12}"
                      f"{format_bytes(r.optimizer):>12}{format_bytes(r.total):>12}")
     return "\n".join(lines)
 
@@ -157,7 +175,7 @@ def check_fits(est: MemoryEstimate, available: int | None) -> str | None:
     return (
         f"warning: the estimate ({format_bytes(est.total)} per process for parameters, gradients and optimizer "
         f"states alone) exceeds the device's memory ({format_bytes(available)}); consider a higher --zero stage, "
-        f"--strategy fsdp, --precision bf16 or more processes"
+        f"--strategy fsdp, --precision bf16, more processes, or --tp/--pp"
     )
 
 
@@ -180,9 +198,9 @@ def count_parameters(model: Any) -> int:
 
 
 def report(model: Any, strategy: str, zero: int | None, precision: str, world_size: int,
-           device: Any = None, processes_per_device: int = 1) -> str:
+           device: Any = None, processes_per_device: int = 1, tp: int = 1, pp: int = 1) -> str:
     """The estimate line for ``model`` (and the warning when it does not fit), as printed by wrap()."""
-    est = estimate(count_parameters(model), strategy, zero, precision, world_size)
+    est = estimate(count_parameters(model), strategy, zero, precision, world_size, tp=tp, pp=pp)
     warning = check_fits(est, device_memory_bytes(device, processes_per_device))
     return est.line() + (f"\n{warning}" if warning else "")
 

@@ -362,10 +362,12 @@ def dry_run_text(plan: RunPlan, payload: Payload, model: Any = None) -> str:
         "dtrain_magic dry run: nothing launched.",
         f"  would run {call} on {plan_with_backend(launcher.describe(config), config)}",
         f"  strategy {config.strategy}" + (f" (ZeRO {config.zero_stage})" if config.strategy == "deepspeed" else "")
-        + f", precision {config.precision}, grad accumulation {config.grad_accum}",
+        + f", precision {config.precision}, grad accumulation {config.grad_accum}"
+        + (f", model parallel tp {config.tp} x pp {config.pp} x dp {config.data_parallel_size}" if config.tp * config.pp > 1 else ""),
     ]
     if model is not None and model.found:
-        est = estimate(model.num_params, config.strategy, config.zero, config.precision, config.num_processes)
+        est = estimate(model.num_params, config.strategy, config.zero, config.precision, config.num_processes,
+                       tp=config.tp, pp=config.pp)
         lines += [f"  model: {model.num_params:,} parameters, {model.description}", f"  {est.line()}"]
     elif model is not None:
         lines.append(f"  memory estimate: the model is not known before training ({model.description}); "

@@ -2,8 +2,10 @@
 
 A strategy knows nothing of the backend that started the process: it gets a process group that is
 already initialised, its rank, world size and device. ``TorchStrategy`` holds what DDP and FSDP share:
-autocast for bf16/fp16 (with a GradScaler for fp16) and gradient accumulation that divides the loss
-by the number of micro-steps, so N accumulated micro-batches give the update of one N-times bigger batch.
+autocast for bf16/fp16 (with a GradScaler for fp16), gradient accumulation that divides the loss
+by the number of micro-steps, so N accumulated micro-batches give the update of one N-times bigger batch,
+and model parallelism (``--tp``/``--pp``, `dtrain_magic.parallel.ModelParallel`). `Strategy.train_step` is the
+one-call training step every strategy offers; under ``--pp`` it runs the pipeline schedule instead.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ from __future__ import annotations
 import contextlib
 import os
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 
 from ..config import RunConfig
+from . import sharded_checkpoint
 
 
 class Strategy(ABC):
@@ -32,6 +35,8 @@ class Strategy(ABC):
         self.model: Any = None
         self.optimizer: Any = None
         self.loaders: tuple = ()
+        self.tp_plan: Mapping[str, Any] | None = None
+        self.pp_split: Sequence[str | int] | None = None
 
     @classmethod
     def check(cls, config: RunConfig) -> None:
@@ -42,6 +47,22 @@ class Strategy(ABC):
         ``train_micro_batch_size_per_gpu`` from the first one's batch size)."""
         self.loaders = tuple(loaders)
 
+    def set_model_parallel_options(self, tp_plan: Mapping[str, Any] | None = None,
+                                   pp_split: Sequence[str | int] | None = None) -> None:
+        """Called by ``ctx.prepare`` before `wrap`: the user's tensor-parallel plan and pipeline split points. They
+        apply only with ``--tp`` / ``--pp``; without them the same call runs unchanged and they are unused."""
+        self.tp_plan, self.pp_split = tp_plan, pp_split
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's model replica: loaders are sharded over replicas (tensor-parallel shards and pipeline
+        stages of one replica see the same batches)."""
+        return self.rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size
+
     def report_memory(self, model: torch.nn.Module) -> None:
         """Print (rank 0) the per-process memory estimate for ``model`` under this run's settings."""
         if self.rank != 0:
@@ -51,7 +72,7 @@ class Strategy(ABC):
 
             per_device = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world_size))) if self.device.type != "cuda" else 1
             print(report(model, self.config.strategy, self.config.zero, self.config.precision, self.world_size,
-                         self.device, per_device), flush=True)
+                         self.device, per_device, tp=self.config.tp, pp=self.config.pp), flush=True)
         except Exception as exc:  # an estimate must never break a run
             print(f"memory estimate unavailable: {exc}", flush=True)
 
@@ -71,6 +92,25 @@ class Strategy(ABC):
         """Context for the forward pass in the run's precision."""
         return contextlib.nullcontext()
 
+    def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+        """One training step: forward under `autocast`, ``loss_fn(outputs, targets)``, the strategy's backward, and
+        the optimizer step at the accumulation boundary. Returns the (detached) loss.
+
+        ``inputs``: a tensor (``model(inputs)``), a tuple (``model(*inputs)``) or a dict (``model(**inputs)``);
+        tensors are moved to the run's device. Low-precision outputs reach ``loss_fn`` in fp32."""
+        inputs, targets = _to_device(inputs, self.device), _to_device(targets, self.device)
+        with self.autocast():
+            if isinstance(inputs, dict):
+                outputs = self.model(**inputs)
+            elif isinstance(inputs, tuple):
+                outputs = self.model(*inputs)
+            else:
+                outputs = self.model(inputs)
+        loss = loss_fn(_as_float(outputs), targets)
+        self.backward(loss)
+        self.step()
+        return loss.detach()
+
     def save_checkpoint(self, directory: str, client_state: dict | None = None) -> None:
         raise NotImplementedError(f"--strategy {self.name} does not support checkpoints yet")
 
@@ -86,10 +126,31 @@ class Strategy(ABC):
         """Release what the strategy holds (engines, hooks) before the process group goes."""
 
 
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_to_device(v, device) for v in value)
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def _as_float(output: Any) -> Any:
+    """bf16/fp16 outputs of an autocast forward in fp32 for the loss (as ``model(x).float()``); others as they are."""
+    if isinstance(output, torch.Tensor) and output.is_floating_point() and output.dtype != torch.float32:
+        return output.float()
+    return output
+
+
 class TorchStrategy(Strategy):
-    """Shared by the strategies that use a plain torch optimizer (DDP, FSDP)."""
+    """Shared by the strategies that use a plain torch optimizer (DDP, FSDP), including their model-parallel
+    forms (``--tp``/``--pp``: `dtrain_magic.parallel.ModelParallel`, sharded checkpoints)."""
 
     _dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    sharded_checkpoints: ClassVar[bool] = False  # DCP (every rank its shards) rather than rank 0's torch.save
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -97,6 +158,30 @@ class TorchStrategy(Strategy):
         self.scaler = None
         if self.config.precision == "fp16":
             self.scaler = torch.amp.GradScaler(self.device.type)
+        self.parallel: Any = None
+        if self.config.tp > 1 or self.config.pp > 1:
+            from ..parallel.model_parallel import ModelParallel
+
+            self.parallel = ModelParallel(self.config, self.rank, self.world_size, self.device, self.name)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.parallel.dp_rank if self.parallel is not None else self.rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.parallel.dp_size if self.parallel is not None else self.world_size
+
+    @property
+    def pipeline(self) -> Any:
+        return self.parallel.pipeline if self.parallel is not None else None
+
+    def _refuse_under_pipeline(self, call: str) -> None:
+        if self.pipeline is not None:
+            from ..errors import UnsupportedCodeError
+            from ..parallel.pipeline import USE_TRAIN_STEP
+
+            raise UnsupportedCodeError(USE_TRAIN_STEP.format(what=call))
 
     @property
     def accumulation(self) -> int:
@@ -116,6 +201,7 @@ class TorchStrategy(Strategy):
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
+        self._refuse_under_pipeline("ctx.backward(loss)")
         loss = loss / self.accumulation
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
@@ -124,10 +210,16 @@ class TorchStrategy(Strategy):
             loss.backward()
 
     def step(self) -> bool:
+        self._refuse_under_pipeline("ctx.step()")
+        return self._step()
+
+    def _step(self) -> bool:
         stepped = self._at_boundary()
         self.micro_step += 1
         if not stepped or self.optimizer is None:
             return stepped
+        if self.parallel is not None:
+            self.parallel.finish_gradients(self.accumulation)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -136,8 +228,50 @@ class TorchStrategy(Strategy):
         self.optimizer.zero_grad(set_to_none=True)
         return True
 
+    def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+        """As `Strategy.train_step`; under ``--pp``, the batch goes through the pipeline schedule in
+        ``--microbatches`` micro-batches and the loss returned on every rank is the last stage's."""
+        if self.pipeline is None:
+            return super().train_step(inputs, targets, loss_fn)
+        inputs, targets = _to_device(inputs, self.device), _to_device(targets, self.device)
+        with self.autocast():
+            loss = self.pipeline.run(inputs, targets, lambda outputs, target: loss_fn(_as_float(outputs), target))
+        self._step()
+        return loss
+
+    def wrap_model_parallel(self, model: torch.nn.Module, optimizer: Any,
+                            shard_data_parallel: Callable[[torch.nn.Module, Any], None] | None = None) -> tuple[Any, Any]:
+        """``--tp``/``--pp``: split ``model`` for this rank (see `ModelParallel.prepare`)."""
+        self.report_memory(model)
+        model, optimizer = self.parallel.prepare(model, optimizer, self.tp_plan, self.pp_split, shard_data_parallel)
+        self.model, self.optimizer = model, optimizer
+        return model, optimizer
+
+    def _sharded_module(self) -> torch.nn.Module | None:
+        """The module whose (sharded) state DCP saves: this rank's part, named as in the whole model."""
+        if self.parallel is not None:
+            return self.parallel.module
+        return self.model if self.sharded_checkpoints else None
+
+    def _extra_state(self, client_state: dict | None) -> dict:
+        extra = {"micro_step": self.micro_step, "client_state": dict(client_state or {})}
+        if self.scaler is not None:
+            extra["scaler"] = self.scaler.state_dict()
+        return extra
+
+    def _restore_extra(self, extra: dict) -> dict | None:
+        self.micro_step = extra.get("micro_step", 0)
+        if self.scaler is not None and "scaler" in extra:
+            self.scaler.load_state_dict(extra["scaler"])
+        return extra.get("client_state")
+
     def save_checkpoint(self, directory: str, client_state: dict | None = None) -> None:
-        """Full (unsharded) model and optimizer state, written by rank 0."""
+        """Full (unsharded) model and optimizer state, written by rank 0; sharded (every rank its shards, with
+        torch.distributed.checkpoint) for FSDP and under ``--tp``/``--pp``."""
+        module = self._sharded_module()
+        if module is not None:
+            sharded_checkpoint.save(directory, module, self.optimizer, self.rank, self._extra_state(client_state))
+            return
         if self.rank == 0:
             os.makedirs(directory, exist_ok=True)
             state = {
@@ -151,6 +285,10 @@ class TorchStrategy(Strategy):
             torch.save(state, os.path.join(directory, "checkpoint.pt"))
 
     def load_checkpoint(self, directory: str) -> dict | None:
+        module = self._sharded_module()
+        if module is not None:
+            extra = sharded_checkpoint.load(directory, module, self.optimizer)
+            return None if extra is None else self._restore_extra(extra)
         path = os.path.join(directory, "checkpoint.pt")
         if not os.path.exists(path):
             return None
@@ -162,4 +300,15 @@ class TorchStrategy(Strategy):
             self.scaler.load_state_dict(state["scaler"])
         self.micro_step = state.get("micro_step", 0)
         return state.get("client_state")
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's fp32 state dict on every rank: shards gathered and pipeline stages merged (a
+        collective under FSDP and ``--tp``/``--pp``: every rank must call it), in the plain model's layout."""
+        if self.parallel is not None:
+            return self.parallel.full_state_dict()
+        if self.sharded_checkpoints:
+            from ..parallel.state import gather_full_state
+
+            return gather_full_state(self.model)
+        return super().full_state_dict()
 

@@ -1,4 +1,10 @@
-"""``--strategy ddp``: torch DistributedDataParallel."""
+"""``--strategy ddp``: torch DistributedDataParallel.
+
+With ``--tp``/``--pp`` the model is split by `dtrain_magic.parallel.ModelParallel` instead of wrapped in DDP (whose
+buckets do not take tensor-parallel DTensor parameters or a pipeline's manual backward): the replicas' gradients
+are averaged over the data-parallel ranks once per optimizer step, which is what DDP's all-reduce (and ``no_sync``
+during accumulation) amounts to.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ class DDPStrategy(TorchStrategy):
     name = "ddp"
 
     def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Any, Any]:
+        if self.parallel is not None:
+            return self.wrap_model_parallel(model, optimizer)
         self.report_memory(model)
         model = model.to(self.device)
         if self.world_size > 1:

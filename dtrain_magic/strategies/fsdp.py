@@ -13,47 +13,39 @@ hyper-parameters and param groups are kept.
 
 Checkpoints are sharded (``torch.distributed.checkpoint``: every rank writes its shards); ``full_state_dict``
 gathers the whole fp32 model on every rank for a rank-0 ``torch.save`` that loads into the plain model.
+
+With ``--tp N`` this is 2-D parallelism: the model is tensor-parallel over N ranks and FSDP shards it over the
+``world / N`` data-parallel ranks (the ``dp`` dimension of a 2-D device mesh; `dtrain_magic.parallel`). With
+``--pp`` each pipeline stage is FSDP-sharded over its replicas (torch's pipelining drives FSDP's reduce-scatter).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any
 
 import torch
 
 from .base import TorchStrategy
 
-_EXTRA = "dtrain_extra.pt"
-
 
 class FSDPStrategy(TorchStrategy):
     name = "fsdp"
 
+    sharded_checkpoints = True
+
     def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Any, Any]:
+        if self.parallel is not None:
+            return self.wrap_model_parallel(model, optimizer, shard_data_parallel=_fully_shard)
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+
+        from ..parallel.state import repoint_optimizer
 
         self.report_memory(model)
         model = model.to(self.device)
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
-        for child in model.children():
-            if any(True for _ in child.parameters()):
-                fully_shard(child, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        if optimizer is not None:
-            new = dict(model.named_parameters(remove_duplicate=False))
-            for group in optimizer.param_groups:
-                try:
-                    group["params"] = [new[names[id(p)]] for p in group["params"]]
-                except KeyError:
-                    raise ValueError(
-                        "--strategy fsdp: the optimizer holds parameters that are not the model's; "
-                        "create it from model.parameters() before ctx.prepare"
-                    ) from None
-            optimizer.state.clear()
+        _fully_shard(model, init_device_mesh(self.device.type, (self.world_size,)))
+        repoint_optimizer(optimizer, names, model, strategy="--strategy fsdp")
         self.model, self.optimizer = model, optimizer
         return model, optimizer
 
@@ -69,51 +61,12 @@ class FSDPStrategy(TorchStrategy):
         finally:
             model.set_requires_gradient_sync(True)
 
-    # -- checkpoints -----------------------------------------------------------------------------
-    def _state(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        if self.optimizer is None:
-            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+def _fully_shard(model: torch.nn.Module, mesh: Any) -> None:
+    """Each direct child with parameters its own FSDP unit, then the root, over ``mesh`` (1-D)."""
+    from torch.distributed.fsdp import fully_shard
 
-            return {"model": get_model_state_dict(self.model)}
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
-
-    def save_checkpoint(self, directory: str, client_state: dict | None = None) -> None:
-        """Sharded checkpoint with torch.distributed.checkpoint (every rank writes its shards)."""
-        import torch.distributed.checkpoint as dcp
-
-        os.makedirs(directory, exist_ok=True)
-        dcp.save(self._state(), checkpoint_id=directory)
-        if self.rank == 0:
-            extra = {"micro_step": self.micro_step, "client_state": dict(client_state or {})}
-            if self.scaler is not None:
-                extra["scaler"] = self.scaler.state_dict()
-            torch.save(extra, os.path.join(directory, _EXTRA))
-
-    def load_checkpoint(self, directory: str) -> dict | None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-        extra_path = os.path.join(directory, _EXTRA)
-        if not os.path.exists(extra_path):
-            return None
-        state = self._state()
-        dcp.load(state, checkpoint_id=directory)
-        if "optim" in state:
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        else:
-            set_model_state_dict(self.model, state["model"])
-        extra = torch.load(extra_path, map_location="cpu", weights_only=False)
-        self.micro_step = extra.get("micro_step", 0)
-        if self.scaler is not None and "scaler" in extra:
-            self.scaler.load_state_dict(extra["scaler"])
-        return extra.get("client_state")
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsharded fp32 state dict on every rank (a collective: every rank must call it)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-        return {k: v.detach().cpu().clone() for k, v in state.items()}
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)

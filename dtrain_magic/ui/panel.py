@@ -170,7 +170,8 @@ class PanelState:
             return None
         try:
             est = memory.estimate(self.num_params, self.values["strategy"], self.values["zero"],
-                                  self.values["precision"], int(self.values["num_processes"]))
+                                  self.values["precision"], int(self.values["num_processes"]),
+                                  tp=int(self.values["tp"]), pp=int(self.values["pp"]))
             line = self.model_line() + "\n" + est.line()
             device = "cuda" if self.values["use_gpu"] else None
             per_device = 1 if self.values["use_gpu"] else int(self.values["num_processes"])

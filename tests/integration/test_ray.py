@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # generous: a loaded 
 ray = pytest.importorskip("ray")
 
 from workloads import (
-    EVERY, MIXED_CELL, STEPS, assert_nothing_grew, assert_strategy_run, notebook_snapshot, restart_cell, strategy_cell,
+    EVERY, MIXED_CELL, PP_WIDTHS, STEPS, TP_WIDTHS, assert_model_parallel_run, assert_nothing_grew, assert_strategy_run,
+    model_parallel_cell, notebook_snapshot, restart_cell, strategy_cell,
 )
 
 
@@ -169,6 +170,14 @@ def test_a_ray_whose_private_parts_are_unknown_is_refused_before_anything_starts
 @pytest.mark.parametrize("flags,accum", [("--zero 2 --grad-accum 2", 2)], ids=["zero2"])
 def test_strategies_run_unchanged_on_ray(shell, tmp_path, flags, accum):
     assert_strategy_run(shell.run(strategy_cell("ray", flags, tmp_path / "ckpt")), accum)
+
+
+# Model parallelism (issue #16) on Ray Train's process group: the local backend's ctx.train_step function
+# (tests/integration/test_model_parallel.py) under --tp 2 and --pp 2 matches one process (fp32, 1e-5) and resumes.
+@pytest.mark.parametrize("flags,widths", [("--tp 2", TP_WIDTHS), ("--pp 2 --microbatches 4", PP_WIDTHS)], ids=["tp", "pp"])
+def test_tensor_and_pipeline_parallel_on_ray(shell, tmp_path, flags, widths):
+    assert_model_parallel_run(shell.run(model_parallel_cell("ray", flags, tmp_path / "ckpt", widths)), widths)
+
 
 def test_sigkill_with_max_restarts_resumes_from_checkpoint(shell, mlflow, reference_weights, tmp_path, capsys):
     result = shell.run(cell(flags="--max-restarts 1", kill=True))

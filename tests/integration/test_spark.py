@@ -18,8 +18,9 @@ from dtrain_magic.config import RunConfig
 from dtrain_magic.errors import ConfigError, RunInterrupted, RunTimeout, WorkerError
 from dtrain_magic.launchers import get_launcher
 from workloads import (
-    EVERY, KILL_RANK1_CELL, MIXED_CELL, STEPS, TRAIN_HELPERS, assert_nothing_grew, assert_strategy_run, notebook_snapshot,
-    restart_cell, strategy_cell, train_cell,
+    EVERY, KILL_RANK1_CELL, MIXED_CELL, PP_WIDTHS, STEPS, TP_WIDTHS, TRAIN_HELPERS, assert_model_parallel_run,
+    assert_nothing_grew, assert_strategy_run, model_parallel_cell, notebook_snapshot, restart_cell, strategy_cell,
+    train_cell,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -181,6 +182,14 @@ def test_checkpoints_land_where_every_backend_puts_them(spark_launcher, shell):
 @pytest.mark.parametrize("flags,accum", [("--zero 3 --grad-accum 2", 2), ("--strategy fsdp", 1)], ids=["zero3", "fsdp"])
 def test_strategies_run_unchanged_through_torchdistributor(spark_launcher, shell, tmp_path, flags, accum):
     assert_strategy_run(shell.run(strategy_cell("spark", flags, tmp_path / "ckpt")), accum)
+    assert_no_torchrun_left()
+
+
+# Model parallelism (issue #16) through TorchDistributor's torchrun: the local backend's ctx.train_step function
+# (tests/integration/test_model_parallel.py) under --tp 2 and --pp 2 matches one process (fp32, 1e-5) and resumes.
+@pytest.mark.parametrize("flags,widths", [("--tp 2", TP_WIDTHS), ("--pp 2 --microbatches 4", PP_WIDTHS)], ids=["tp", "pp"])
+def test_tensor_and_pipeline_parallel_through_torchdistributor(spark_launcher, shell, tmp_path, flags, widths):
+    assert_model_parallel_run(shell.run(model_parallel_cell("spark", flags, tmp_path / "ckpt", widths)), widths)
     assert_no_torchrun_left()
 
 

@@ -468,3 +468,167 @@ def loss_fell(losses: list, per_epoch: int = 4) -> bool:
     """The last epoch's mean loss is under half the first epoch's."""
     first, last = losses[:per_epoch], losses[-per_epoch:]
     return sum(last) / len(last) < 0.5 * sum(first) / len(first)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model parallelism (issue #16): one training function written with ctx.train_step, run under --tp, --pp,
+# 2-D FSDP x TP and the data-parallel strategies by changing the %%distribute line only. The per-process batch
+# is GLOBAL // ctx.data_parallel_size, so every run takes steps of the same global batch (x --grad-accum) as the
+# one-process reference. Rank 0 returns the final full state (ctx.full_state_dict()), the losses, and the state
+# of a second model resumed from the checkpoint saved half-way. Tolerance (fp32): 1e-5 against one process.
+
+TP_WIDTHS = (8, 32, 16, 4)  # Linear-ReLU-Linear-ReLU-Linear
+PP_WIDTHS = (8, 32, 32, 16, 4)  # a 4-layer nn.Sequential (Linear-ReLU x 3, Linear)
+MP_SAMPLES, MP_GLOBAL_BATCH = 64, 16
+
+MODEL_PARALLEL_CELL = '''
+import torch
+
+GLOBAL, WIDTHS = {global_batch}, {widths}
+
+def make_model():
+    layers = []
+    for a, b in zip(WIDTHS, WIDTHS[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+def make_data():
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn({samples}, WIDTHS[0], generator=g)
+    return X, torch.sin(X @ torch.randn(WIDTHS[0], WIDTHS[-1], generator=g))
+
+def train(ctx):
+    torch.manual_seed(0)
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    X, Y = make_data()
+    data = torch.utils.data.TensorDataset(X, Y)
+    loader = torch.utils.data.DataLoader(data, batch_size=GLOBAL // ctx.data_parallel_size)
+    model, opt, loader = ctx.prepare(model, opt, loader)
+    batches = list(loader)
+    half = len(batches) // 2
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        if i == half:
+            ctx.save_checkpoint("{ckpt}", note=half)
+        losses.append(ctx.train_step(x, y, torch.nn.functional.mse_loss).item())
+        ctx.log(loss=losses[-1])
+    final = ctx.full_state_dict()
+
+    torch.manual_seed(123)  # another start, overwritten by the checkpoint
+    model2 = make_model()
+    opt2 = torch.optim.Adam(model2.parameters(), lr=0.01)
+    model2, opt2 = ctx.prepare(model2, opt2)
+    client = ctx.load_checkpoint("{ckpt}")
+    for x, y in batches[half:]:
+        ctx.train_step(x, y, torch.nn.functional.mse_loss)
+    return {{"final": final, "resumed": ctx.full_state_dict(), "losses": losses, "client": client}}
+'''
+
+
+def model_parallel_cell(backend: str, flags: str, checkpoint_dir, widths=TP_WIDTHS, n: int = 2) -> str:
+    return f"%%distribute --backend {backend} -n {n} --no-ui {flags}\n" + MODEL_PARALLEL_CELL.format(
+        global_batch=MP_GLOBAL_BATCH, widths=tuple(widths), samples=MP_SAMPLES, ckpt=checkpoint_dir
+    )
+
+
+def _model_parallel_namespace(widths) -> dict:
+    namespace: dict = {}
+    exec(MODEL_PARALLEL_CELL.format(global_batch=MP_GLOBAL_BATCH, widths=tuple(widths), samples=MP_SAMPLES, ckpt=""),
+         namespace)
+    return namespace
+
+
+def model_parallel_reference(widths=TP_WIDTHS, accum: int = 1) -> tuple[dict, list[float]]:
+    """One process, one optimizer step per MP_GLOBAL_BATCH x accum contiguous samples: the final weights, and the
+    loss of every MP_GLOBAL_BATCH samples (what each train_step call returns) before its step."""
+    namespace = _model_parallel_namespace(widths)
+    torch.manual_seed(0)
+    model = namespace["make_model"]()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    X, Y = namespace["make_data"]()
+    losses, big = [], MP_GLOBAL_BATCH * accum
+    for start in range(0, MP_SAMPLES, big):
+        opt.zero_grad()
+        chunks = [torch.nn.functional.mse_loss(model(X[i:i + MP_GLOBAL_BATCH]), Y[i:i + MP_GLOBAL_BATCH])
+                  for i in range(start, start + big, MP_GLOBAL_BATCH)]
+        torch.stack(chunks).mean().backward()
+        opt.step()
+        losses += [chunk.item() for chunk in chunks]
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def assert_model_parallel_run(result, widths=TP_WIDTHS, accum: int = 1, global_losses: bool = True) -> float:
+    """A MODEL_PARALLEL_CELL run: one process's weights (fp32, 1e-5), the state loadable into the plain model, the
+    checkpoint resume equal to the uninterrupted run, and (``global_losses``: one model replica, so each step's
+    loss is the whole global batch's) one process's losses. Returns the largest weight difference."""
+    import pytest
+
+    assert result.error_in_exec is None, result.error_in_exec
+    out = result.result.value
+    reference, losses = model_parallel_reference(widths, accum)
+    worst = assert_close(out["final"], reference, 1e-5, 0)
+    _model_parallel_namespace(widths)["make_model"]().load_state_dict(out["final"])  # the plain model takes it
+    if global_losses:
+        assert out["losses"] == pytest.approx(losses, abs=1e-5), (out["losses"], losses)
+    assert_close(out["resumed"], out["final"], 1e-6, 0)
+    assert out["client"] == {"note": MP_SAMPLES // MP_GLOBAL_BATCH // 2}
+    return worst
+
+
+# Tensor parallelism of Hugging Face models built from a config (no download): GPT-2 (its own plan: Conv1D, fused
+# q/k/v split per head group) and Llama (its base_model_tp_plan). No dropout, so one process is the reference.
+HF_TP_HELPERS = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+VOCAB = 64
+
+def make_hf(kind):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=VOCAB, n_positions=16,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16))
+
+def tokens():
+    starts = torch.randint(0, VOCAB, (32, 1), generator=torch.Generator().manual_seed(1))
+    return (starts + torch.arange(16)) % VOCAB  # each next token is the last + 1: learnable
+
+def next_token_loss(output, ids):
+    return torch.nn.functional.cross_entropy(output.logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+"""
+
+HF_TP_CELL = """%%distribute --backend local -n 2 --no-ui --tp 2
+def train(ctx):
+    out = {}
+    for kind in ("gpt2", "llama"):
+        model = make_hf(kind)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        model, opt = ctx.prepare(model, opt)
+        ids = tokens()
+        losses = [ctx.train_step(ids[i:i + 8], ids[i:i + 8], next_token_loss).item() for i in range(0, 32, 8)]
+        out[kind] = {"losses": losses, "state": ctx.full_state_dict()}
+        if kind == "gpt2":
+            attn = model.transformer.h[0].attn
+            out["gpt2_attention"] = (attn.num_heads, attn.split_size, tuple(attn.c_attn.q.weight.to_local().shape))
+    return out
+"""
+
+
+def hf_reference(kind: str) -> tuple[dict, list[float], object]:
+    """One process: the final state and the per-step losses of HF_TP_CELL's training, and the model."""
+    namespace: dict = {}
+    exec(HF_TP_HELPERS, namespace)
+    model = namespace["make_hf"](kind)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ids = namespace["tokens"]()
+    losses = []
+    for i in range(0, 32, 8):
+        loss = namespace["next_token_loss"](model(ids[i:i + 8]), ids[i:i + 8])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, namespace["make_hf"](kind)

@@ -48,6 +48,10 @@ ROUND_TRIP: dict[str, list[dict]] = {
     "max_restarts": [{"max_restarts": 3}],
     "micro_batch": [{"micro_batch": 4}, {"micro_batch": 4, "grad_accum": 2, "num_processes": 2, "train_batch": 16}],
     "train_batch": [{"train_batch": 16}],
+    "tp": [{"tp": 2}, {"tp": 2, "num_processes": 4, "strategy": "fsdp"}],
+    "pp": [{"pp": 2}, {"pp": 2, "num_processes": 4}],
+    "microbatches": [{"pp": 2, "microbatches": 4}],
+    "pp_schedule": [{"pp": 2, "pp_schedule": "1f1b"}],
     **{field: [{**needs, field: text} for text in TEXTS] for field, needs in FREE_TEXT.items()},
 }
 ROUND_TRIP["tracking_uri"] += [{"tracking_uri": "sqlite:////tmp/my runs/mlflow.db"},

@@ -22,7 +22,7 @@ def state(line: str = "--backend local", **kwargs) -> PanelState:
 def test_prefilled_from_the_flags():
     s = state("--backend local --strategy fsdp --precision bf16 -n 3 --grad-accum 4 --experiment exp1 --cpu")
     assert s.values == dict(backend="local", strategy="fsdp", zero=None, precision="bf16", num_processes=3,
-                            grad_accum=4, use_gpu=False, experiment="exp1")
+                            grad_accum=4, use_gpu=False, tp=1, pp=1, experiment="exp1")
     assert s.to_config().flag_line() == (
         "%%distribute --backend local --strategy fsdp --precision bf16 -n 3 --cpu --grad-accum 4 --experiment exp1 --ui")
 
@@ -239,7 +239,7 @@ def test_controls_labels_and_options_come_from_the_flag_table():
     rows = [row for row in FLAGS if row.panel is not None]
     assert CONTROLS == tuple(row.field for row in rows)
     assert set(CONTROLS) == {"backend", "strategy", "zero", "precision", "num_processes", "grad_accum", "use_gpu",
-                             "experiment"}
+                             "tp", "pp", "experiment"}
     options = PanelState(RunConfig(use_gpu=True), gpu_available=lambda: True).options()
     assert options == {"backend": [(b, b) for b in BACKENDS if b != "auto"], "strategy": [(s, s) for s in STRATEGIES],
                        "zero": [(f"ZeRO-{z}", z) for z in ZERO_STAGES], "precision": [(p, p) for p in PRECISIONS]}
@@ -251,3 +251,14 @@ def test_controls_labels_and_options_come_from_the_flag_table():
     assert list(right.children) == [panel.controls[r.field] for r in rows if r.panel.column == 1] + [panel.params]
     assert (panel.controls["num_processes"].min, panel.controls["num_processes"].max) == (1, 4096)
     assert (panel.controls["grad_accum"].min, panel.controls["grad_accum"].max) == (1, 100000)
+
+
+def test_tensor_and_pipeline_degrees_in_the_panel():
+    s = state("--backend local --strategy fsdp -n 4 --cpu")
+    s.set(tp=2)
+    assert s.can_run and "--tp 2" in s.flag_line() and s.to_config().data_parallel_size == 2
+    assert "fsdp x tp 2" in s.memory_line() and "1/2 of the model" in s.memory_line()
+    s.set(tp=3)
+    assert not s.can_run and any("--tp" in p and "multiple of 3" in p for p in s.problems())
+    s.set(tp=1, pp=2, strategy="deepspeed")
+    assert any("--pp" in p and "deepspeed" in p for p in s.problems())
