@@ -40,8 +40,12 @@ def comm_backend(config: RunConfig) -> str:
 
 
 def plan_with_backend(plan: str, config: RunConfig) -> str:
-    """A launcher's one-line plan, naming the process-group backend in use where it names both."""
-    return plan.replace("gloo/nccl", comm_backend(config))
+    """A launcher's one-line plan, naming the process-group backend in use where it names both, and saying
+    when a GPU run will have no GPU metrics (MLflow skips them silently without nvidia-ml-py)."""
+    from .tracking.system_metrics import gpu_metrics_note
+
+    note = gpu_metrics_note(config.use_gpu)
+    return plan.replace("gloo/nccl", comm_backend(config)) + (f" ({note})" if note else "")
 
 
 def prefix_lines(rank: int | None, text: str, pending: str = "") -> tuple[str, str]:

@@ -26,3 +26,24 @@ def test_interleaved_ranks_never_share_a_line():
 def test_progress_line_with_total_has_eta():
     line = progress_line(50, 100, 10.0, {"loss": 0.5})
     assert line == "step 50/100 (5.0 steps/s, ETA 10.0 s) loss=0.5"
+
+
+def test_a_gpu_plan_says_when_gpu_metrics_will_be_missing(monkeypatch):
+    import builtins
+
+    from dtrain_magic.config import RunConfig
+    from dtrain_magic.observer import plan_with_backend
+
+    real_import = builtins.__import__
+
+    def no_pynvml(name, *args, **kwargs):
+        if name == "pynvml":
+            raise ImportError("No module named 'pynvml'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_pynvml)
+    gpu = plan_with_backend("2 local process(es) (GPU, gloo/nccl on 127.0.0.1)", RunConfig(use_gpu=True))
+    assert gpu == "2 local process(es) (GPU, nccl on 127.0.0.1) (GPU metrics are off: install nvidia-ml-py " \
+                  "to record GPU utilisation and memory)"
+    cpu = plan_with_backend("2 local process(es) (CPU, gloo/nccl on 127.0.0.1)", RunConfig(use_gpu=False))
+    assert cpu == "2 local process(es) (CPU, gloo on 127.0.0.1)"
