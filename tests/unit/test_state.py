@@ -57,13 +57,16 @@ def test_importing_the_package_builds_no_state_and_registers_no_exit_hook():
         "atexit.register = spy\n"
         "import dtrain_magic, dtrain_magic.magic, dtrain_magic.runner, dtrain_magic.launchers.local\n"
         "import dtrain_magic.launchers.ray, dtrain_magic.launchers.spark, dtrain_magic.state\n"
-        "print(json.dumps({'state': dtrain_magic.state._state is not None, 'hooks': ours,\n"
+        "from dtrain_magic.launchers import get_launcher\n"
+        "fresh = dtrain_magic.state._state is None\n"
+        "server = get_launcher('local').pool.server_pid()  # a launcher alone starts no fork server\n"
+        "print(json.dumps({'state': not fresh, 'server': server, 'hooks': ours,\n"
         "                  'heavy': sorted({'ray', 'pyspark', 'mlflow'} & set(sys.modules))}))\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert found == {"state": False, "hooks": [], "heavy": []}, found
+    assert found == {"state": False, "server": None, "hooks": [], "heavy": []}, found
 
 
 def test_one_state_per_kernel_created_on_first_use(monkeypatch):
@@ -85,7 +88,6 @@ def test_get_launcher_returns_the_kernel_states_launcher():
 
     local = get_launcher("local")
     assert kernel_state().launchers()["local"] is local and get_launcher("local") is local
-    assert local.pool.server_pid() is None  # the fork server starts with the first run, not before
 
 
 def test_shutdown_reaches_every_launcher_newest_first_even_past_a_failing_one():
