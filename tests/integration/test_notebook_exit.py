@@ -137,8 +137,12 @@ def test_kernel_exit_after_a_spark_cluster_run_is_quiet(tmp_path):
     try:
         proc = run_notebook(SPARK_CLUSTER, tag, tmp_path)
         assert "VERDICT ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
-        java_trace = [line for line in proc.stderr.splitlines() if line.lstrip().startswith("at org.apache.")
-                      or "Exception" in line or "Shutdown hooks" in line or "AppClient" in line]
+        # Java's traces only: on a loaded machine the release's watchdog may kill a worker whose torchrun teardown
+        # took over its grace, and its peer's c10d note ("Exception raised from recvBytes at .../c10d/...") is
+        # the executors' stderr, which a local-cluster shares with the notebook (a real cluster logs it).
+        java_trace = [line for line in proc.stderr.splitlines() if "/c10d/" not in line and (
+                      line.lstrip().startswith("at org.apache.") or "Exception" in line or "Shutdown hooks" in line
+                      or "AppClient" in line)]
         assert java_trace == [], "\n".join(java_trace[:20])
         assert wait_until_none_left(tag, within_s=15) == []
     finally:
