@@ -46,6 +46,12 @@ NOTEBOOK = textwrap.dedent('''
             print("VERDICT failed", repr(result.error_in_exec), flush=True)
             sys.exit(1)
         assert result.result.values == [0, 1], result.result.values
+    from dtrain_magic.launchers import get_launcher
+    slot = getattr(get_launcher("{backend}"), "standbys", None)  # Spark, Ray: the next run's workers wait
+    if slot is not None:
+        assert slot.standby is not None and slot.standby.all_ready.wait(120), "no waiting workers at exit"
+        # every cell ran on workers launched ahead (on Ray but the first: Ray starts after a kernel's first cell ran)
+        assert slot.claims == {cells} - ("{backend}" == "ray"), slot.claims
     print("VERDICT ok", flush=True)
 ''')
 
@@ -60,7 +66,9 @@ def run_notebook(script: str, tag: str, cwd, timeout: float = 300) -> subprocess
 @pytest.mark.parametrize("backend", ["local", "spark", "ray"])
 def test_back_to_back_cells_then_exit_leave_no_process(backend, tmp_path):
     """Three notebooks in a row, each running three cells back to back and exiting at once: 15 s after
-    each exit, no process any of them started is alive."""
+    each exit, no process any of them started is alive. On Spark and Ray each cell runs on workers launched
+    ahead (the first by the check, the others after the cell before), and the notebook exits while the next
+    run's workers wait: they go with it."""
     cells = 3
     for notebook in range(3):
         tag = new_tag()
