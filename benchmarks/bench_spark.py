@@ -9,7 +9,10 @@ rank 0's first optimizer step; total is the call's duration.
   (same settings as the launcher's) and then calls ``TorchDistributor.run``. ``--cold-runs`` samples of
   each (default 3; about 20 s each on 2 cores).
 * Warm: in this process, on one SparkSession (its start not counted), after one untimed warm-up of each;
-  ``--repeats`` samples of each, alternating.
+  ``--repeats`` raw samples, then the magic's ``--repeats`` samples three ways (workload.STANDBY_SERIES):
+  a warm re-run on the next run's workers, launched ahead and waiting (docs/warm-reruns.md); a re-run
+  started the moment the previous one returned; a launch with no workers waiting. Call → worker function
+  entry of each against the raw ``TorchDistributor.run``'s (issue 15's target: ≤ 0.15 × raw, ≤ 0.5 s).
 
 Each side's time to first step is split into parts (workload.py); the raw side's "backend launch"
 (call → worker function entry: the torchrun wrapper, torchrun, the worker interpreters) is what the magic,
@@ -36,8 +39,8 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workload  # noqa: E402
 from workload import (  # noqa: E402
-    MAGIC_BODY, Probes, create_tracking_db, finish_report, magic_parts, print_backend_launch, print_comparison, raw_parts,
-    raw_train, settle,
+    MAGIC_BODY, Probes, create_tracking_db, finish_report, magic_parts, print_backend_launch, print_comparison,
+    print_standby, raw_parts, raw_train, settle, standby_section, standby_series,
 )
 
 
@@ -88,7 +91,8 @@ def run_raw(args, master: str) -> dict:
     end = time.time()
     # TorchDistributor returns one rank's value (not always rank 0's); the ranks' first steps meet at
     # DDP's first all-reduce, so any rank's first step is the run's.
-    return {"ttfs": result["first_step"] - start, "total": end - start, "parts": raw_parts(start, result)}
+    return {"ttfs": result["first_step"] - start, "total": end - start, "entry": result["entered"] - start,
+            "steps_per_s": result["steps_per_s"], "parts": raw_parts(start, result)}
 
 
 _SHELL = None
@@ -122,8 +126,8 @@ def run_magic(args, master: str) -> dict:
         raise SystemExit(f"the magic failed: {outcome.error_in_exec}")
     first = outcome.result.value
     session_s = launcher.session_start_s if launcher.session_starts > sessions_before else None
-    return {"ttfs": first["first_step"] - start, "total": end - start,
-            "parts": magic_parts(start, _PROBES.reset(), first, session_s=session_s)}
+    return {"ttfs": first["first_step"] - start, "total": end - start, "entry": first["entered"] - start,
+            "steps_per_s": first["steps_per_s"], "parts": magic_parts(start, _PROBES.reset(), first, session_s=session_s)}
 
 
 def inner(args, master: str, workdir: str) -> dict:
@@ -201,27 +205,36 @@ def main(argv: list[str] | None = None) -> int:
     print(f"SparkSession on {master}: started in {session_s:.1f} s (not counted in the warm runs)", flush=True)
 
     devnull = open(os.devnull, "w")
+
+    def quiet(fn):
+        real_stdout = sys.stdout
+        sys.stdout = devnull  # keep the workers' output out of the table
+        try:
+            return fn(args, master)
+        finally:
+            sys.stdout = real_stdout
+
     warm: dict[str, list] = {"magic": [], "raw": []}
-    for i in range(args.repeats + 1):
-        for name, fn in ((("raw", run_raw), ("magic", run_magic)) if i % 2 else (("magic", run_magic), ("raw", run_raw))):
-            settle(5.0)
-            real_stdout = sys.stdout
-            sys.stdout = devnull  # keep the workers' output out of the table
-            try:
-                sample = fn(args, master)
-            finally:
-                sys.stdout = real_stdout
-            label = "warm-up" if i == 0 else f"warm {i}"
-            print(f"{label:8s} {name:5s}: first step {sample['ttfs']:6.2f} s, total {sample['total']:6.2f} s", flush=True)
-            if i > 0:
-                warm[name].append(sample)
+    for name, fn in (("magic", run_magic), ("raw", run_raw)):
+        settle(5.0)
+        sample = quiet(fn)
+        print(f"warm-up  {name:5s}: first step {sample['ttfs']:6.2f} s, total {sample['total']:6.2f} s", flush=True)
+    for i in range(args.repeats):
+        settle(5.0)
+        warm["raw"].append(quiet(run_raw))
+        print(f"warm {i + 1}   raw  : function entry {warm['raw'][-1]['entry']:6.2f} s, first step "
+              f"{warm['raw'][-1]['ttfs']:6.2f} s, total {warm['raw'][-1]['total']:6.2f} s", flush=True)
+    from dtrain_magic.launchers import get_launcher
+
+    series = standby_series(lambda: quiet(run_magic), get_launcher("spark"), args.repeats, print)
+    warm["magic"] = series["magic"]
 
     mode = "cluster (barrier tasks)" if args.cluster else "local mode"
     report = {
         "backend": "spark", "mode": mode, "master": master, "n": args.n, "gpu": args.gpu, "steps": args.steps,
         "repeats": args.repeats, "cold_runs": args.cold_runs, "raw_api": "TorchDistributor.run",
         "cpu_count": os.cpu_count(), "session_start_s": session_s, "new_tracking_db_s": new_db_s,
-        "samples": {"cold": cold, "warm": warm},
+        "samples": {"cold": cold, "warm": warm, "standby": series}, "standby": standby_section(series),
     }
     finish_report(report, {"cold": cold, "warm": warm}, began, load_start)
 
@@ -230,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(fresh process + SparkSession each) and {args.repeats} warm samples")
     print_comparison(report, "TorchDistributor.run")
     print_backend_launch(report, "TorchDistributor's own launch")
+    print_standby(report, "TorchDistributor.run", 0.15)
     print(f"  (SparkSession start in this process {session_s:.1f} s; a new MLflow tracking DB {new_db_s:.2f} s once; "
           f"load average {load_start:.1f} → {report['load_average']['end']:.1f})")
     if args.json:

@@ -418,3 +418,63 @@ def print_comparison(report: dict, raw_name: str) -> None:
             if via in s and s[via].get("parts"):
                 print(f"  {mode} time to first step, {name}, parts (medians):")
                 print("\n".join(format_parts(s[via]["parts"])))
+
+
+# -- warm re-runs through the next run's waiting workers (Spark and Ray standbys, docs/warm-reruns.md) --------
+
+STANDBY_SERIES = {
+    "magic": "warm re-run: the next run's workers launched ahead and waiting (the machine idle, as between cells)",
+    "magic_immediate": "re-run started the moment the previous one returned (its workers still starting)",
+    "magic_fresh": "a launch with no workers waiting (released first): what every run cost before standbys",
+}
+
+
+def standby_series(run_magic, launcher, repeats: int, log) -> dict[str, list]:
+    """The magic's warm samples three ways (``STANDBY_SERIES``), ``repeats`` of each, interleaved; each sample
+    says whether its run took waiting workers over (``claimed``)."""
+    out: dict[str, list] = {name: [] for name in STANDBY_SERIES}
+
+    def one(name: str) -> None:
+        claims = launcher.standbys.claims
+        sample = run_magic()
+        sample["claimed"] = launcher.standbys.claims > claims
+        out[name].append(sample)
+        log(f"  {name:15s} {len(out[name])}: function entry {sample['entry']:6.2f} s, first step {sample['ttfs']:6.2f} s, "
+            f"total {sample['total']:6.2f} s, {sample['steps_per_s']:6.1f} steps/s, took waiting workers: {sample['claimed']}")
+
+    for _ in range(repeats):
+        launcher.release_standby("benchmark: a launch with no workers waiting")
+        settle(5.0)
+        one("magic_fresh")
+        one("magic_immediate")
+        standby = launcher.standbys.standby
+        if standby is not None:
+            standby.all_ready.wait(300)
+        settle(5.0)
+        one("magic")
+    return out
+
+
+def print_standby(report: dict, raw_name: str, entry_target: float) -> None:
+    """Warm re-runs through waiting workers against the raw API's call → function entry (issue 15's targets)."""
+    s = report["standby"]
+    raw = report["warm"]["raw"]
+    raw_entry = statistics.median(x["entry"] for x in report["samples"]["warm"]["raw"])
+    print(f"  call → worker function entry, warm (medians): {raw_name} {raw_entry:.2f} s")
+    for name, label in STANDBY_SERIES.items():
+        if name in s:
+            x = s[name]
+            print(f"    magic, {label}:\n      entry {x['entry']['median']:.2f} s ({x['entry']['min']:.2f}-"
+                  f"{x['entry']['max']:.2f}) = {x['entry']['median'] / raw_entry:.3f} × raw; first step "
+                  f"{x['ttfs']['median']:.2f} s; {x['steps_per_s']['median']:.1f} steps/s (raw "
+                  f"{raw['steps_per_s']['median']:.1f}); took waiting workers {x['claimed']}/{x['entry']['n']}")
+    print(f"    target: warm re-run entry ≤ {entry_target} × raw and ≤ 0.5 s; the immediate re-run no slower than the "
+          f"fresh launch")
+
+
+def standby_section(series: dict[str, list]) -> dict:
+    out = {}
+    for name, samples in series.items():
+        out[name] = {k: summarize([x[k] for x in samples]) for k in ("entry", "ttfs", "total", "steps_per_s")}
+        out[name]["claimed"] = sum(1 for x in samples if x.get("claimed"))
+    return out

@@ -17,6 +17,11 @@ process sends `RankStarted`, then `RankDone` once the worker ended in Python; a 
 without `RankDone` is a worker that died. (The watchdog runs without the package, ``python -S -I``: it
 sends the wire tuples of these two classes itself, and a unit test checks they agree.)
 
+A standby (`dtrain_magic.launchers.standby`: a launch started before the run that will use it) speaks it on a
+listener of its own too: each waiting worker sends `StandbyReady` once it can run a job; the notebook answers
+with one `StandbyJob` (the run's cloudpickled `WorkerJob` and what changed in the notebook since the launch) or
+`StandbyRelease` (nothing to run: the worker returns, and the launch ends).
+
 On the wire a message is a plain tuple, ``(KIND, *fields)`` in the order the fields are declared
 (`Message.wire`), which pickles about twice as fast as the instance (``ctx.log`` every step goes through
 this); `decode` turns it back into its class on the reading side. Sender and reader are always the same
@@ -136,6 +141,40 @@ class RankDone(Message):
     rank: int
 
 
+@dataclass(frozen=True, slots=True)
+class StandbyReady(Message):
+    """A standby's worker is ready for a job (torch imported, process group joined): its rank, pid and host."""
+
+    KIND: ClassVar[str] = "ready"
+    rank: int
+    pid: int
+    host: str
+
+
+@dataclass(frozen=True, slots=True)
+class StandbyJob(Message):
+    """The run a standby's workers take over: ``pickled_job`` (the cloudpickled `WorkerJob`, which names the
+    run's channel), the notebook's working directory (``cwd``), the environment variables set (``env_set``) and
+    removed (``env_unset``) in the notebook since the launch, for workers that inherited its environment, and
+    the MLflow ``tracking_uri`` (per-node system metrics on a cluster)."""
+
+    KIND: ClassVar[str] = "job"
+    pickled_job: bytes
+    cwd: str | None
+    env_set: dict[str, str]
+    env_unset: tuple[str, ...]
+    tracking_uri: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class StandbyRelease(Message):
+    """No run for this standby (idle timeout, ``%distribute_release``, another placement, the kernel exits):
+    the worker returns without running anything; ``reason`` says why."""
+
+    KIND: ClassVar[str] = "release"
+    reason: str
+
+
 def _protocol(*classes: type[Message]) -> dict[str, type[Message]]:
     """Give each class its fields' getter (``operator.attrgetter``, in C: `wire` is on every ``ctx.log``) and
     index the classes by kind for `decode`."""
@@ -149,7 +188,8 @@ def _protocol(*classes: type[Message]) -> dict[str, type[Message]]:
     return kinds
 
 
-_BY_KIND = _protocol(Hello, Output, Metric, Status, Total, Result, Error, RankStarted, RankDone)
+_BY_KIND = _protocol(Hello, Output, Metric, Status, Total, Result, Error, RankStarted, RankDone, StandbyReady,
+                     StandbyJob, StandbyRelease)
 
 
 class ProtocolError(ValueError):

@@ -67,6 +67,8 @@ class RunConfig:
     ray_address: str | None = None
     max_restarts: int = 0
     storage: str | None = None
+    # Warm re-runs (Spark, Ray): how long the next run's workers may wait for it (None: the backend's default)
+    keep_warm: float | None = None
     # DeepSpeed / batch arithmetic
     deepspeed_config: str | None = None
     micro_batch: int | None = None
@@ -106,6 +108,9 @@ class RunConfig:
             raise ConfigError("--experiment", f"got {self.experiment!r}; must be a non-empty name")
         if self.timeout is not None and (isinstance(self.timeout, bool) or not self.timeout > 0):
             raise ConfigError("--timeout", f"got {self.timeout!r}; must be a number of seconds > 0")
+        if self.keep_warm is not None and (isinstance(self.keep_warm, bool) or not isinstance(self.keep_warm, (int, float))
+                                           or not self.keep_warm >= 0):
+            raise ConfigError("--keep-warm", f"got {self.keep_warm!r}; must be a number of seconds >= 0 (0: hold nothing)")
         if self.precision == "fp16" and not self.use_gpu:
             raise ConfigError(
                 "--precision",
@@ -137,6 +142,12 @@ class RunConfig:
                 f"got {self.storage!r}; --backend {self.backend} writes checkpoints as plain files: give a path "
                 "(on a multi-host cluster, one every node can reach, such as /dbfs/...); URLs (s3://, gs://) are "
                 "for --backend ray",
+            )
+        if self.keep_warm is not None and self.backend == "local":
+            raise ConfigError(
+                "--keep-warm",
+                "applies only to --backend spark or ray (the next run's workers waiting for it); the local backend "
+                "keeps its fork server, which holds no worker, for the kernel's life",
             )
         if self.max_restarts and self.backend == "spark":
             raise ConfigError(

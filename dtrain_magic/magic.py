@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from . import flags, runner
 from .capture import capture
@@ -48,6 +49,7 @@ class DistributeMagics(Magics):
                 ) from None
             return show_panel(config, cell, self.shell)
         plan = runner.check(config)  # bad input: a clear error before the cell runs or anything launches
+        runner.keep_warm_ahead(plan)  # Spark/Ray: the run's workers start now, beside the cell's capture
         payload, _ = capture(cell, self.shell.user_ns, config.fn, self.shell)
         runner.check_payload(config, payload)  # e.g. a Ray Train loop off --backend ray: before --dry-run too
         if config.dry_run:
@@ -62,3 +64,16 @@ class DistributeMagics(Magics):
         return result
 
     distribute.__doc__ = flags.HELP
+
+    @line_magic
+    def distribute_release(self, line: str) -> None:
+        """Release the workers ``%%distribute`` keeps waiting for the next run on Spark and Ray (launched after
+        each run, held for ``--keep-warm`` seconds): their processes end, their executor slots or Ray CPUs/GPUs
+        are free again. The next run launches its workers afresh."""
+        if line.strip():
+            raise UsageError("%distribute_release takes no arguments")
+        released = runner.release_standbys()
+        if not released:
+            print("dtrain_magic: no workers were waiting")
+        for what in released:
+            print(f"dtrain_magic: released {what}")

@@ -15,7 +15,8 @@ class RunObserver:
 
     Order: `launched` once the workers are being started (the MLflow run may not exist yet), then
     `output`/`status`/`total`/`metric` as they come, `started` once the MLflow run is open (with a SQLite
-    store the workers start first, so metrics and output may come before it), `finished` at the end.
+    store the workers start first, so metrics and output may come before it), `finished` at the end, then
+    `held` when the next run's workers wait for it (Spark, Ray).
     """
 
     def launched(self, config: RunConfig, plan: str) -> None: ...
@@ -32,6 +33,9 @@ class RunObserver:
     def total(self, steps: int) -> None: ...
 
     def finished(self, result: Any, error: BaseException | None) -> None: ...
+
+    def held(self, text: str) -> None:
+        """After `finished`: the next run's workers wait (Spark, Ray): ``text`` says what, where, until when."""
 
 
 def comm_backend(config: RunConfig) -> str:
@@ -109,6 +113,9 @@ class TextObserver(RunObserver):
         self._pending.clear()
         if result is not None:
             print(f"dtrain_magic: finished in {result.wall_time_s:.2f} s; MLflow run {result.run_id}", file=self.out)
+
+    def held(self, text: str) -> None:
+        print(f"dtrain_magic: {text}", file=self.out)
 
 
 def progress_line(steps: int, total: int | None, elapsed_s: float, metrics: dict[str, float]) -> str:

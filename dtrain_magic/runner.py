@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import threading
 import time
 import uuid
@@ -117,24 +118,30 @@ def execute(
         raise ValueError("execute: the plan was made by check() for another config")
     launcher = plan.launcher
     check_payload(config, payload)
+    # Workers launched ahead for this placement (a standby, docs/warm-reruns.md): this run takes them over.
+    claim = launcher.claim_standby(config)
     # ctx.save_checkpoint() without a directory: one directory per run, the same on every backend (Ray
-    # Train keeps its own checkpoints there); named before the MLflow run exists, recorded in a tag.
-    root = run_checkpoint_root(config.storage, uuid.uuid4().hex)
+    # Train keeps its own checkpoints there); named before the MLflow run exists, recorded in a tag. A
+    # standby named it at its launch (on Ray it is the TorchTrainer's run name, fixed there).
+    root = (claim.checkpoint_root if claim is not None else None) or run_checkpoint_root(config.storage, uuid.uuid4().hex)
     early = plan.starts_before_tracking
     opening = RunOpening(config, tags={"dtrain_magic.checkpoint_root": root}, deferred=early)
     started = time.monotonic()
     status, reason = "FAILED", None
     outcome: _Pump | None = None
+    running = None
+    held: str | None = None
     try:
         launcher.warm_up(config)
         with Channel(host=plan.channel_host) as channel:
             job = WorkerJob(payload, config, channel.address, checkpoint_root=root)
             tracker = None if early else opening.wait()
             outcome = _Pump(config, channel, observer, started)
-            running = launcher.start(job if early else dataclasses.replace(job, run_id=tracker.run_id), channel.put)
+            job = job if early else dataclasses.replace(job, run_id=tracker.run_id)
+            running = claim.start(job, channel.put) if claim is not None else launcher.start(job, channel.put)
             released = False
             try:
-                described = launcher.describe(config)
+                described = launcher.describe(config) + ("; its workers were launched ahead and waiting" if claim else "")
                 if hasattr(observer, "launched"):  # observers written before it existed lack it
                     observer.launched(config, described)
                 if tracker is None:
@@ -146,6 +153,7 @@ def execute(
                 released = outcome.run(running, stop)
             finally:
                 running.release() if released else running.cancel()
+                held = _keep_warm(launcher, config)  # the next run's workers, whatever became of this one
             outcome.drain()
             values = outcome.collect()
         result = RunResult(
@@ -173,9 +181,43 @@ def execute(
         observer.finished(None, error)
         raise error from None
     finally:
+        if claim is not None and running is None:
+            claim.abandon()  # stopped before its launch: the standby waits for the next run
         # Stopped or failed while the run was opening: the metrics that came meanwhile are still recorded.
         waiting = outcome.waiting_metrics if outcome is not None else []
         opening.close(status, reason, {"dtrain_magic.wall_time_s": f"{time.monotonic() - started:.3f}"}, metrics=waiting)
+        if held and hasattr(observer, "held"):  # observers written before it existed lack it
+            observer.held(held)
+
+
+def _keep_warm(launcher: Launcher, config: RunConfig) -> str | None:
+    """`Launcher.keep_warm` after a run; a failure there is logged, never the run's."""
+    try:
+        return launcher.keep_warm(config)
+    except Exception:
+        logging.getLogger(__name__).warning("could not launch the next run's workers ahead", exc_info=True)
+        return None
+
+
+def keep_warm_ahead(plan: RunPlan) -> None:
+    """Before a kernel's first run (the magic calls this once `check` passed, before the cell runs): launch the
+    run's workers now, so their start overlaps the cell's capture; the run then claims them. Nothing for a dry
+    run. Never raises: the run launches them itself if this could not."""
+    if plan.config.dry_run:
+        return
+    _keep_warm(plan.launcher, plan.config)
+
+
+def release_standbys(reason: str = "released by %distribute_release") -> list[str]:
+    """Release every backend's waiting workers (``%distribute_release``); what was released."""
+    from .state import kernel_state
+
+    released = []
+    for launcher in kernel_state().launchers().values():
+        what = launcher.release_standby(reason) if isinstance(launcher, Launcher) else None
+        if what:
+            released.append(what)
+    return released
 
 
 def _accepts_keyword(method: Any, name: str) -> bool:

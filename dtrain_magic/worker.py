@@ -97,9 +97,13 @@ def _seed_everything(seed: int) -> None:
 
 
 def _device(config: RunConfig, local_rank: int):
+    return _device_for(config.use_gpu, local_rank)
+
+
+def _device_for(use_gpu: bool, local_rank: int):
     import torch
 
-    if config.use_gpu:
+    if use_gpu:
         if not torch.cuda.is_available():
             raise RuntimeError("--gpu was given but CUDA is not available on this worker; use --cpu")
         index = local_rank % max(1, torch.cuda.device_count())
@@ -109,20 +113,57 @@ def _device(config: RunConfig, local_rank: int):
 
 
 def _ensure_process_group(config: RunConfig, ranks: RankInfo) -> bool:
-    """Join the process group unless the backend (Ray Train) already did. True if we created it."""
+    """Join the process group unless the backend (Ray Train, a standby's waiting function) already did. True
+    if we created it."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return False
-    backend = "nccl" if config.use_gpu else "gloo"
+    _init_process_group(config.use_gpu, ranks, config.timeout)
+    return True
+
+
+def _init_process_group(use_gpu: bool, ranks: RankInfo, timeout: float | None = None) -> None:
+    import torch.distributed as dist
+
+    backend = "nccl" if use_gpu else "gloo"
     kwargs: dict[str, Any] = {}
-    if config.timeout:
-        kwargs["timeout"] = datetime.timedelta(seconds=max(config.timeout, 30))
+    if timeout:
+        kwargs["timeout"] = datetime.timedelta(seconds=max(timeout, 30))
     # The local launcher rendezvouses through a file in its private run directory (no TCPStore, which
     # listens on every interface); torchrun-based backends use the env:// variables they set.
     init_method = os.environ.get("DTRAIN_INIT_METHOD", "env://")
     dist.init_process_group(backend, init_method=init_method, rank=ranks.rank, world_size=ranks.world_size, **kwargs)
-    return True
+
+
+def join_process_group_ahead(use_gpu: bool) -> None:
+    """For a worker that waits for its job (a standby's, on torchrun): join the process group now, with the
+    ranks torchrun set, as `run_worker` would (its device first, then a barrier, so every peer is connected).
+    `run_worker` then finds the group joined, as on Ray Train, and leaves it alone: `leave_process_group`
+    after it. Its timeout is torch's default (the run's ``--timeout`` is not known yet; the notebook stops a
+    run that outlives ``--timeout`` anyway)."""
+    ranks = rank_from_env()
+    device = _device_for(use_gpu, ranks.local_rank)
+    _init_process_group(use_gpu, ranks)
+    _barrier(device)
+
+
+def leave_process_group(use_gpu: bool, finished: bool) -> None:
+    """After `run_worker` on a group joined by `join_process_group_ahead`: when the run ``finished`` on this
+    rank, leave together (a barrier, as `run_worker` does for the group it joins itself); then destroy it."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if finished:
+        try:
+            _barrier(_device_for(use_gpu, rank_from_env().local_rank))
+        except Exception:
+            pass
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
 
 
 def _barrier(device: Any) -> None:
@@ -222,6 +263,28 @@ def run_worker(job: WorkerJob, ranks: RankInfo | None = None, checkpoints: Any =
             except Exception:
                 pass
         link.close()
+
+
+def preload(strategies: tuple[str, ...] = ("ddp",)) -> None:
+    """Import what a worker needs before its job comes, so the job does not pay it: torch, torch.distributed,
+    this package's worker side, DDP's first-use imports (torch._dynamo, sympy: about 1 s on 2 cores) and the
+    modules of ``strategies``. Imports only: no tensor op (a fork server forks after this: OpenMP's thread pool
+    must not exist yet), no process group. Not DeepSpeed itself: imported inside the run, its logger writes to
+    the run's channel (imported before, it would write to the process's own stdout)."""
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
+
+    from . import context  # noqa: F401
+    from ._compat import torch as torch_compat
+    from .strategies import get_strategy
+
+    torch_compat.preload_compiler()
+    for name in strategies:
+        try:
+            get_strategy(name)
+        except Exception:  # an optional speed-up only: the job imports it and reports what goes wrong
+            pass
 
 
 def run_job_file(path: str) -> int:

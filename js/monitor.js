@@ -2,7 +2,8 @@
 // Python side: dtrain_magic/ui/monitor.py (MonitorWidget). Synced traits:
 //   state ("starting" | "running" | "finished" | "failed" | "stopped"), plan, run_id, link,
 //   ranks (list of {rank, state, detail}), step, total (0 = unknown), rate (steps/s), eta (s, -1 = unknown),
-//   elapsed (s), metrics ({name: value}), log (list of recent output lines), message (error or note).
+//   elapsed (s), metrics ({name: value}), log (list of recent output lines), message (error or note),
+//   held (after the run: the next run's workers waiting, where and until when; Spark and Ray).
 // The pure helpers are exported for the unit tests (js/monitor.test.js, `node --test js/`).
 
 export const RANK_STATES = ["starting", "running", "done", "failed"];
@@ -81,6 +82,7 @@ const STYLE = `
 .dtm-log { font-family: var(--jp-code-font-family, monospace); white-space: pre; max-height: 160px; overflow: auto;
   background: #f6f8fa; padding: 4px; margin-top: 4px; }
 .dtm-link, .dtm-message { margin-top: 2px; } .dtm-message { color: #cf222e; white-space: pre-wrap; }
+.dtm-held { margin-top: 2px; color: #57606a; }
 `;
 
 export const LOG_LINES = 40;
@@ -120,8 +122,9 @@ function render({ model, el }) {
   const progress = h(doc, "div", "dtm-progress");
   const metrics = h(doc, "div", "dtm-metrics");
   const message = h(doc, "div", "dtm-message");
+  const held = h(doc, "div", "dtm-held");
   const log = h(doc, "div", "dtm-log");
-  for (const node of [style, header, plan, link, table, bar, progress, metrics, message, log]) root.appendChild(node);
+  for (const node of [style, header, plan, link, table, bar, progress, metrics, message, held, log]) root.appendChild(node);
   el.appendChild(root);
 
   let lastLog = null;
@@ -154,6 +157,8 @@ function render({ model, el }) {
       + ` · elapsed ${formatSeconds(model.get("elapsed"))}`;
     metrics.textContent = metricsText(model.get("metrics"));
     message.textContent = model.get("message") || "";
+    held.textContent = model.get("held") || "";
+    held.style.display = model.get("held") ? "block" : "none";
 
     const lines = tail(model.get("log"), LOG_LINES);
     const atBottom = log.scrollHeight - log.scrollTop - log.clientHeight < 20;
@@ -173,7 +178,7 @@ function render({ model, el }) {
       update();
     });
   };
-  const traits = ["state", "plan", "run_id", "link", "ranks", "step", "total", "rate", "eta", "elapsed", "metrics", "log", "message"];
+  const traits = ["state", "plan", "run_id", "link", "ranks", "step", "total", "rate", "eta", "elapsed", "metrics", "log", "message", "held"];
   for (const t of traits) model.on(`change:${t}`, schedule);
   update();
   return () => {

@@ -140,6 +140,15 @@ test("failure message is shown", () => {
   assert.equal(el.byClass("dtm-message")[0].textContent, "rank 1 failed: boom");
 });
 
+test("the next run's waiting workers are shown after the run, and nothing while none wait", async () => {
+  const { el, model } = mount({ state: "finished", ranks: [] });
+  assert.equal(el.byClass("dtm-held")[0].style.display, "none");
+  model.set("held", "2 Ray Train worker(s) (CPU) on the local Ray instance wait for the next run until 12:10:00");
+  await tick();
+  assert.equal(el.byClass("dtm-held")[0].style.display, "block");
+  assert.match(el.byClass("dtm-held")[0].textContent, /wait for the next run until 12:10:00/);
+});
+
 test("the default export is an anywidget module, and render is not a named export (anywidget deprecates that)", async () => {
   assert.equal(typeof monitor.render, "function");
   assert.equal("render" in (await import("./monitor.js")), false);

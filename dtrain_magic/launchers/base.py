@@ -9,15 +9,32 @@ the channel, never through the backend's own return value, so every backend beha
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar
+from typing import TYPE_CHECKING, Callable, ClassVar, Mapping
 
 from ..channel import Message
 from ..config import RunConfig
 from ..worker import WorkerJob
+
+if TYPE_CHECKING:
+    from .standby import Claim
+
+# Variables read once, when torch and numpy load (thread pools, preloaded libraries, hashing): a process that
+# imported them ahead of its job (the local fork server, a standby's workers) was started with the values of
+# that time, so a change in the notebook's value means new processes. (Not every TORCH_* variable: most are
+# read when used, and launchers such as torch elastic set some in the calling process.)
+IMPORT_TIME_ENV = ("OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO", "LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONHASHSEED")
+
+
+def import_time_environment(environ: Mapping[str, str] | None = None) -> tuple[tuple[str, str], ...]:
+    """The notebook's variables that torch and numpy read when they are imported, sorted."""
+    environ = os.environ if environ is None else environ
+    return tuple(sorted((k, v) for k, v in environ.items() if k.startswith(IMPORT_TIME_ENV)))
+
 
 def loopback_interface() -> str:
     """This machine's loopback interface name (for GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)."""
@@ -111,6 +128,25 @@ class Launcher(ABC):
     @abstractmethod
     def start(self, job: WorkerJob, emit: Emit) -> RunningJob:
         """Start the workers and return at once."""
+
+    def claim_standby(self, config: RunConfig) -> "Claim | None":
+        """A launch started ahead for a run with ``config``'s placement (a standby, docs/warm-reruns.md), now
+        reserved for the caller's run; None when there is none. The runner names the run after it
+        (`Claim.checkpoint_root`) and starts it with `Claim.start` instead of `start`, or gives it back
+        (`Claim.abandon`). Default: this backend launches nothing ahead."""
+        return None
+
+    def keep_warm(self, config: RunConfig) -> str | None:
+        """After a run with ``config`` (and ahead of a kernel's first run, once the checks passed): make sure the
+        next run's workers with its placement are launched and wait for it, for as long as ``--keep-warm`` and
+        the backend's default allow. Returns quickly (the launch goes on in the background); one line for the
+        cell saying what waits where until when, or None when nothing is held. Default: nothing."""
+        return None
+
+    def release_standby(self, reason: str) -> str | None:
+        """Release the workers `keep_warm` holds (``%distribute_release``) and wait until they are gone; what was
+        released, or None when nothing was held."""
+        return None
 
     def describe(self, config: RunConfig) -> str:
         """One line for ``--dry-run`` and the panel: what would be started where."""

@@ -43,18 +43,12 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _preload() -> None:
-    """Import what every worker needs, so a forked worker starts with it: torch, torch.distributed,
-    the magic's worker side, and DDP's first-use imports (torch._dynamo, sympy: about 1 s on 2 cores).
-    Imports only: no tensor op (OpenMP's thread pool must not exist before fork), no process group."""
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
-    import torch.nn.parallel  # noqa: F401
+    """Import what every worker needs, so a forked worker starts with it (`worker.preload`: torch,
+    torch.distributed, the magic's worker side, DDP's first-use imports). Imports only: no tensor op
+    (OpenMP's thread pool must not exist before fork), no process group."""
+    from ..worker import preload
 
-    from .. import context, worker  # noqa: F401
-    from .._compat import torch as torch_compat
-
-    torch_compat.preload_compiler()
-    from ..strategies import ddp  # noqa: F401
+    preload(("ddp",))
 
 
 def _send(sock: socket.socket, message: dict) -> None:

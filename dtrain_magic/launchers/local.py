@@ -37,7 +37,9 @@ from ..config import RunConfig
 from ..errors import ConfigError, LaunchError
 from ..state import kernel_state
 from ..worker import WorkerJob
-from .base import Emit, Failure, Launcher, LaunchState, RunningJob, describe_exit, loopback_interface
+from .base import (
+    Emit, Failure, Launcher, LaunchState, RunningJob, describe_exit, import_time_environment, loopback_interface,
+)
 from .forkserver import ForkedProcess, ForkServer
 
 _GRACE_S = 3.0
@@ -86,12 +88,6 @@ def _threads(num_processes: int) -> int:
     return max(1, (os.cpu_count() or 1) // num_processes)
 
 
-# Variables read once, when torch and numpy load (thread pools, preloaded libraries, hashing): the fork
-# server imported them, so a change in the notebook's value means a new server. (Not every TORCH_*
-# variable: most are read when used, and launchers such as torch elastic set some in the calling process.)
-_IMPORT_TIME_ENV = ("OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO", "LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONHASHSEED")
-
-
 class WorkerPool:
     """The fork server this kernel's local runs take their workers from (started on first use, kept between
     runs on the kernel's `LocalLauncher`).
@@ -109,8 +105,8 @@ class WorkerPool:
         return os.environ.get("DTRAIN_MAGIC_WARM_POOL", "1") not in ("0", "false", "no")
 
     def _wanted_key(self) -> tuple:
-        env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_ENV)))
-        return (sys.executable, self.preload(), env)
+        # the fork server imported torch: a change in what is read at import time means a new server
+        return (sys.executable, self.preload(), import_time_environment())
 
     def server(self) -> ForkServer:
         """The running server, (re)started when there is none or what it imported at start has changed."""

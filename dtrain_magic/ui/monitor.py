@@ -76,6 +76,7 @@ class MonitorWidget(anywidget.AnyWidget):
     metrics = traitlets.Dict().tag(sync=True)
     log = traitlets.List(traitlets.Unicode()).tag(sync=True)
     message = traitlets.Unicode("").tag(sync=True)
+    held = traitlets.Unicode("").tag(sync=True)  # the next run's workers waiting (Spark, Ray): where, until when
 
 
 class MonitorObserver(RunObserver):
@@ -212,6 +213,13 @@ class MonitorObserver(RunObserver):
         if charts is not None:
             charts.run_ended()
 
+    def held(self, text: str) -> None:
+        """After the run: the next run's workers wait (Spark, Ray); the panel says what, where, until when."""
+        self.text.held(text)
+        with self._lock:
+            self._state["held"] = text
+        self._flush()  # the flusher stopped at `finished`
+
     # -- Stop --------------------------------------------------------------------------------------
     def request_stop(self) -> None:
         """What the Stop button does: ask the driver loop to cancel every worker."""
@@ -310,7 +318,7 @@ class MonitorObserver(RunObserver):
                 state=s["state"], plan=s.get("plan", ""), run_id=s.get("run_id", ""), link=s.get("link", ""),
                 ranks=[{"rank": r, "state": st, "detail": d} for r, (st, d) in sorted(s["ranks"].items())],
                 step=step, total=total, rate=rate, eta=eta, elapsed=elapsed, metrics=dict(s["metrics"]),
-                log=list(self._log), message=s["message"],
+                log=list(self._log), message=s["message"], held=s.get("held", ""),
             )
 
     def _flush(self) -> None:

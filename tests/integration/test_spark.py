@@ -2,7 +2,11 @@
 ``local-cluster[2,1,1024]`` (two executor JVMs on loopback) with barrier tasks.
 
 One SparkSession is shared by the module (the launcher's own, reused run after run) and stopped at the
-end; the cluster test, last, restarts it against the local-cluster master.
+end; the cluster test, last, restarts it against the local-cluster master. After every run the launcher keeps
+the next run's workers waiting (a standby, docs/warm-reruns.md), so most runs here go through workers launched
+ahead: "nothing left" means nothing of the finished run, and only the standby's processes, which the launcher
+names (`SparkLauncher.standby_processes`); tests that prove clean-up release the standby and check that
+nothing at all is left.
 Measured times to first step are printed (``pytest -s``) and kept in ``TIMES``.
 """
 
@@ -68,17 +72,47 @@ def torchrun_processes():
     return alive
 
 
-def assert_no_torchrun_left(timeout=10.0):
+def held(launcher) -> set[int]:
+    """The processes of the workers ``launcher`` keeps waiting for the next run (its standby), once they are all up."""
+    standby = launcher.standbys.standby
+    if standby is None:
+        return set()
+    deadline = time.monotonic() + 180
+    while not standby.all_ready.wait(0.1) and standby.released is None and time.monotonic() < deadline:
+        pass
+    if standby.released is not None:  # (released meanwhile: its idle time is over)
+        return set()
+    assert standby.all_ready.is_set(), "the standby's workers did not come up"
+    processes = launcher.standby_processes()
+    assert {p for p in processes if "train.py" in " ".join(psutil.Process(p).cmdline())} >= set(standby.pids.values())
+    return processes
+
+
+def assert_no_torchrun_left(launcher=None, timeout=10.0):
+    """No torchrun process of a finished run is alive; with ``launcher``, only its standby's (named by it)."""
+    keep = held(launcher) if launcher is not None else set()
     deadline = time.monotonic() + timeout
-    while torchrun_processes() and time.monotonic() < deadline:
+    while (left := [p for p in torchrun_processes() if p.pid not in keep]) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert torchrun_processes() == []
+    assert left == [], [" ".join(p.cmdline())[:120] for p in left]
+
+
+def held_jobs(launcher) -> tuple[set[int], set[int]]:
+    """The Spark jobs and stages of the launcher's standby (its barrier job in cluster mode; none in local mode)."""
+    standby = launcher.standbys.standby
+    if standby is None:
+        return set(), set()
+    tracker = standby.launch._sc.statusTracker()  # (the user's session, or the launcher's own)
+    jobs = set(standby.launch.active_jobs())
+    stages = {stage for job in jobs if (info := tracker.getJobInfo(job)) is not None for stage in info.stageIds}
+    return jobs, stages
 
 
 def assert_no_spark_job_running(launcher):
-    sc = launcher._session.sparkContext
-    tracker = sc.statusTracker()
-    assert tracker.getActiveJobsIds() == [] and tracker.getActiveStageIds() == []
+    """No Spark job or stage of a finished run runs: only the standby's, if any."""
+    tracker = launcher._session.sparkContext.statusTracker()
+    jobs, stages = held_jobs(launcher)
+    assert set(tracker.getActiveJobsIds()) - jobs == set() and set(tracker.getActiveStageIds()) - stages == set()
 
 
 def interrupt_when_running(marker, wait_s: float) -> dict:
@@ -90,6 +124,7 @@ def interrupt_when_running(marker, wait_s: float) -> dict:
         while not marker.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(0.5)
+        sent["run"] = {p.pid for p in torchrun_processes()}  # the running run's (no standby waits during a run)
         sent["at"] = time.monotonic()
         os.kill(os.getpid(), signal.SIGINT)
 
@@ -98,13 +133,26 @@ def interrupt_when_running(marker, wait_s: float) -> dict:
     return sent
 
 
-def assert_stopped_within_10_s(result, sent):
-    """The cell ended with RunInterrupted and every torchrun process was gone within 10 s of the SIGINT."""
+def assert_stopped_within_10_s(result, sent, launcher):
+    """The cell ended with RunInterrupted and every torchrun process of the run was gone within 10 s of the
+    SIGINT; afterwards only the next run's standby (launched after the interrupt) has processes."""
     returned = time.monotonic()
     sent["thread"].join(5)
     assert isinstance(result.error_in_exec, RunInterrupted), result.error_in_exec
     assert "at" in sent and returned - sent["at"] < 10.0, returned - sent.get("at", 0)
-    assert_no_torchrun_left(timeout=max(0.0, 10.0 - (time.monotonic() - sent["at"])))
+    assert sent["run"], "no torchrun process was running when the interrupt came"
+    deadline = sent["at"] + 10.0
+    while (left := [pid for pid in sent["run"] if alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == [], f"processes of the interrupted run alive 10 s after the SIGINT: {left}"
+    assert_no_torchrun_left(launcher)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def last_run(mlflow, experiment="dtrain_magic"):
@@ -135,12 +183,23 @@ def test_local_mode_trains_and_matches_the_local_backend(spark_launcher, shell, 
     assert run.data.params["local_mode"] == "True" and run.data.tags["dtrain_magic.backend"] == "spark"
     assert len(mlflow.get_metric_history(cold.run_id, "loss")) == 12
     assert "system/cpu_utilization_percentage" in run.data.metrics  # the driver is the one node here
-    assert_no_torchrun_left()
+    assert_no_torchrun_left(spark_launcher)
 
 
-def test_second_run_reuses_the_session(spark_launcher, shell, capsys):
+def test_second_run_reuses_the_session_and_takes_over_the_waiting_workers(spark_launcher, shell, capsys):
+    """The first run left the next run's workers waiting (TorchDistributor.run of a waiting function, launched
+    after it): the re-run takes them over (its job over the standby's connection), trains to the same weights as
+    one plain process (fp32, 1e-5), and leaves a new standby with new processes."""
+    from workloads import train_reference
+
     session, starts = spark_launcher._session, spark_launcher.session_starts
     assert session is not None
+    standby = spark_launcher.standbys.standby
+    assert standby is not None and standby.placement == spark_launcher._placement(RunConfig(backend="spark", seed=0), session)
+    held(spark_launcher)  # every waiting worker is up: this is the warm re-run
+    waiting = set(standby.pids.values())
+    claims = spark_launcher.standbys.claims
+    capsys.readouterr()
     shell.run(TRAIN_HELPERS)
     started = time.monotonic()
     result = shell.run(train_cell("spark", extra="--seed 0"))
@@ -148,13 +207,98 @@ def test_second_run_reuses_the_session(spark_launcher, shell, capsys):
     TIMES["warm_total_s"] = time.monotonic() - started
     TIMES["warm_first_step_s"] = TIMES["warm_total_s"] - result.result.wall_time_s + result.result.time_to_first_step_s
     assert spark_launcher._session is session and spark_launcher.session_starts == starts
+    assert spark_launcher.standbys.claims == claims + 1 and standby.claimed
     out = capsys.readouterr().out
-    assert "reused" in out  # the plan line says the session was reused
+    assert "reused" in out and "its workers were launched ahead and waiting" in out  # the plan line says both
+    # the cell says what waits for the next run, where and until when
+    assert "dtrain_magic: 2 TorchDistributor worker(s) (CPU, local mode: on this machine) wait for the next run" in out
+    for name, weight in train_reference().items():
+        assert (result.result.value[name] - weight).abs().max().item() < 1e-5, name
+        assert (result.result.values[1][name] - weight).abs().max().item() < 1e-5, name
+    assert not any(alive(pid) for pid in waiting)  # the standby's workers ran the job, then ended with it
+    assert waiting.isdisjoint(held(spark_launcher))  # the next standby: fresh processes
     with capsys.disabled():
         print(f"\nspark local mode: cold {TIMES.get('cold_total_s', float('nan')):.1f} s total, first step "
               f"{TIMES.get('cold_first_step_s') or float('nan'):.1f} s (session start "
-              f"{TIMES.get('cold_session_start_s') or 0:.1f} s); warm {TIMES['warm_total_s']:.1f} s total, "
-              f"first step {TIMES['warm_first_step_s']:.1f} s")
+              f"{TIMES.get('cold_session_start_s') or 0:.1f} s); warm (waiting workers) {TIMES['warm_total_s']:.1f} s "
+              f"total, first step {TIMES['warm_first_step_s']:.2f} s")
+
+
+def test_a_placement_change_releases_the_waiting_workers_and_launches_fresh(spark_launcher, shell, capsys):
+    """-n 2 then -n 1: the two waiting workers are released (gone before the run's own start), the run gets one
+    fresh worker (launched for it once its checks passed, as for a kernel's first run), and one worker waits
+    after it."""
+    held(spark_launcher)
+    before = spark_launcher.standbys.standby
+    assert before is not None and dict(before.placement.items)["processes"] == 2
+    waiting = set(before.pids.values())
+    claims, launches = spark_launcher.standbys.claims, spark_launcher.standbys.launches
+    capsys.readouterr()
+    result = shell.run("%%distribute --backend spark -n 1 --no-ui\nimport os\ndef train(ctx):\n"
+                       "    return ctx.world_size, os.getpid()\n")
+    assert result.error_in_exec is None, result.error_in_exec
+    assert result.result.values == [(1, result.result.value[1])] and result.result.value[1] not in waiting
+    assert "processes 2 → 1" in before.released and not any(alive(pid) for pid in waiting)
+    # one launch for the run (its own placement), one for the next run after it; none of the released workers ran
+    assert spark_launcher.standbys.claims == claims + 1 and spark_launcher.standbys.launches == launches + 2
+    after = spark_launcher.standbys.standby
+    assert after is not before and dict(after.placement.items)["processes"] == 1
+    assert "1 TorchDistributor worker(s)" in capsys.readouterr().out
+    assert len(held(spark_launcher)) >= 3  # wrapper, torchrun, the worker (and its watchdog)
+    assert_no_torchrun_left(spark_launcher)
+
+
+def test_idle_release_and_distribute_release_free_everything(spark_launcher, shell, capsys):
+    """--keep-warm S: the waiting workers go after S idle seconds (no torchrun process, no Spark job left);
+    %distribute_release frees them at once."""
+    result = shell.run("%%distribute --backend spark -n 2 --keep-warm 3 --no-ui\ndef train(ctx):\n    return ctx.rank\n")
+    assert result.error_in_exec is None and result.result.values == [0, 1], result.error_in_exec
+    standby = spark_launcher.standbys.standby
+    assert standby is not None and round(standby.expires_at - standby.started_at) == 3
+    processes: set[int] = set()  # (it may go before all its workers are up on a loaded machine)
+    deadline = time.monotonic() + 30
+    while spark_launcher.standbys.standby is standby and time.monotonic() < deadline:
+        processes |= spark_launcher.standby_processes()
+        time.sleep(0.1)
+    assert spark_launcher.standbys.standby is None and standby.released.startswith("idle for")
+    assert not any(alive(pid) for pid in processes)
+    assert_no_torchrun_left(spark_launcher)
+    assert_no_spark_job_running(spark_launcher)
+    assert "no workers were waiting" in capture_line_magic(shell, capsys, "%distribute_release")
+
+    result = shell.run("%%distribute --backend spark -n 2 --no-ui\ndef train(ctx):\n    return ctx.rank\n")
+    assert result.error_in_exec is None, result.error_in_exec
+    processes = held(spark_launcher)
+    text = capture_line_magic(shell, capsys, "%distribute_release")
+    assert "released 2 TorchDistributor worker(s) (CPU, local mode: on this machine)" in text
+    assert spark_launcher.standbys.standby is None and not any(alive(pid) for pid in processes)
+    assert_no_torchrun_left(spark_launcher)
+
+
+def take_over(launcher, config=None) -> tuple[int, set[int]]:
+    """Make sure workers with ``config``'s placement (default: -n 2, local mode, CPU) wait, all up: the previous
+    run's standby, or one launched now when this test runs alone. (claims so far, their pids): the test's run
+    must take exactly these over (`assert_taken_over`)."""
+    launcher.session(config or RunConfig(backend="spark"))
+    launcher.keep_warm(config or RunConfig(backend="spark"))
+    held(launcher)
+    return launcher.standbys.claims, set(launcher.standbys.standby.pids.values())
+
+
+def assert_taken_over(launcher, before: tuple[int, set[int]]) -> None:
+    """The run took the waiting workers over, and none of them outlived it."""
+    claims, pids = before
+    assert launcher.standbys.claims == claims + 1
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids)
+
+
+def capture_line_magic(shell, capsys, line: str) -> str:
+    capsys.readouterr()
+    assert shell.run(line).error_in_exec is None
+    return capsys.readouterr().out
 
 
 def test_checkpoints_land_where_every_backend_puts_them(spark_launcher, shell):
@@ -182,7 +326,7 @@ def test_checkpoints_land_where_every_backend_puts_them(spark_launcher, shell):
 @pytest.mark.parametrize("flags,accum", [("--zero 3 --grad-accum 2", 2), ("--strategy fsdp", 1)], ids=["zero3", "fsdp"])
 def test_strategies_run_unchanged_through_torchdistributor(spark_launcher, shell, tmp_path, flags, accum):
     assert_strategy_run(shell.run(strategy_cell("spark", flags, tmp_path / "ckpt")), accum)
-    assert_no_torchrun_left()
+    assert_no_torchrun_left(spark_launcher)
 
 
 # Model parallelism (issue #16) through TorchDistributor's torchrun: the local backend's ctx.train_step function
@@ -190,7 +334,7 @@ def test_strategies_run_unchanged_through_torchdistributor(spark_launcher, shell
 @pytest.mark.parametrize("flags,widths", [("--tp 2", TP_WIDTHS), ("--pp 2 --microbatches 4", PP_WIDTHS)], ids=["tp", "pp"])
 def test_tensor_and_pipeline_parallel_through_torchdistributor(spark_launcher, shell, tmp_path, flags, widths):
     assert_model_parallel_run(shell.run(model_parallel_cell("spark", flags, tmp_path / "ckpt", widths)), widths)
-    assert_no_torchrun_left()
+    assert_no_torchrun_left(spark_launcher)
 
 
 # -- existing code, unchanged (issue #13; the local backend's: test_existing_code.py) -------------------
@@ -209,7 +353,7 @@ def test_torchdistributor_style_and_accelerate_run_unchanged(spark_launcher, she
     assert loss_fell(values[0]["losses"]), values[0]["losses"]
     assert_close(values[0]["weights"], existing_reference(), atol=1e-5, rtol=0)
     assert all(v["group_alive"] for v in values)
-    assert_no_torchrun_left()
+    assert_no_torchrun_left(spark_launcher)
 
     result = shell.run(accelerate_cell("spark"))
     assert result.error_in_exec is None, result.error_in_exec
@@ -244,11 +388,11 @@ def test_lightning_ddp_runs_without_launching_its_own(spark_launcher, shell):
     assert values[0]["pid"] != values[1]["pid"]  # torchrun's two processes, no processes of Lightning's own
     assert loss_fell(values[0]["losses"]), values[0]["losses"]
     assert_close(values[1]["weights"], values[0]["weights"], atol=0, rtol=0)
-    assert_no_torchrun_left()
+    assert_no_torchrun_left(spark_launcher)
 
 
 def test_worker_failure_is_short_and_leaves_nothing_running(spark_launcher, shell, mlflow, capsys):
-    spark_launcher.session(RunConfig(backend="spark"))  # started already unless this test runs alone
+    waiting = take_over(spark_launcher)  # a failing run through workers launched ahead behaves as a fresh one
     started = time.monotonic()
     result = shell.run(
         "%%distribute --backend spark -n 2 --no-ui\n"
@@ -268,23 +412,26 @@ def test_worker_failure_is_short_and_leaves_nothing_running(spark_launcher, shel
     run = last_run(mlflow)
     assert run.info.status == "FAILED" and "rank 1" in run.data.tags["dtrain_magic.failure"]
     assert time.monotonic() - started < 120  # no waiting on Spark retries (about 10 s on an idle machine)
-    assert_no_torchrun_left()
+    assert_taken_over(spark_launcher, waiting)
+    assert_no_torchrun_left(spark_launcher)
     assert_no_spark_job_running(spark_launcher)
 
 
 def test_killed_worker_names_its_rank_and_signal(spark_launcher, shell, mlflow):
+    waiting = take_over(spark_launcher)
     result = shell.run(KILL_RANK1_CELL.format(backend="spark"))
     error = result.error_in_exec
     assert isinstance(error, WorkerError) and error.rank == 1, error
     # At once from the launcher's watch ("died without reporting"), or torchrun's report ("SIGKILL").
     assert ("SIGKILL" in str(error) or "died without reporting" in str(error)) and "Traceback" not in str(error)
     assert last_run(mlflow).info.status == "FAILED"
-    assert_no_torchrun_left()
+    assert_taken_over(spark_launcher, waiting)
+    assert_no_torchrun_left(spark_launcher)
     assert_no_spark_job_running(spark_launcher)
 
 
 def test_timeout_stops_every_torchrun_process(spark_launcher, shell, mlflow, tmp_path):
-    spark_launcher.session(RunConfig(backend="spark"))  # started already unless this test runs alone
+    waiting = take_over(spark_launcher)
     started = time.monotonic()
     result = shell.run(
         "%%distribute --backend spark -n 2 --no-ui --timeout 10\nimport os, time\ndef train(ctx):\n"
@@ -295,7 +442,9 @@ def test_timeout_stops_every_torchrun_process(spark_launcher, shell, mlflow, tmp
     assert isinstance(error, RunTimeout) and "--timeout 10" in str(error), error
     assert 10 <= time.monotonic() - started < 30
     pids = [int((tmp_path / f"pid_{rank}").read_text()) for rank in (0, 1)]  # the workers were running
-    assert_no_torchrun_left()
+    assert set(pids) == waiting[1]  # ... the ones that were waiting for it
+    assert_taken_over(spark_launcher, waiting)
+    assert_no_torchrun_left(spark_launcher)
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
     assert_no_spark_job_running(spark_launcher)
     run = last_run(mlflow)
@@ -334,9 +483,9 @@ def test_runs_in_a_row_leave_nothing_growing(spark_launcher, shell):
         result = shell.run(MIXED_CELL.format(backend="spark"))
         outcomes.append(type(result.error_in_exec).__name__ if result.error_in_exec else "ok")
         if i == 1:  # after the first runs' one-off imports and threads
-            assert_no_torchrun_left()
+            assert_no_torchrun_left(spark_launcher)
             before = notebook_snapshot()
-    assert_no_torchrun_left()
+    assert_no_torchrun_left(spark_launcher)
     after = notebook_snapshot()
     assert outcomes == ["ok", "ok", "WorkerError"] * 2, outcomes
     assert_nothing_grew(before, after)
@@ -367,13 +516,15 @@ def test_more_barrier_tasks_than_slots_is_a_clear_error(spark_launcher, shell, m
 
 
 def test_kernel_interrupt_stops_every_torchrun_process_within_10_s(spark_launcher, shell, mlflow, tmp_path):
+    waiting = take_over(spark_launcher)
     marker = tmp_path / "running"
     sent = interrupt_when_running(marker, wait_s=120)
     result = shell.run(
         "%%distribute --backend spark -n 2 --no-ui\nimport time, pathlib\ndef train(ctx):\n"
         f"    pathlib.Path({str(marker)!r}).write_text('x')\n    time.sleep(300)\n"
     )
-    assert_stopped_within_10_s(result, sent)
+    assert_stopped_within_10_s(result, sent, spark_launcher)
+    assert_taken_over(spark_launcher, waiting)
     assert_no_spark_job_running(spark_launcher)
     assert last_run(mlflow).info.status == "KILLED"
 
@@ -399,10 +550,32 @@ def test_the_users_own_session_is_used_and_never_stopped(spark_launcher, shell, 
         assert result.error_in_exec is None, result.error_in_exec
         assert len(result.result.values) == 2
         assert spark_launcher.session_starts == starts and spark_launcher._session is None
-        assert "on the active SparkSession (local[2])" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert "on the active SparkSession (local[2])" in out
+        # Local mode runs on this machine (the driver): its next workers wait by default, on the user's session.
+        standby = spark_launcher.standbys.standby
+        assert standby is not None and dict(standby.placement.items)["SparkSession"] == user.sparkContext.applicationId
+        assert "wait for the next run" in out
+        # Barrier tasks hold executor slots of the user's session: not held unless the cell says so.
+        cluster = "%%distribute --backend spark --cluster -n 2 --no-ui {}\ndef train(ctx):\n    return ctx.rank\n"
+        result = shell.run(cluster.format(""))
+        assert result.error_in_exec is None and result.result.values == [0, 1], result.error_in_exec
+        assert spark_launcher.standbys.standby is None and "wait for the next run" not in capsys.readouterr().out
+        assert standby.released and not held_jobs(spark_launcher)[0]
+        result = shell.run(cluster.format("--keep-warm 60"))
+        assert result.error_in_exec is None, result.error_in_exec
+        held(spark_launcher)
+        jobs, _ = held_jobs(spark_launcher)
+        assert len(jobs) == 1 and "2 TorchDistributor barrier task(s) (CPU) on local[2]" in capsys.readouterr().out
+        assert shell.run("%distribute_release").error_in_exec is None
+        assert spark_launcher.standbys.standby is None
+        deadline = time.monotonic() + 10
+        while user.sparkContext.statusTracker().getActiveJobsIds() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert user.sparkContext.statusTracker().getActiveJobsIds() == []  # the barrier job ended: slots free
         spark_launcher.shutdown()
         assert user.sparkContext._jsc is not None  # still running: the user's to stop
-        assert_no_torchrun_left()
+        assert_no_torchrun_left(spark_launcher)
     finally:
         user.stop()
 
@@ -426,8 +599,10 @@ def test_cluster_mode_trains_on_two_executors(spark_launcher, shell, mlflow):
     assert run.info.status == "FINISHED" and run.data.params["local_mode"] == "False"
     for node in ("node0", "node1"):  # system metrics from each node's first local rank
         assert any(key.startswith(f"system/{node}/") for key in run.data.metrics), sorted(run.data.metrics)
-    assert_no_torchrun_left()
+    assert_no_torchrun_left(spark_launcher)
     assert_no_spark_job_running(spark_launcher)
+    # dtrain_magic's own session: the next run's barrier tasks wait by default, one running job holding both slots
+    assert len(held_jobs(spark_launcher)[0]) == 1
 
 
 def test_cluster_mode_interrupt_cancels_the_job_group_within_10_s(spark_launcher, shell, mlflow, tmp_path):
@@ -439,6 +614,6 @@ def test_cluster_mode_interrupt_cancels_the_job_group_within_10_s(spark_launcher
         f"    pathlib.Path({str(marker)!r}).write_text('x')\n    time.sleep(300)\n"
     )
     assert spark_launcher._session.sparkContext.master == CLUSTER_MASTER
-    assert_stopped_within_10_s(result, sent)
+    assert_stopped_within_10_s(result, sent, spark_launcher)
     assert_no_spark_job_running(spark_launcher)
     assert last_run(mlflow).info.status == "KILLED"

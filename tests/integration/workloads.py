@@ -35,6 +35,24 @@ def train_cell(backend: str, n: int = 2, extra: str = "") -> str:
     return TRAIN_CELL.format(backend=backend, n=n, extra=extra)
 
 
+def train_reference() -> dict:
+    """TRAIN_CELL's final weights in one plain process: global batches of 16 in order (the sharded runs' ranks
+    see the same 16 samples per step, unshuffled), Adam, 3 epochs, fp32."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(64, 8, generator=g)
+    Y = X.sum(1, keepdim=True) + 0.1
+    for _ in range(3):
+        for start in range(0, 64, 16):
+            loss = torch.nn.functional.mse_loss(model(X[start:start + 16]), Y[start:start + 16])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 STEPS, EVERY, KILL_AT = 12, 4, 6
 
 # One training function for every backend: checkpoints every EVERY steps (on Ray), resumes from the

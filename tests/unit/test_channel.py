@@ -67,6 +67,9 @@ EVERY_KIND = [
     ch.Error(0, "ValueError: bad", "Cell In[3], line 2, in train\n", 1_700_000_000.5),
     ch.RankStarted(1),
     ch.RankDone(1),
+    ch.StandbyReady(1, 4242, "node-a"),
+    ch.StandbyJob(b"\x80\x05K\x01.", "/home/user/notebooks", {"MY_FLAG": "1"}, ("OLD_FLAG",), "sqlite:///x.db"),
+    ch.StandbyRelease("idle for 600 s"),
 ]
 
 

@@ -46,6 +46,7 @@ ROUND_TRIP: dict[str, list[dict]] = {
     "ui": [{"ui": True}, {"ui": False}],
     "local_mode": [{"backend": "spark", "local_mode": False}],
     "max_restarts": [{"max_restarts": 3}],
+    "keep_warm": [{"backend": "spark", "keep_warm": 0.0}, {"backend": "ray", "keep_warm": 30}, {"backend": "ray", "keep_warm": 2.5}],
     "micro_batch": [{"micro_batch": 4}, {"micro_batch": 4, "grad_accum": 2, "num_processes": 2, "train_batch": 16}],
     "train_batch": [{"train_batch": 16}],
     "tp": [{"tp": 2}, {"tp": 2, "num_processes": 4, "strategy": "fsdp"}],

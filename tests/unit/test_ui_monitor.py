@@ -49,6 +49,16 @@ def test_stop_button_sets_the_event_and_the_state_says_stopped():
     assert "stopped from the panel" in obs.widget.message
 
 
+def test_the_next_runs_waiting_workers_show_after_the_run_in_the_panel_and_the_text():
+    obs, out = make()
+    obs.started(obs.config, "r", "", "plan")
+    obs.finished(None, None)
+    assert obs.widget.held == ""
+    obs.held("2 TorchDistributor worker(s) (CPU, local mode: on this machine) wait for the next run until 12:10:00")
+    assert "wait for the next run until 12:10:00" in obs.widget.held  # flushed at once: the flusher has stopped
+    assert "dtrain_magic: 2 TorchDistributor worker(s)" in out.getvalue().splitlines()[-1]
+
+
 def test_failed_run_shows_the_error():
     obs, _ = make()
     obs.status(1, "failed", "ValueError: boom")

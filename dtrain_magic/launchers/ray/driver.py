@@ -20,38 +20,43 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+import weakref
+from typing import Any
 
 from ..._compat import ray as ray_compat
-from ...checkpoints import storage_path
-from ...config import RunConfig
+from ...channel import StandbyJob
+from ...checkpoints import run_checkpoint_root, storage_path
+from ...config import RunConfig, redact_uri
 from ...errors import ConfigError, LaunchError, MissingDependencyError
 from ...tracebacks import summary
 from ...worker import WorkerJob
 from ..base import Emit, Launcher, LaunchState, RunningJob
+from ..standby import Claim, Placement, Standby, StandbyLaunch, StandbySlot, default_keep_warm_s, keep_warm_s
 from .diagnostics import failures_from
 from .instance import RayInstance, _current_address, _host_port
-from .worker import _train_loop
+from .worker import _standby_loop, _train_loop
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-class RayJob(RunningJob):
-    def __init__(self, job: WorkerJob, emit: Emit):
+class RayJob(StandbyLaunch):
+    """One ``TorchTrainer.fit()`` in a background thread: a run's (`for_job`), or a standby's (`for_standby`: its
+    workers wait for a run's job, and `attach` makes it that run's)."""
+
+    def __init__(self, config: RunConfig, emit: Emit | None, loop: Any, loop_config: dict, name: str, storage: str):
         import ray.train
 
-        config = job.config
         self._emit = emit
+        self._config = config
         self._error: BaseException | None = None
         self._cancelled = False
         self._lock = threading.Lock()
-        self.storage = storage_path(config.storage)  # Ray Train's storage_path
-        # Ray Train's run directory is the run's checkpoint root, so its checkpoints and ctx's are one place.
-        self.name = os.path.basename(job.checkpoint_root) if job.checkpoint_root else f"dtrain_{uuid.uuid4().hex}"
+        self.storage, self.name = storage, name  # Ray Train's storage_path and run name
         if "://" not in self.storage:  # Ray Train would create it 0755: the run's files are the user's alone
             os.makedirs(os.path.join(self.storage, self.name), mode=0o700, exist_ok=True)
         self.trainer = ray_compat.abortable_trainer_class()(
-            _train_loop,
-            train_loop_config={"job": job, "cwd": os.getcwd()},
+            loop,
+            train_loop_config=loop_config,
             scaling_config=ray.train.ScalingConfig(num_workers=config.num_processes, use_gpu=config.use_gpu),
             run_config=ray.train.RunConfig(
                 name=self.name,
@@ -61,6 +66,27 @@ class RayJob(RunningJob):
         )
         self._thread = threading.Thread(target=self._fit, name="dtrain-ray-fit", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def for_job(cls, job: WorkerJob, emit: Emit) -> "RayJob":
+        """Launch ``job``'s workers now. Ray Train's run directory is the run's checkpoint root, so its
+        checkpoints and ctx's are one place."""
+        name = os.path.basename(job.checkpoint_root) if job.checkpoint_root else f"dtrain_{uuid.uuid4().hex}"
+        return cls(job.config, emit, _train_loop, {"job": job, "cwd": os.getcwd()}, name, storage_path(job.config.storage))
+
+    @classmethod
+    def for_standby(cls, config: RunConfig, standby: Standby, strategies: tuple[str, ...]) -> "RayJob":
+        """Launch workers with ``config``'s placement that wait on ``standby`` for a run's job; Ray Train's run
+        is named after the standby's checkpoint root (the run that claims it keeps its checkpoints there)."""
+        assert standby.checkpoint_root is not None
+        return cls(config, None, _standby_loop, {"standby": standby.address, "strategies": strategies},
+                   os.path.basename(standby.checkpoint_root), os.path.dirname(standby.checkpoint_root))
+
+    def attach(self, job: WorkerJob, emit: Emit) -> None:
+        self._config, self._emit = job.config, emit
+
+    def running(self) -> bool:
+        return self._thread.is_alive()
 
     def _fit(self) -> None:
         try:
@@ -97,6 +123,8 @@ class RayLauncher(Launcher):
 
     def __init__(self) -> None:
         self.instance = RayInstance()  # the Ray this kernel started or joined, kept between runs
+        self.standbys = StandbySlot()  # the next run's workers, launched ahead (docs/warm-reruns.md)
+        self._jobs: "weakref.WeakSet[RayJob]" = weakref.WeakSet()  # this kernel's fits (runs and standbys)
 
     def check(self, config: RunConfig) -> None:
         try:
@@ -107,6 +135,7 @@ class RayLauncher(Launcher):
                 f"--backend ray needs Ray Train: pip install 'ray[default,train]' ({exc})"
             ) from None
         ray_compat.check()  # a Ray whose private parts we know (or the opt-in): before anything starts
+        default_keep_warm_s()  # a bad $DTRAIN_MAGIC_KEEP_WARM is a ConfigError now, not after the run
         import ray
 
         address = config.ray_address or os.environ.get("RAY_ADDRESS")
@@ -124,30 +153,97 @@ class RayLauncher(Launcher):
         return True  # Ray Train's run is named after the checkpoint root, not the MLflow run
 
     def warm_up(self, config: RunConfig) -> None:
-        self.instance.connect(config)  # ray.init (seconds, cold) while the MLflow run opens
+        self._connect(config)  # ray.init (seconds, cold) while the MLflow run opens
+
+    def _connect(self, config: RunConfig) -> str:
+        if self.standbys.standby is not None and self.instance.connected_for(config) is None:
+            self.standbys.release("the run uses another Ray")  # before leaving the Ray its workers are on
+        return self.instance.connect(config)
 
     def channel_host(self, config: RunConfig) -> str:
         import ray
 
-        self.instance.connect(config)
+        self._connect(config)
         joined = self.instance.joined
         current = joined if ray.is_initialized() and joined else _current_address()
         if current is None or _host_port(current)[0] in _LOOPBACK:
             return "127.0.0.1"
         return ray.util.get_node_ip_address()
 
+    def _in_use(self) -> bool:
+        return any(job.running() for job in list(self._jobs))
+
     def start(self, job: WorkerJob, emit: Emit) -> RunningJob:
-        how = self.instance.connect(job.config)
-        self.instance.ensure_capacity(job.config, how)
+        how = self._connect(job.config)
+        self.standbys.make_way(self._placement(job.config))  # another placement's workers go first
+        self.instance.ensure_capacity(job.config, how, in_use=self._in_use())
         try:
-            return RayJob(job, emit)
+            running = RayJob.for_job(job, emit)
         except (ConfigError, LaunchError):
             raise
         except Exception as exc:
             raise LaunchError(f"could not start Ray Train: {summary(exc, limit=300)}") from None
+        self._jobs.add(running)
+        return running
+
+    # -- standbys (docs/warm-reruns.md) -------------------------------------------------------------------
+    def _placement(self, config: RunConfig) -> Placement:
+        """What a TorchTrainer fixes at construction and launch: world size, GPUs, the Ray it runs on, its
+        storage_path and FailureConfig(max_failures)."""
+        where = (f"local instance {os.path.basename(self.instance.temp_dir)}" if self.instance.temp_dir
+                 else redact_uri(_current_address() or "?"))
+        return Placement("ray", (
+            ("processes", config.num_processes), ("GPU", config.use_gpu), ("Ray", where),
+            ("storage", redact_uri(storage_path(config.storage))), ("max restarts", config.max_restarts),
+        ))
+
+    def claim_standby(self, config: RunConfig) -> Claim | None:
+        if self.standbys.standby is None or self.instance.connected_for(config) is None:
+            return None
+        return self.standbys.claim(self._placement(config))
+
+    def keep_warm(self, config: RunConfig) -> str | None:
+        """Launch the next run's workers on the Ray this kernel is connected to (held by default only on the
+        local instance the magic started); nothing before Ray is up (a kernel's first run starts it after the
+        cell ran: the cell may call ray.init itself)."""
+        how = self.instance.connected_for(config)
+        if how is None:
+            return None
+        keep = keep_warm_s(config, holds_by_default=how == "embedded")
+        placement = self._placement(config)
+        standby = self.standbys.ensure(placement, keep, lambda: self._launch_standby(config, placement))
+        return standby.describe() if standby is not None else None
+
+    def release_standby(self, reason: str) -> str | None:
+        standby = self.standbys.release(reason)
+        return None if standby is None else standby.where
+
+    def _launch_standby(self, config: RunConfig, placement: Placement) -> Standby:
+        if not self.instance.has_capacity(config):
+            raise LaunchError(f"not enough {'GPUs' if config.use_gpu else 'CPUs'} on this Ray for {config.num_processes} workers")
+
+        def order_for(job: WorkerJob) -> StandbyJob:
+            import cloudpickle
+
+            return StandbyJob(cloudpickle.dumps(job), os.getcwd(), {}, (), None)
+
+        device = "GPU" if config.use_gpu else "CPU"
+        on = "the local Ray instance" if self.instance.temp_dir else f"the Ray cluster at {redact_uri(_current_address() or '?')}"
+        root = run_checkpoint_root(config.storage, uuid.uuid4().hex)
+        standby = Standby(placement, config.num_processes, self.channel_host(config), root,
+                          f"{config.num_processes} Ray Train worker(s) ({device}) on {on}", order_for)
+        try:
+            standby.launch = RayJob.for_standby(config, standby, tuple(dict.fromkeys(("ddp", config.strategy))))
+        except BaseException:
+            standby.release("its launch failed")
+            raise
+        self._jobs.add(standby.launch)
+        return standby
 
     def shutdown(self, at_exit: bool = False) -> None:
-        """Shut down the local Ray instance this kernel started (a joined cluster is left as it is)."""
+        """Release the waiting workers, then shut down the local Ray instance this kernel started (a joined
+        cluster is left as it is)."""
+        self.standbys.release("the kernel exits" if at_exit else "the backend shuts down", grace_s=3.0 if at_exit else 15.0)
         self.instance.shutdown()
 
     def describe(self, config: RunConfig) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 from typing import Any
 
 from ..._compat import ray as ray_compat
@@ -24,6 +25,9 @@ class RayInstance:
     joined."""
 
     def __init__(self) -> None:
+        # One lock around connecting and the capacity check (which may restart our instance to grow it): two runs
+        # started at once before Ray is up start one instance, and it is never restarted under the other.
+        self.lock = threading.RLock()
         self.temp_dir: str | None = None  # the local instance's directory, while it runs
         self.num_cpus = 0
         self.joined: str | None = None  # the --ray-address / $RAY_ADDRESS this kernel joined, as given
@@ -33,6 +37,32 @@ class RayInstance:
 
     def connect(self, config: RunConfig) -> str:
         """Make sure this kernel is connected to the right Ray; returns how ("running", "joined", "embedded")."""
+        with self.lock:
+            return self._connect(config)
+
+    def connected_for(self, config: RunConfig) -> str | None:
+        """How this kernel is connected to the Ray ``config`` asks for ("running", "joined", "embedded"), or None
+        when it is not connected to it now; connects, starts and stops nothing."""
+        import sys
+
+        if "ray" not in sys.modules:
+            return None
+        import ray
+
+        with self.lock:
+            if not ray.is_initialized():
+                return None
+            current = _current_address()
+            if self.joined and (current != self.joined_gcs or _current_job() != self.joined_job):
+                return None  # someone re-initialised Ray since: the next run sorts it out
+            address = config.ray_address or os.environ.get("RAY_ADDRESS") or None
+            if not address or address == "auto" or address == self.joined or (
+                current and _host_port(address) == _host_port(current)
+            ):
+                return "embedded" if self.temp_dir else ("joined" if self.joined else "running")
+            return None
+
+    def _connect(self, config: RunConfig) -> str:
         import ray
 
         address = config.ray_address or os.environ.get("RAY_ADDRESS") or None
@@ -66,18 +96,36 @@ class RayInstance:
         self._start(max(4, config.num_processes + 1))
         return "embedded"
 
-    def ensure_capacity(self, config: RunConfig, how: str) -> None:
-        """A run that asks for more than the cluster has would wait forever: fail now (or grow our instance)."""
+    def has_capacity(self, config: RunConfig) -> bool:
+        """Does the cluster have (in total) the CPUs or GPUs a run with ``config`` asks for?"""
+        import ray
+
+        with self.lock:
+            return ray.cluster_resources().get("GPU" if config.use_gpu else "CPU", 0) >= config.num_processes
+
+    def ensure_capacity(self, config: RunConfig, how: str, in_use: bool = False) -> None:
+        """A run that asks for more than the cluster has would wait forever: fail now (or grow our instance,
+        unless ``in_use``: another run of this kernel is on it, and a restart would kill its workers)."""
+        with self.lock:
+            self._ensure_capacity(config, how, in_use)
+
+    def _ensure_capacity(self, config: RunConfig, how: str, in_use: bool) -> None:
         import ray
 
         resource = "GPU" if config.use_gpu else "CPU"
         have = ray.cluster_resources().get(resource, 0)
         if have >= config.num_processes:
             return
-        if how == "embedded" and not config.use_gpu:
+        if how == "embedded" and not config.use_gpu and not in_use:
             self.shutdown()
             self._start(max(4, config.num_processes + 1))
             return
+        if how == "embedded" and not config.use_gpu:
+            raise LaunchError(
+                f"{config.num_processes} workers need {config.num_processes} CPUs; the local Ray instance has "
+                f"{have:g}, and growing it means restarting it under another run of this kernel: wait for that run "
+                "to end, or use fewer --num-workers"
+            )
         where = (
             "the local Ray instance" if how == "embedded" else f"the Ray cluster at {self.joined or _current_address()}"
         )
@@ -88,6 +136,10 @@ class RayInstance:
 
     def shutdown(self) -> None:
         """Shut down and remove the local instance this kernel started, if it runs (a joined cluster stays)."""
+        with self.lock:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
         import ray
 
         if self.temp_dir is None:

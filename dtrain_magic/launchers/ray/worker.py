@@ -81,11 +81,33 @@ def _is_local_fs(checkpoint: Any) -> bool:
 
 def _train_loop(config: dict) -> None:
     """``train_loop_per_worker``: one Ray Train worker = one rank of the run."""
+    _run_job(config["job"], config.get("cwd"))
+
+
+def _standby_loop(config: dict) -> None:
+    """``train_loop_per_worker`` of a standby (`dtrain_magic.launchers.standby`): Ray Train placed this worker
+    and joined the process group; import what every run needs, then wait for the run's job and run it as
+    `_train_loop` does, or return at once when released. A worker group Ray Train restarts during the run
+    (``--max-restarts``) runs this again: the standby hands it the same job, and it resumes from Ray's
+    checkpoint as a restarted `_train_loop` would."""
+    import ray.train
+
+    from ...worker import preload
+    from ..waiting import job_of, wait_for_job
+
+    preload(tuple(config.get("strategies", ("ddp",))))
+    order = wait_for_job(config["standby"], ray.train.get_context().get_world_rank())
+    if order is None:
+        return  # released: nothing to run
+    _run_job(job_of(order), order.cwd)
+
+
+def _run_job(job: Any, cwd: str | None) -> None:
+    """``run_worker(job)`` on this Ray Train worker, in the notebook's working directory."""
     import ray.train
 
     from ...worker import run_worker
 
-    cwd = config.get("cwd")
     if cwd and os.path.isdir(cwd):  # same relative paths and imports as the notebook (and as --backend local)
         os.chdir(cwd)
         if cwd not in sys.path:
@@ -108,10 +130,9 @@ def _train_loop(config: dict) -> None:
         logger.setLevel(logging.WARNING)
     builtins.print = ray_compat.unpatched_print()  # Ray Train tees print() into its logger too: each line came twice
     try:
-        run_worker(config["job"], ranks, checkpoints=store)
+        run_worker(job, ranks, checkpoints=store)
     finally:
         builtins.print = printer
         for logger, level in zip(quiet, levels):
             logger.setLevel(level)
         store.cleanup()
-

@@ -23,6 +23,7 @@ rank 0's).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import socket
@@ -30,17 +31,20 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from ..._compat import spark as spark_compat
-from ...channel import AuthenticatedListener, RankDone, decode
-from ...config import RunConfig
+from ...channel import AuthenticatedListener, RankDone, StandbyJob, decode
+from ...config import RunConfig, redact_uri
 from ...errors import ConfigError, LaunchError, MissingDependencyError
 from ...state import kernel_state
 from ...worker import WorkerJob
-from ..base import Emit, Failure, Launcher, LaunchState, RunningJob
+from ..base import IMPORT_TIME_ENV, Emit, Failure, Launcher, LaunchState, RunningJob, import_time_environment
+from ..standby import (
+    Claim, Placement, Standby, StandbyLaunch, StandbySlot, default_keep_warm_s, environment_changes, keep_warm_s,
+)
 from .diagnostics import check_java, gpu_setting_error, is_loopback_master, one_line_reason, torchrun_root_cause
-from .worker import _spark_train_fn
+from .worker import _spark_standby_fn, _spark_train_fn
 
 _CANCEL_GRACE_S = 3.0
 _EXECUTOR_WAIT_S = 60.0
@@ -75,8 +79,9 @@ class _RankWatch:
         self._listener.close()
 
 
-class SparkJob(RunningJob):
-    """One ``TorchDistributor.run`` in a background thread, under its own Spark job group.
+class SparkJob(StandbyLaunch):
+    """One ``TorchDistributor.run`` in a background thread, under its own Spark job group: a run's (`for_job`),
+    or a standby's (`for_standby`: its workers wait for a run's job, and `attach` makes it that run's).
 
     Early release: once every rank's result is in, `release` gives torchrun a few seconds to end by
     itself, then closes the rank watch, whose watchdogs kill a worker whose interpreter teardown hangs."""
@@ -84,29 +89,49 @@ class SparkJob(RunningJob):
     early_release = True
     _RELEASE_GRACE_S = 5.0
 
-    def __init__(self, launcher: "SparkLauncher", spark: Any, job: WorkerJob, emit: Emit, tracking_uri: str | None):
+    def __init__(self, launcher: "SparkLauncher", spark: Any, config: RunConfig, emit: Emit | None, group: str,
+                 watch_host: str, call: Callable[[tuple], tuple[Callable, tuple]]):
+        """``call(watch_address)``: the train function and its arguments (they name the rank watch)."""
         self._spark = spark
         self._sc = spark.sparkContext
         self._emit = emit
-        self._config = job.config
-        self.group = f"dtrain_magic-{job.run_id or uuid.uuid4().hex}"
+        self._config = config
+        self.group = group
         self._lock = threading.Lock()
         self._cancel_called = False
         self._cancelled = False  # cancelled while TorchDistributor.run was still going
         self._error: BaseException | None = None
         self._started_at = time.time()
         self._known_children = _child_pids()
-        self._distributor = launcher._distributor(job.config)
-        self._watch = _RankWatch(job.channel.host)  # where the run's channel listens: reachable by every worker
-        self._thread = threading.Thread(
-            target=self._run, args=(job, tracking_uri), name="dtrain-spark-run", daemon=True
-        )
+        self._distributor = launcher._distributor(config)
+        self._watch = _RankWatch(watch_host)  # where the run's channel listens: reachable by every worker
+        fn, args = call(self._watch.address)
+        self._thread = threading.Thread(target=self._run, args=(fn, args), name="dtrain-spark-run", daemon=True)
         self._thread.start()
 
-    def _run(self, job: WorkerJob, tracking_uri: str | None) -> None:
+    @classmethod
+    def for_job(cls, launcher: "SparkLauncher", spark: Any, job: WorkerJob, emit: Emit,
+                tracking_uri: str | None) -> "SparkJob":
+        """Launch ``job``'s workers now."""
+        return cls(launcher, spark, job.config, emit, f"dtrain_magic-{job.run_id or uuid.uuid4().hex}", job.channel.host,
+                   lambda watch: (_spark_train_fn, (job, tracking_uri, watch)))
+
+    @classmethod
+    def for_standby(cls, launcher: "SparkLauncher", spark: Any, config: RunConfig, standby: Standby,
+                    strategies: tuple[str, ...]) -> "SparkJob":
+        """Launch workers with ``config``'s placement that wait on ``standby`` for a run's job."""
+        host = standby.address[0]
+        return cls(launcher, spark, config, None, f"dtrain_magic-standby-{uuid.uuid4().hex}", host,
+                   lambda watch: (_spark_standby_fn, (standby.address, watch, strategies, config.use_gpu,
+                                                      config.local_mode)))
+
+    def attach(self, job: WorkerJob, emit: Emit) -> None:
+        self._config, self._emit = job.config, emit
+
+    def _run(self, fn: Callable, args: tuple) -> None:
         try:
             self._sc.setJobGroup(self.group, "dtrain_magic %%distribute run", interruptOnCancel=True)
-            self._distributor.run(_spark_train_fn, job, tracking_uri, self._watch.address)
+            self._distributor.run(fn, *args)
         except BaseException as exc:  # noqa: BLE001 - reported through poll()
             self._error = exc
         finally:
@@ -191,6 +216,47 @@ class SparkJob(RunningJob):
         _terminate(_our_torchrun_trees(self._started_at, self._known_children), 0.5)
 
 
+# Variables of the notebook a standby's workers do not take from it at claim time: set for them by torchrun and
+# TorchDistributor (CUDA_VISIBLE_DEVICES: TorchDistributor sets it in the notebook while a --gpu launch runs), or
+# read at import time (part of the placement: a change there is a fresh launch).
+_TORCHRUN_SETS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                  "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"}
+
+
+def _managed(key: str) -> bool:
+    return key in _TORCHRUN_SETS or key.startswith(("TORCHELASTIC_", "TORCH_NCCL_", *IMPORT_TIME_ENV))
+
+
+def _digest(values: Any) -> str:
+    return hashlib.sha256(repr(values).encode()).hexdigest()[:12]
+
+
+def _process_trees(worker_pids: Any) -> set[int]:
+    """Each worker, the torchrun and wrapper processes above it, and everything below those."""
+    try:
+        import psutil
+    except ImportError:
+        return set()
+    found: set[int] = set()
+    for pid in worker_pids:
+        try:
+            top = psutil.Process(pid)
+            while (parent := top.parent()) is not None and _is_torchrun(parent):
+                top = parent
+            found |= {top.pid, *(p.pid for p in top.children(recursive=True))}
+        except psutil.Error:
+            continue
+    return found
+
+
+def _is_torchrun(proc: Any) -> bool:
+    try:
+        command = " ".join(proc.cmdline())
+    except Exception:
+        return False
+    return spark_compat.TORCHRUN_WRAPPER_MODULE in command or "torch.distributed.run" in command
+
+
 def _child_pids() -> set[int]:
     try:
         import psutil
@@ -258,6 +324,7 @@ class SparkLauncher(Launcher):
         self._lock = threading.Lock()
         self.session_start_s: float | None = None  # how long this launcher's last session start took
         self.session_starts = 0  # how many sessions this launcher started (a warm run starts none)
+        self.standbys = StandbySlot()  # the next run's workers, launched ahead (docs/warm-reruns.md)
 
     # -- the session ---------------------------------------------------------------------------------
     @staticmethod
@@ -325,6 +392,7 @@ class SparkLauncher(Launcher):
 
     def _stop_own(self) -> None:
         if self._session is not None:
+            self.standbys.release("dtrain_magic's SparkSession stops")
             try:
                 self._session.stop()
             except Exception:
@@ -335,6 +403,7 @@ class SparkLauncher(Launcher):
         """Stop the SparkSession this launcher started (never a session it found active). ``at_exit``: with
         the JVM's logging off (executors being torn down report every lost connection as an error otherwise;
         not before, as the level would stay off for a session started later in the same JVM)."""
+        self.standbys.release("the kernel exits" if at_exit else "the backend shuts down", grace_s=3.0 if at_exit else 15.0)
         with self._lock:
             if at_exit and self._session is not None and self._alive(self._session):
                 try:
@@ -353,10 +422,86 @@ class SparkLauncher(Launcher):
                 f"--backend spark needs pyspark with TorchDistributor (pyspark >= 3.4): {exc}. "
                 "Install it with `pip install 'pyspark>=3.4'`; nothing was launched"
             ) from None
+        default_keep_warm_s()  # a bad $DTRAIN_MAGIC_KEEP_WARM is a ConfigError now, not after the run
         spark = self.session(config)
         self._distributor(config, spark)  # TorchDistributor's own checks (GPU settings) before anything runs
         if not config.local_mode:
             self._wait_for_slots(spark, config.num_processes)
+
+    # -- standbys (docs/warm-reruns.md) -------------------------------------------------------------------
+    def _running_session(self, config: RunConfig) -> Any:
+        """The SparkSession a run with ``config`` would use, if it runs now; never starts one."""
+        if "pyspark" not in sys.modules:
+            return None
+        with self._lock:
+            active = self._active_session()
+            if active is not None and active is not self._session:
+                return active
+            own = self._session
+            if own is not None and self._alive(own) and config.spark_master in (None, own.sparkContext.master):
+                return own
+            return None
+
+    @staticmethod
+    def _placement(config: RunConfig, spark: Any) -> Placement:
+        """What a TorchDistributor launch fixes: world size, GPUs, mode, the session and its master; in local mode
+        the import-time variables its torchrun workers inherited (a digest: values stay out of messages)."""
+        sc = spark.sparkContext
+        items: list[tuple[str, Any]] = [
+            ("processes", config.num_processes), ("GPU", config.use_gpu),
+            ("mode", "local" if config.local_mode else "cluster"),
+            ("SparkSession", sc.applicationId), ("master", redact_uri(sc.master)),
+        ]
+        if config.local_mode:
+            items.append(("import-time environment", _digest(import_time_environment())))
+        return Placement("spark", tuple(items))
+
+    def claim_standby(self, config: RunConfig) -> Claim | None:
+        spark = self._running_session(config)
+        return None if spark is None else self.standbys.claim(self._placement(config, spark))
+
+    def keep_warm(self, config: RunConfig) -> str | None:
+        """Launch the next run's workers (local mode: on this machine, held by default; cluster mode: barrier
+        tasks, held by default only on the SparkSession the magic started)."""
+        spark = self._running_session(config)
+        if spark is None:
+            return None
+        keep = keep_warm_s(config, holds_by_default=config.local_mode or spark is self._session)
+        placement = self._placement(config, spark)
+        standby = self.standbys.ensure(placement, keep, lambda: self._launch_standby(config, spark, placement))
+        return standby.describe() if standby is not None else None
+
+    def release_standby(self, reason: str) -> str | None:
+        standby = self.standbys.release(reason)
+        return None if standby is None else standby.where
+
+    def standby_processes(self) -> set[int]:
+        """Pids of the waiting standby's processes on this machine (each waiting worker, its watchdog, torchrun
+        and TorchDistributor's wrapper above it): what a test or a user may see left between runs, and nothing
+        else of the magic's. Empty when no standby waits (or none of its workers connected yet)."""
+        standby = self.standbys.standby
+        return _process_trees(standby.pids.values()) if standby is not None else set()
+
+    def _launch_standby(self, config: RunConfig, spark: Any, placement: Placement) -> Standby:
+        launched_env = dict(os.environ)  # local mode: what torchrun's workers inherit now
+
+        def order_for(job: WorkerJob) -> StandbyJob:
+            import cloudpickle
+
+            env_set, env_unset = environment_changes(launched_env, os.environ, _managed) if config.local_mode else ({}, ())
+            return StandbyJob(cloudpickle.dumps(job), os.getcwd(), env_set, env_unset, self._tracking_uri(job.config))
+
+        device = "GPU" if config.use_gpu else "CPU"
+        where = (f"{config.num_processes} TorchDistributor worker(s) ({device}, local mode: on this machine)"
+                 if config.local_mode else
+                 f"{config.num_processes} TorchDistributor barrier task(s) ({device}) on {redact_uri(spark.sparkContext.master)}")
+        standby = Standby(placement, config.num_processes, self.channel_host(config), None, where, order_for)
+        try:
+            standby.launch = SparkJob.for_standby(self, spark, config, standby, tuple(dict.fromkeys(("ddp", config.strategy))))
+        except BaseException:
+            standby.release("its launch failed")
+            raise
+        return standby
 
     def _distributor(self, config: RunConfig, spark: Any = None) -> Any:
         from pyspark.ml.torch.distributor import TorchDistributor
@@ -412,15 +557,19 @@ class SparkLauncher(Launcher):
         host = session.conf.get("spark.driver.host", None) if session is not None else None
         return host or socket.gethostbyname(socket.gethostname())
 
+    @staticmethod
+    def _tracking_uri(config: RunConfig) -> str:
+        if config.tracking_uri:
+            return config.tracking_uri
+        from ...tracking import resolve_tracking_uri
+
+        return resolve_tracking_uri(config)
+
     def start(self, job: WorkerJob, emit: Emit) -> RunningJob:
         spark = self.session(job.config)
-        if job.config.tracking_uri:
-            tracking_uri = job.config.tracking_uri
-        else:
-            from ...tracking import resolve_tracking_uri
-
-            tracking_uri = resolve_tracking_uri(job.config)
-        return SparkJob(self, spark, job, emit, tracking_uri)
+        tracking_uri = self._tracking_uri(job.config)
+        self.standbys.make_way(self._placement(job.config, spark))  # another placement's workers go first
+        return SparkJob.for_job(self, spark, job, emit, tracking_uri)
 
     def describe(self, config: RunConfig) -> str:
         device = "GPU" if config.use_gpu else "CPU"

@@ -4,6 +4,7 @@ be importable on every executor, as dtrain_magic is)."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from typing import Any
 
@@ -18,12 +19,56 @@ def _spark_train_fn(job: WorkerJob, tracking_uri: str | None = None, watch: tupl
     ``run_worker`` reported it over the channel, so torchrun and Spark end cleanly and the notebook shows
     the worker's own short error instead of a Spark traceback.
     """
-    from ...worker import run_worker
+    _gloo_on_loopback()
+    guard = _start_watchdog(watch, int(os.environ.get("RANK", "0"))) if watch else None
+    try:
+        _run_job(job, tracking_uri)
+    finally:
+        _ended_in_python(guard)
+    _skip_teardown_at_exit()
+    return None
 
+
+def _spark_standby_fn(standby: tuple, watch: tuple, strategies: tuple[str, ...], use_gpu: bool,
+                      follows_notebook: bool) -> None:
+    """TorchDistributor's train function for a standby (`dtrain_magic.launchers.standby`): the watchdog, the
+    imports every run needs, the process group joined, then wait for the run's job and run it as
+    `_spark_train_fn` does; return at once when released. ``follows_notebook`` (local mode: the workers
+    inherited the notebook's environment and working directory at launch): apply what changed since."""
+    from ...worker import join_process_group_ahead, leave_process_group, preload
+    from ..waiting import follow_notebook_directory, follow_notebook_environment, job_of, wait_for_job
+
+    _gloo_on_loopback()
+    rank = int(os.environ.get("RANK", "0"))
+    guard = _start_watchdog(watch, rank)
+    finished = False
+    try:
+        preload(strategies)
+        join_process_group_ahead(use_gpu)
+        order = wait_for_job(standby, rank)
+        if order is None:  # released: nothing to run
+            finished = True
+            return None
+        if follows_notebook:
+            follow_notebook_environment(order)
+            follow_notebook_directory(order)
+        finished = _run_job(job_of(order), order.tracking_uri)
+    finally:
+        leave_process_group(use_gpu, finished)
+        _ended_in_python(guard)
+    _skip_teardown_at_exit()
+    return None
+
+
+def _gloo_on_loopback() -> None:
     if os.environ.get("MASTER_ADDR", "").startswith("127.") or os.environ.get("MASTER_ADDR") == "localhost":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
-    rank = int(os.environ.get("RANK", "0"))
-    guard = _start_watchdog(watch, rank) if watch else None
+
+
+def _run_job(job: WorkerJob, tracking_uri: str | None) -> bool:
+    """``run_worker(job)``, with per-node system metrics in cluster mode; True when it returned."""
+    from ...worker import run_worker
+
     # Per-node system metrics in cluster mode; in local mode the workers run on the driver, whose own
     # monitor (started by the notebook) already samples this machine, and importing MLflow here would
     # only delay the first step.
@@ -31,17 +76,40 @@ def _spark_train_fn(job: WorkerJob, tracking_uri: str | None = None, watch: tupl
     monitor = _start_node_metrics(job, tracking_uri) if per_node else None
     try:
         run_worker(job)
+        return True
     except BaseException:
-        pass  # already reported over the channel by run_worker
+        return False  # already reported over the channel by run_worker
     finally:
-        if guard is not None:
-            try:  # ended in Python (result or reported error), not killed
-                guard.stdin.write(b"done\n")
-                guard.stdin.flush()
+        _finish_node_metrics(monitor)
+
+
+def _skip_teardown_at_exit() -> None:
+    """Once TorchDistributor's script has written this function's (None) return value, end the process without
+    the interpreter's teardown: with torch loaded it takes seconds (the cell waits for torchrun to end), and a
+    DDP reducer's destructor can block forever on a peer that is gone (docs/stack-notes.md). Registered last,
+    this exit hook runs first."""
+    import atexit
+
+    def leave() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
             except Exception:
                 pass
-        _finish_node_metrics(monitor)
-    return None
+        os._exit(0)
+
+    atexit.register(leave)
+
+
+def _ended_in_python(guard: Any) -> None:
+    """Tell the watchdog this worker ended in Python (result or reported error), not killed."""
+    if guard is None:
+        return
+    try:
+        guard.stdin.write(b"done\n")
+        guard.stdin.flush()
+    except Exception:
+        pass
 
 
 def _start_watchdog(watch: tuple, rank: int) -> Any:

@@ -1,0 +1,63 @@
+"""What a standby's worker does until a run comes (the notebook's side: `dtrain_magic.launchers.standby`).
+
+A standby is a launch started before the run that will use it: its workers are a run's workers (ranks set, the
+process group joined, torch imported) that do not know their job yet. Each connects to the standby's listener in
+the notebook (authenticated like the run channel), sends `StandbyReady` and blocks until the notebook answers:
+`StandbyJob` (run it: the backend's waiting function then calls ``run_worker`` as a freshly launched worker
+does) or `StandbyRelease` (return: the launch ends). A notebook that went away (its side of the connection
+closed, the listener gone) is a release too.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from multiprocessing.connection import Client
+from typing import Any
+
+from ..channel import StandbyJob, StandbyReady, decode
+
+StandbyAddress = tuple  # (host, port, authkey): where a standby's listener is, and its secret
+
+
+def wait_for_job(address: StandbyAddress, rank: int) -> StandbyJob | None:
+    """Tell the standby's listener at ``address`` that ``rank`` is ready; block until it answers. The run's
+    `StandbyJob`, or None when there is nothing to run (released, or the notebook is gone)."""
+    host, port, authkey = address
+    try:
+        conn = Client((host, port), authkey=authkey)
+    except Exception:  # the listener closed (released before this worker came up), or the notebook is gone
+        return None
+    try:
+        conn.send(StandbyReady(rank, os.getpid(), socket.gethostname()).wire())
+        message = decode(conn.recv())
+    except Exception:  # EOF: the notebook closed its side
+        return None
+    finally:
+        try:
+            conn.close()
+        except Exception:
+            pass
+    return message if isinstance(message, StandbyJob) else None
+
+
+def job_of(order: StandbyJob) -> Any:
+    """The `WorkerJob` an order carries (unpickled here, in the worker, as a launched worker's job is)."""
+    import cloudpickle
+
+    return cloudpickle.loads(order.pickled_job)
+
+
+def follow_notebook_environment(order: StandbyJob) -> None:
+    """Apply what the notebook changed in its environment since the launch, for a worker that inherited the
+    notebook's environment when it was launched (Spark local mode): a fresh launch would have seen it."""
+    for key in order.env_unset:
+        os.environ.pop(key, None)
+    os.environ.update(order.env_set)
+
+
+def follow_notebook_directory(order: StandbyJob) -> None:
+    """Work in the notebook's current directory, as a worker launched now would (Spark local mode)."""
+    if order.cwd and os.path.isdir(order.cwd) and os.getcwd() != order.cwd:
+        os.chdir(order.cwd)
+
