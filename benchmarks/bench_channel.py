@@ -46,7 +46,9 @@ def one_sample(messages: int) -> dict:
 
     with Channel() as channel:
         pump = _Pump(RunConfig(num_processes=1), channel, RunObserver(), time.monotonic())
-        sender = subprocess.Popen([sys.executable, "-c", _SENDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        sender = subprocess.Popen(
+            [sys.executable, "-c", _SENDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         address = channel.address
         sender.stdin.write(f"{address.host} {address.port} {address.authkey.hex()} {messages}\n")
         sender.stdin.flush()

@@ -64,8 +64,8 @@ def main() -> None:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as handle:
-            json.dump({"chart_lag": lags["first"], "chart_lag_later": lags["later"], "poll_interval_s": charts.interval_s},
-                      handle, indent=2)
+            lag = {"chart_lag": lags["first"], "chart_lag_later": lags["later"], "poll_interval_s": charts.interval_s}
+            json.dump(lag, handle, indent=2)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,16 @@ import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workload import (  # noqa: E402
-    MAGIC_BODY, Probes, create_tracking_db, driver_cpu, magic_parts, print_comparison, raw_parts, raw_train, section, settle,
+    MAGIC_BODY,
+    Probes,
+    create_tracking_db,
+    driver_cpu,
+    magic_parts,
+    print_comparison,
+    raw_parts,
+    raw_train,
+    section,
+    settle,
 )
 
 
@@ -117,7 +126,8 @@ def main() -> None:
     if "MLFLOW_TRACKING_URI" not in os.environ:
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tempfile.mkdtemp(prefix='bench_local_')}/bench.db"
     if args.inner:
-        sample = magic_once(args.n, args.steps, args.gpu) if args.inner == "magic" else raw_once(args.n, args.steps, args.gpu)
+        once = magic_once if args.inner == "magic" else raw_once
+        sample = once(args.n, args.steps, args.gpu)
         print(json.dumps(sample))
         return
 
@@ -181,17 +191,21 @@ def main() -> None:
     print(f"  (a new MLflow tracking DB costs {new_db_s:.2f} s once, on its first use; a fresh worker's interpreter + "
           f"imports alone take {imports_s:.2f} s)")
     b2b = report["back_to_back_ttfs"]
-    print(f"  back to back (each call right after the last returned): time to first step {', '.join(f'{t:.2f}' for t in b2b)} s "
-          f"(target for the 2nd and 3rd: <= 0.8 s and no slower than the cold first run, {report['cold']['magic']['ttfs']['median']:.2f} s)")
+    cold_ttfs = report["cold"]["magic"]["ttfs"]["median"]
+    print(f"  back to back (each call right after the last returned): time to first step "
+          f"{', '.join(f'{t:.2f}' for t in b2b)} s "
+          f"(target for the 2nd and 3rd: <= 0.8 s and no slower than the cold first run, {cold_ttfs:.2f} s)")
     sp = {k: w[k]["steps_per_s"] for k in ("raw", "magic_nolog", "magic")}
     rng = {k: f"{v['median']:.0f} ({v['min']:.0f}-{v['max']:.0f})" for k, v in sp.items()}
     print(f"  steady steps/s (median, min-max): raw {rng['raw']}, magic {rng['magic_nolog']} without logging, "
           f"{rng['magic']} with ctx.log every step")
     print(f"  steady steps/s magic/raw {report['steady_ratio']:.3f} (target >= 0.98; with ctx.log every step "
-          f"{report['steady_ratio_with_log']:.3f}); ctx.log every step costs {100 * report['log_cost']:.1f} % (target <= 2 %)")
+          f"{report['steady_ratio_with_log']:.3f}); "
+          f"ctx.log every step costs {100 * report['log_cost']:.1f} % (target <= 2 %)")
     share = report["driver_cpu_share"]
-    print(f"  CPU of the calling process during a warm run (share of one core): magic {100 * share['magic']:.0f} % with "
-          f"ctx.log, {100 * share['magic_nolog']:.0f} % without; elastic_launch's agent {100 * share['raw']:.0f} %")
+    print(f"  CPU of the calling process during a warm run (share of one core): "
+          f"magic {100 * share['magic']:.0f} % with ctx.log, {100 * share['magic_nolog']:.0f} % without; "
+          f"elastic_launch's agent {100 * share['raw']:.0f} %")
     print(f"  load average: {load_start:.1f} at the start, {report['load_average']['end']:.1f} at the end "
           f"({os.cpu_count()} cores; this benchmark alone keeps about {args.n} busy)")
     if args.json:

@@ -44,7 +44,8 @@ def bench(ctx):
 
     class _Mallinfo2(ctypes.Structure):
         _fields_ = [(f, ctypes.c_size_t) for f in
-                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                     "keepcost")]
     try:
         _libc = ctypes.CDLL("libc.so.6")
         _libc.mallinfo2.restype = _Mallinfo2
@@ -91,8 +92,8 @@ def bench(ctx):
         peak = torch.cuda.max_memory_allocated() - base
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    return dict(step_s=statistics.median(times[{warmup}:]), peak=peak, heap=heap_peak, opt_bytes=optimizer_state_bytes(opt),
-                params=n_params, loss=loss.item())
+    return dict(step_s=statistics.median(times[{warmup}:]), peak=peak, heap=heap_peak,
+                opt_bytes=optimizer_state_bytes(opt), params=n_params, loss=loss.item())
 '''
 
 CASES = [
@@ -134,7 +135,8 @@ def run(argv: list[str] | None = None, gpu: bool = False) -> list[dict]:
     for name, flags, strategy, zero in CASES:
         if only and name not in only:
             continue
-        line = f"%%distribute --backend local -n {args.num_processes} {device} --no-ui --precision {args.precision} {flags}"
+        line = (f"%%distribute --backend local -n {args.num_processes} {device} --no-ui "
+                f"--precision {args.precision} {flags}")
         print(f"\n=== {name}: {line}", flush=True)
         started = time.monotonic()
         result = shell.run_cell(line + "\n" + cell)
@@ -154,18 +156,23 @@ def run(argv: list[str] | None = None, gpu: bool = False) -> list[dict]:
     kind = "GPU max_memory_allocated" if gpu else "CPU peak RSS above baseline"
     print(f"\n{rows[0].get('params', 0):,} parameters, {args.num_processes} processes, {args.precision}, "
           f"micro batch {args.micro}, {args.steps} steps/process; memory = {kind}")
-    header = (f"{'strategy':<8}{'step ms':>9}{'x DDP':>7}{'peak mem':>12}{'x DDP':>7}{'live heap':>12}{'x DDP':>7}{'opt state':>12}"
-              f"{'x DDP':>7}{'estimate':>12}{'x DDP':>7}{'run s':>7}")
+    header = (f"{'strategy':<8}{'step ms':>9}{'x DDP':>7}{'peak mem':>12}{'x DDP':>7}{'live heap':>12}{'x DDP':>7}"
+              f"{'opt state':>12}{'x DDP':>7}{'estimate':>12}{'x DDP':>7}{'run s':>7}")
     print(header)
+
+    def rel(row: dict, key: str) -> str:
+        """``row[key]`` relative to DDP's."""
+        return f"{row[key] / base[key]:.2f}" if base and base[key] else "-"
+
     for r in rows:
         if "error" in r:
             print(f"{r['name']:<8} failed: {r['error'][:100]}")
             continue
-        rel = (lambda key: f"{r[key] / base[key]:.2f}" if base and base[key] else "-")
-        print(f"{r['name']:<8}{r['step_s'] * 1000:>9.1f}{rel('step_s'):>7}{format_bytes(r['peak']):>12}{rel('peak'):>7}"
-              f"{format_bytes(r['heap']):>12}{rel('heap'):>7}"
-              f"{format_bytes(r['opt_bytes']):>12}{rel('opt_bytes'):>7}{format_bytes(r['est_total']):>12}"
-              f"{rel('est_total'):>7}{r['wall_s']:>7.1f}")
+        print(f"{r['name']:<8}{r['step_s'] * 1000:>9.1f}{rel(r, 'step_s'):>7}"
+              f"{format_bytes(r['peak']):>12}{rel(r, 'peak'):>7}"
+              f"{format_bytes(r['heap']):>12}{rel(r, 'heap'):>7}"
+              f"{format_bytes(r['opt_bytes']):>12}{rel(r, 'opt_bytes'):>7}{format_bytes(r['est_total']):>12}"
+              f"{rel(r, 'est_total'):>7}{r['wall_s']:>7.1f}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=2)

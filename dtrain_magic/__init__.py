@@ -48,6 +48,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CaptureError", "ConfigError", "DistributeError", "LaunchError", "MissingDependencyError", "RunConfig",
-    "RunInterrupted", "RunResult", "RunTimeout", "TrainContext", "UnsupportedCodeError", "UnsupportedVersionError", "WorkerError",
+    "RunInterrupted", "RunResult", "RunTimeout", "TrainContext", "UnsupportedCodeError", "UnsupportedVersionError",
+    "WorkerError",
     "load_ipython_extension",
 ]

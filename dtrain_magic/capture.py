@@ -447,8 +447,10 @@ def _loads_ray_dot_train(code: types.CodeType, closure: dict, globals_: dict) ->
         if previous is not None and previous.opname == "IMPORT_NAME" and previous.argval == "ray" \
                 and instruction.opname in ("STORE_FAST", "STORE_NAME", "STORE_DEREF", "STORE_GLOBAL"):
             local_ray.add(instruction.argval)
-        if instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and instruction.argval == "train" and previous is not None:
-            if previous.opname in ("LOAD_FAST", "LOAD_DEREF", "LOAD_NAME", "LOAD_GLOBAL") and previous.argval in local_ray:
+        loads_train = instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and instruction.argval == "train"
+        if loads_train and previous is not None:
+            loads_name = previous.opname in ("LOAD_FAST", "LOAD_DEREF", "LOAD_NAME", "LOAD_GLOBAL")
+            if loads_name and previous.argval in local_ray:
                 return True
             if previous.opname in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF"):
                 obj = closure.get(previous.argval, globals_.get(previous.argval))

@@ -86,7 +86,8 @@ def op_build_guard(name: str, announce: bool = True, wait_s: float = _WAIT_S) ->
                         f"{guard_path}); if no such build is running, delete {build_dir} and run again"
                     ) from None
                 if announce and not said:
-                    print(f"dtrain_magic: waiting for another process to finish building DeepSpeed's {name} op", flush=True)
+                    print(f"dtrain_magic: waiting for another process to finish building DeepSpeed's {name} op",
+                          flush=True)
                     said = True
                 time.sleep(0.2)
         try:
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dtrain_magic.extensions: DeepSpeed is not installed ({exc}); nothing to build")
         return 0
     where = extensions_dir()
-    print(f"dtrain_magic.extensions: {', '.join(names) or 'no ops'} ready in {where} ({time.monotonic() - started:.0f} s)")
+    print(f"dtrain_magic.extensions: {', '.join(names) or 'no ops'} ready in {where} "
+          f"({time.monotonic() - started:.0f} s)")
     return 0
 
 

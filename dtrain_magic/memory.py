@@ -63,7 +63,8 @@ class MemoryEstimate:
     @property
     def label(self) -> str:
         label = f"deepspeed ZeRO-{self.zero or 0}" if self.strategy == "deepspeed" else self.strategy
-        return label + "".join(f" x {name} {degree}" for name, degree in (("tp", self.tp), ("pp", self.pp)) if degree > 1)
+        degrees = (("tp", self.tp), ("pp", self.pp))
+        return label + "".join(f" x {name} {degree}" for name, degree in degrees if degree > 1)
 
     def line(self) -> str:
         """One line for the cell's output."""
@@ -410,7 +411,8 @@ class _Resolver:
                     raise _Unknown(f"`{source}` needs `{node.id}`, which the notebook does not have yet "
                                    "(it exists once the cell runs)")
         try:
-            return eval(compile(ast.Expression(expr), "<dtrain_magic model estimate>", "eval"), self.scratch, local_values)
+            compiled = compile(ast.Expression(expr), "<dtrain_magic model estimate>", "eval")
+            return eval(compiled, self.scratch, local_values)
         except _Unknown:
             raise
         except Exception as exc:

@@ -31,7 +31,8 @@ CELLS = [
         "%%distribute --backend local --strategy ddp -n 2 --experiment quickstart --seed 0 --result run\n"
         "def train(ctx):\n"
         "    epochs, global_batch = 5, 64\n"
-        "    loader = torch.utils.data.DataLoader(make_dataset(), batch_size=global_batch // ctx.world_size, shuffle=True)\n"
+        "    loader = torch.utils.data.DataLoader(make_dataset(), batch_size=global_batch // ctx.world_size, "
+        "shuffle=True)\n"
         "    model = make_model()\n"
         "    opt = torch.optim.Adam(model.parameters(), lr=1e-2)\n"
         "    model, opt, loader = ctx.prepare(model, opt, loader)\n"
@@ -52,7 +53,8 @@ CELLS = [
         "client = MlflowClient(run.tracking_uri)\n"
         "info = client.get_run(run.run_id)\n"
         "history = client.get_metric_history(run.run_id, 'loss')\n"
-        "print(info.info.status, len(history), 'loss points; first', round(history[0].value, 4), 'last', round(history[-1].value, 4))\n"
+        "print(info.info.status, len(history), 'loss points; first', round(history[0].value, 4), "
+        "'last', round(history[-1].value, 4))\n"
         "assert info.info.status == 'FINISHED' and history[-1].value < history[0].value"
     ),
 ]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv (as scripts/setup.sh) and run the whole test suite: unit, integration (real local,
-# Spark, Ray, DeepSpeed runs), e2e (notebooks through a real kernel, JupyterLab in headless Chromium)
-# and the widget's JS unit tests. Extra arguments go to pytest.
+# Spark, Ray, DeepSpeed runs), e2e (notebooks through a real kernel, JupyterLab in headless Chromium),
+# the widget's JS unit tests and ruff (lint and import order: a finding fails the command).
+# Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -12,5 +13,7 @@ if [ -d js ] && ls js/*.test.* >/dev/null 2>&1 && command -v node >/dev/null; th
     echo "== JS unit tests (node --test js/)"
     node --test js/
 fi
+echo "== ruff (lint and import order, pyproject.toml [tool.ruff])"
+.venv/bin/ruff check dtrain_magic tests benchmarks scripts
 echo "== Python tests"
 .venv/bin/python -m pytest -ra --durations=15 "$@"

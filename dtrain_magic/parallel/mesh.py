@@ -58,7 +58,7 @@ class ParallelDims:
         return pp * self.dp * self.tp + dp * self.tp + tp
 
     def describe(self) -> str:
-        parts = [f"{name} {size}" for name, size in zip(MESH_DIMS, self.shape) if size > 1]
+        parts = [f"{name} {size}" for name, size in zip(MESH_DIMS, self.shape, strict=True) if size > 1]
         return " x ".join(parts) if parts else "one process"
 
 

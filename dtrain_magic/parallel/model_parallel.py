@@ -49,8 +49,10 @@ class ModelParallel:
             self.mesh = build_mesh(self.device.type, self.dims)
         return self.mesh
 
-    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, tp_plan: Mapping[str, Any] | None = None,
-                pp_split: Sequence[str | int] | None = None, shard_data_parallel: ShardFn | None = None) -> tuple[nn.Module, Any]:
+    def prepare(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, tp_plan: Mapping[str, Any] | None = None,
+        pp_split: Sequence[str | int] | None = None, shard_data_parallel: ShardFn | None = None,
+    ) -> tuple[nn.Module, Any]:
         """Split ``model`` for this rank; returns what user code holds (the model, or the pipeline stage wrapper)
         and the optimizer, re-pointed in place."""
         mesh = self._get_mesh()

@@ -156,7 +156,8 @@ def check_no_ties_across_stages(model: nn.Module, links: Sequence[Link], starts:
                 seen = stage_of.setdefault(id(param), (stage, f"{link.name}.{pname}"))
                 if seen[0] != stage:
                     raise ValueError(
-                        f"--pp: parameter {seen[1]} (stage {seen[0]}) is shared with {link.name}.{pname} (stage {stage}); "
+                        f"--pp: parameter {seen[1]} (stage {seen[0]}) is shared with {link.name}.{pname} "
+                        f"(stage {stage}); "
                         "tied parameters across pipeline stages are not supported: untie them, or choose pp_split so "
                         "both parts are in one stage"
                     )
@@ -191,7 +192,9 @@ class ChainCheck:
         self.model, self.expected = model, list(called)
         self.calls: list[tuple[str, Any, Any]] = []
         self.stage_input: Any = None
-        self.handles: list[Any] = [model.register_forward_pre_hook(self._root_pre), model.register_forward_hook(self._root_post)]
+        self.handles: list[Any] = [
+            model.register_forward_pre_hook(self._root_pre), model.register_forward_hook(self._root_post),
+        ]
         for name in self.expected:
             module = model.get_submodule(name)
             self.handles.append(module.register_forward_pre_hook(self._pre(name)))

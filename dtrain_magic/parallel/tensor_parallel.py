@@ -63,7 +63,9 @@ def matching_modules(model: nn.Module, pattern: str) -> list[str]:
     found = []
     for name, _ in model.named_modules():
         parts = name.split(".") if name else []
-        if len(parts) == len(tokens) and all(fnmatch(part, token) for part, token in zip(parts, tokens)):
+        if len(parts) != len(tokens):
+            continue
+        if all(fnmatch(part, token) for part, token in zip(parts, tokens, strict=True)):
             found.append(name)
     return found
 
@@ -71,7 +73,8 @@ def matching_modules(model: nn.Module, pattern: str) -> list[str]:
 def user_styles(model: nn.Module, plan: Mapping[str, Any], skip_missing: bool = False) -> dict[str, ParallelStyle]:
     """The user's ``tp_plan`` with style names turned into styles; every key must name a submodule."""
     if not isinstance(plan, Mapping):
-        raise TypeError(f"ctx.prepare(tp_plan=...) must be a dict of module name -> ParallelStyle, got {type(plan).__name__}")
+        raise TypeError(f"ctx.prepare(tp_plan=...) must be a dict of module name -> ParallelStyle, "
+                        f"got {type(plan).__name__}")
     styles: dict[str, ParallelStyle] = {}
     for key, style in plan.items():
         if isinstance(style, str):
@@ -80,7 +83,8 @@ def user_styles(model: nn.Module, plan: Mapping[str, Any], skip_missing: bool = 
                                  "or a torch ParallelStyle")
             style = HF_STYLES[style]()
         if not isinstance(style, ParallelStyle):
-            raise TypeError(f"tp_plan[{key!r}] must be a ParallelStyle (ColwiseParallel(), ...), got {type(style).__name__}")
+            raise TypeError(f"tp_plan[{key!r}] must be a ParallelStyle (ColwiseParallel(), ...), "
+                            f"got {type(style).__name__}")
         if not matching_modules(model, key):
             if skip_missing:
                 continue  # a part of another pipeline stage
@@ -98,7 +102,10 @@ def sequential_styles(model: nn.Module, tp: int) -> dict[str, ParallelStyle]:
         if not isinstance(seq, nn.Sequential):
             continue
         children = list(seq.named_children())
-        full = (lambda n, p=prefix: f"{p}.{n}" if p else n)
+
+        def full(n: str, p: str = prefix) -> str:
+            return f"{p}.{n}" if p else n
+
         i = 0
         while i < len(children):
             name, child = children[i]

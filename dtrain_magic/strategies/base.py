@@ -70,7 +70,10 @@ class Strategy(ABC):
         try:
             from ..memory import report
 
-            per_device = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world_size))) if self.device.type != "cuda" else 1
+            if self.device.type == "cuda":
+                per_device = 1
+            else:
+                per_device = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world_size)))
             print(report(model, self.config.strategy, self.config.zero, self.config.precision, self.world_size,
                          self.device, per_device, tp=self.config.tp, pp=self.config.pp), flush=True)
         except Exception as exc:  # an estimate must never break a run
@@ -239,8 +242,10 @@ class TorchStrategy(Strategy):
         self._step()
         return loss
 
-    def wrap_model_parallel(self, model: torch.nn.Module, optimizer: Any,
-                            shard_data_parallel: Callable[[torch.nn.Module, Any], None] | None = None) -> tuple[Any, Any]:
+    def wrap_model_parallel(
+        self, model: torch.nn.Module, optimizer: Any,
+        shard_data_parallel: Callable[[torch.nn.Module, Any], None] | None = None,
+    ) -> tuple[Any, Any]:
         """``--tp``/``--pp``: split ``model`` for this rank (see `ModelParallel.prepare`)."""
         self.report_memory(model)
         model, optimizer = self.parallel.prepare(model, optimizer, self.tp_plan, self.pp_split, shard_data_parallel)

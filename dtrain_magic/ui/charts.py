@@ -210,7 +210,8 @@ class RunCharts:
         raise KeyError(name)
 
     def set_y_scale(self, scale: str) -> None:
-        """The metrics chart's y axis: ``auto`` (log once the shown metric spans 1000x, all > 0), ``linear``, ``log``."""
+        """The metrics chart's y axis: ``auto`` (log once the shown metric spans 1000x, all > 0), ``linear``,
+        ``log``."""
         if scale not in Y_SCALES:
             raise ValueError(f"y scale must be one of {', '.join(Y_SCALES)}, got {scale!r}")
         with self._lock:
@@ -274,7 +275,8 @@ class RunCharts:
             changed_metrics = self._merge_metrics(histories, final)
             self.polls += 1
             if changed_metrics:
-                self._draw(self.metrics_figure, self.metrics, changed_metrics, visible_default=default_metric(list(self.metrics)))
+                self._draw(self.metrics_figure, self.metrics, changed_metrics,
+                           visible_default=default_metric(list(self.metrics)))
                 self._apply_y_scale()
             if changed_system:
                 self._draw(self.system_figure, self.system, changed_system, names=wanted)
@@ -341,8 +343,8 @@ class RunCharts:
         Our figures live in a Box and get traces after the Box was displayed; a view created later (the
         browser loads plotly's large module slowly, or the notebook is reopened) would start from the
         empty initial state and miss the add-trace messages. Existing views ignore this state (they get
-        restyle messages), so it is only sent when traces were added (then a fresh figure replaces it), every few seconds,
-        and at the end.
+        restyle messages), so it is only sent when traces were added (then a fresh figure replaces it), every few
+        seconds, and at the end.
         """
         if not plotly_compat.can_set_view_state(figure):
             return

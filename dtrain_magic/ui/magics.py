@@ -10,8 +10,8 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 def show_run(run_id: str, tracking_uri: str | None = None, display: bool = True, interval_s: float = 0.5) -> Any:
     """The `charts.RunCharts` of ``run_id``; polls live until the run ends when it is still running."""
-    from mlflow import MlflowClient
     import ipywidgets as w
+    from mlflow import MlflowClient
 
     from ..config import default_tracking_uri
     from ..errors import ConfigError
@@ -33,7 +33,8 @@ def show_run(run_id: str, tracking_uri: str | None = None, display: bool = True,
         params = run.data.params
         header = w.HTML(
             f"<b>dtrain_magic run {run_id}</b> · {run.info.status} · "
-            f"{params.get('backend', '?')}/{params.get('strategy', '?')}, {params.get('num_processes', '?')} processes, "
+            f"{params.get('backend', '?')}/{params.get('strategy', '?')}, "
+            f"{params.get('num_processes', '?')} processes, "
             f"{params.get('precision', '?')}"
         )
         box = w.VBox([header, charts.widget])
@@ -48,7 +49,8 @@ class UIMagics(Magics):
 
     @magic_arguments()
     @argument("run_id", help="the MLflow run id (RunResult.run_id, or the id shown in the panel)")
-    @argument("--tracking-uri", default=None, help="MLflow tracking URI (None means $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
+    @argument("--tracking-uri", default=None,
+              help="MLflow tracking URI (None means $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
     @line_magic
     def distribute_show(self, line: str) -> None:
         """Show the metric and system charts of a ``%%distribute`` run, read from MLflow."""

@@ -260,7 +260,8 @@ class ConfigurePanel:
         self.widget = w.VBox([
             w.HTML("<b>dtrain_magic · configure the run</b>"),
             w.HBox([w.VBox(columns[0]), w.VBox(columns[1] + [self.params])]),
-            self.memory, self.problems, self.flag_line, w.HBox([self.run_button, self.writer]), self.cell_output, self.monitor_box, self.output,
+            self.memory, self.problems, self.flag_line, w.HBox([self.run_button, self.writer]), self.cell_output,
+            self.monitor_box, self.output,
         ])
         self.widget.add_class("dtm-configure")
         self.refresh()
@@ -302,7 +303,8 @@ class ConfigurePanel:
             return None
         self.shell.set_next_input(text, replace=False)
         self.written = ("kernel", None)
-        self.writer.note = ("the new cell appears below once you run a cell (this front-end takes new cells from a cell's reply)")
+        self.writer.note = ("the new cell appears below once you run a cell "
+                            "(this front-end takes new cells from a cell's reply)")
         return text
 
     def _writer_message(self, _widget: Any, content: Any, _buffers: Any) -> None:

@@ -152,7 +152,8 @@ def jupyterlab():
         JUPYTER_CONFIG_DIR=str(root / "config"), JUPYTER_DATA_DIR=str(root / "data"),
         JUPYTER_RUNTIME_DIR=str(root / "runtime"), JUPYTERLAB_SETTINGS_DIR=str(root / "settings"),
         JUPYTERLAB_WORKSPACES_DIR=str(root / "workspaces"), IPYTHONDIR=str(root / "ipython"),
-        MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}", PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
+        MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}",
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
         SPARK_LOCAL_IP="127.0.0.1", PYTHONDONTWRITEBYTECODE="1",
     )
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
@@ -221,7 +222,8 @@ def _open_and_run_all(page, url: str, token: str, name: str) -> None:
     page.goto(f"{url}/lab/workspaces/{Path(name).stem}/tree/{name}?reset&token={token}")
     page.wait_for_function(KERNEL_CONNECTED + f" && window.jupyterapp.shell.currentWidget.context.path === {name!r}",
                            timeout=90_000)
-    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")  # resolves when every cell ran
+    # resolves when every cell ran
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
 
 
 def _cell_sources(page) -> list[str]:
@@ -269,7 +271,8 @@ def test_panel_and_charts_in_jupyterlab(chromium, jupyterlab):
                 expect(monitor).to_have_attribute("data-state", "running", timeout=60_000)
                 timings["monitor_running_s"] = time.monotonic() - t0
                 charts = first.locator(".dtm-charts .js-plotly-plot")
-                expect(charts).to_have_count(2, timeout=90_000)  # plotly's module is large: slow to load on a busy machine
+                # plotly's module is large: slow to load on a busy machine
+                expect(charts).to_have_count(2, timeout=90_000)
                 # while it trains: the progress bar moves and both charts have drawn traces
                 expect(first.locator(".dtm-progress")).to_contain_text("/200", timeout=60_000)
                 expect(charts.nth(0).locator(".scatterlayer .trace").first).to_be_attached(timeout=60_000)
@@ -293,7 +296,8 @@ def test_panel_and_charts_in_jupyterlab(chromium, jupyterlab):
                 for name in ("loss", "grad_norm"):  # every logged metric is in the legend (click to show/hide)
                     expect(charts.nth(0).locator(".legendtext", has_text=name)).to_have_count(1)
                 expect(charts.nth(1)).to_contain_text("CPU / RAM")
-                expect(first.locator(".dtm-link")).to_contain_text("MLflow: sqlite:///")  # the store, and how to browse it
+                # the store, and how to browse it
+                expect(first.locator(".dtm-link")).to_contain_text("MLflow: sqlite:///")
                 expect(first.locator(".dtm-link")).to_contain_text("mlflow ui --backend-store-uri")
                 expect(first.locator(".widget-html code", has_text="MLflow run ")).to_have_count(1)
                 finished_shot = out / "browser_finished.png"
@@ -351,7 +355,8 @@ def test_configure_panel_runs_with_the_live_monitor(chromium, jupyterlab):
                 panel = page.locator(".dtm-configure").first
                 expect(panel).to_be_visible(timeout=90_000)
                 # the estimate is for the cell's own model, counted without training
-                expect(panel.locator(".dtm-memory")).to_contain_text(f"model: {PANEL_PARAMS:,} parameters", timeout=30_000)
+                expect(panel.locator(".dtm-memory")).to_contain_text(f"model: {PANEL_PARAMS:,} parameters",
+                                                                     timeout=30_000)
                 expect(panel.locator(".dtm-memory")).to_contain_text("from the cell")
                 expect(panel.locator(".dtm-control-zero select")).to_be_disabled()
                 panel.locator(".dtm-control-strategy select").select_option(label="deepspeed")
@@ -422,7 +427,8 @@ def test_configure_panel_runs_with_the_live_monitor(chromium, jupyterlab):
                 written = after[2]
                 body = before[1].split("\n", 1)[1]
                 assert written.startswith(line + "\n") and written.strip().endswith(body.strip()), written
-                expect(page.locator(".jp-Notebook .jp-Cell").nth(2)).to_contain_text("--strategy deepspeed --zero 2", timeout=30_000)
+                expect(page.locator(".jp-Notebook .jp-Cell").nth(2)).to_contain_text("--strategy deepspeed --zero 2",
+                                                                                     timeout=30_000)
 
                 # Run again: this time the training ends by itself (FINISHED)
                 (nb / "finish_panel").touch()
@@ -433,10 +439,12 @@ def test_configure_panel_runs_with_the_live_monitor(chromium, jupyterlab):
                 header = panel.locator(".dtm-monitor-panel .dtm-header").text_content()
                 finished_id = re.search(r"MLflow run ([0-9a-f]{32})", header).group(1)
                 assert finished_id != run_id
-                _wait_for(lambda: client.get_run(finished_id).info.status == "FINISHED", 60, "the run FINISHED in MLflow")
+                _wait_for(lambda: client.get_run(finished_id).info.status == "FINISHED", 60,
+                          "the run FINISHED in MLflow")
                 assert client.get_run(finished_id).data.params["zero"] == "2"
                 assert client.get_run(finished_id).data.params["precision"] == "bf16"
-                expect(panel.locator(".dtm-monitor-panel .dtm-charts .js-plotly-plot")).to_have_count(2, timeout=120_000)
+                finished_charts = panel.locator(".dtm-monitor-panel .dtm-charts .js-plotly-plot")
+                expect(finished_charts).to_have_count(2, timeout=120_000)
                 shots.append(out / "panel_finished.png")
                 page.screenshot(path=str(shots[-1]), full_page=True)
 

@@ -1,6 +1,5 @@
 """The quickstart notebook, executed through a real Jupyter kernel (nbclient), and its MLflow run."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -47,7 +47,8 @@ def _release_when_sampled(mlflow, flag, samples: int = 2, timeout: float = 120.0
             while time.monotonic() < deadline:
                 experiment = mlflow.get_experiment_by_name("dtrain_magic")
                 runs = mlflow.search_runs([experiment.experiment_id]) if experiment else []
-                if runs and len(mlflow.get_metric_history(runs[0].info.run_id, "system/cpu_utilization_percentage")) >= samples:
+                cpu = "system/cpu_utilization_percentage"
+                if runs and len(mlflow.get_metric_history(runs[0].info.run_id, cpu)) >= samples:
                     return
                 time.sleep(0.2)
         finally:
@@ -102,7 +103,9 @@ def test_live_charts_equal_the_mlflow_history(shell, mlflow, capsys, tmp_path):
     start = mlflow.get_run(run.run_id).info.start_time
     cpu = _history(mlflow, run.run_id, "system/cpu_utilization_percentage", system=True)
     assert len(cpu) >= 2
-    assert charts.trace_data(charts.system_figure, "CPU %") == ([(m.timestamp - start) / 1000 for m in cpu], [m.value for m in cpu])
+    assert charts.trace_data(charts.system_figure, "CPU %") == (
+        [(m.timestamp - start) / 1000 for m in cpu], [m.value for m in cpu],
+    )
 
     # the widget shows the final state, and the plain text still reached the cell's output
     assert obs.widget.state == "finished" and obs.widget.step == 40 and obs.widget.total == 40
@@ -110,7 +113,8 @@ def test_live_charts_equal_the_mlflow_history(shell, mlflow, capsys, tmp_path):
     assert "[rank 0] done on rank 0" in capsys.readouterr().out
 
     lag = lag_summary(charts.lags_s)
-    print(f"chart lag (ctx.log on the worker -> chart data): {lag}, {charts.fed_shown} points drawn before MLflow had them")
+    print(f"chart lag (ctx.log on the worker -> chart data): {lag}, "
+          f"{charts.fed_shown} points drawn before MLflow had them")
     assert lag["n"] >= 30  # most points were seen live, not only in the final read
     assert charts.fed_shown >= 1  # the channel fed the chart before MLflow's copy was read (and no point twice: above)
     # Measured in benchmarks/bench_chart_lag.py (median about 0.3 s here); this only guards against
@@ -170,7 +174,9 @@ def test_configure_panel_runs_in_the_background(shell, mlflow):
     panel = ConfigurePanel(config, cell, shell)
     panel.controls["num_processes"].value = 3
     panel.controls["grad_accum"].value = 2
-    assert panel.flag_line.value == "%%distribute --backend local --strategy ddp --precision fp32 -n 3 --cpu --grad-accum 2 --result res --ui"
+    assert panel.flag_line.value == (
+        "%%distribute --backend local --strategy ddp --precision fp32 -n 3 --cpu --grad-accum 2 --result res --ui"
+    )
     panel.run()
     assert panel.thread is not None and panel.thread.is_alive()  # the kernel is not blocked
     panel.thread.join(timeout=120)
@@ -232,7 +238,8 @@ def test_first_points_are_charted_while_the_mlflow_run_opens(shell, mlflow, monk
     assert seen_at_open["points"] >= 20 and seen_at_open["step"] >= 20, seen_at_open
     hist = _history(mlflow, result.result.run_id, "loss")
     assert len(hist) == 30  # none lost on the way to MLflow
-    assert charts.trace_data(charts.metrics_figure, "loss") == ([m.step for m in hist], [m.value for m in hist])  # none twice
+    # none twice
+    assert charts.trace_data(charts.metrics_figure, "loss") == ([m.step for m in hist], [m.value for m in hist])
 
 
 def test_configure_panel_shows_the_monitor_stops_and_runs_again(shell, mlflow):

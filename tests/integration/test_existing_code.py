@@ -7,8 +7,15 @@ import pytest
 
 from dtrain_magic.errors import ConfigError, WorkerError
 from workloads import (
-    EXISTING_HELPERS, accelerate_cell, assert_close, existing_reference, hf_trainer_cell, lightning_cell, loss_fell,
-    ray_loop_cell, torchdistributor_cell,
+    EXISTING_HELPERS,
+    accelerate_cell,
+    assert_close,
+    existing_reference,
+    hf_trainer_cell,
+    lightning_cell,
+    loss_fell,
+    ray_loop_cell,
+    torchdistributor_cell,
 )
 
 pytestmark = pytest.mark.slow
@@ -84,7 +91,9 @@ def test_hf_trainer_logs_into_the_magics_run_and_takes_the_flags(shell, mlflow):
     assert values[0]["steps"] == 16
     runs = all_runs(mlflow)
     assert len(runs) == 1 and runs[0].info.run_id == result.result.run_id, [r.info.run_name for r in runs]
-    history = {name: mlflow.get_metric_history(result.result.run_id, name) for name in ("loss", "learning_rate", "epoch")}
+    history = {
+        name: mlflow.get_metric_history(result.result.run_id, name) for name in ("loss", "learning_rate", "epoch")
+    }
     assert [m.step for m in history["loss"]] == list(range(1, 17))
     assert [m.value for m in history["loss"]] == pytest.approx(losses, rel=1e-4)
     assert history["learning_rate"] and history["epoch"][-1].value == pytest.approx(4.0)

@@ -77,9 +77,11 @@ def test_run_is_recorded_in_mlflow(shell, mlflow, tracking_uri):
 
 
 def test_functions_classes_and_globals_from_earlier_cells_work(shell):
-    shell.run("OFFSET = 10\nclass Scaler:\n    def __init__(self, k): self.k = k\n    def __call__(self, v): return v * self.k\n")
+    shell.run("OFFSET = 10\nclass Scaler:\n    def __init__(self, k): self.k = k\n"
+              "    def __call__(self, v): return v * self.k\n")
     shell.run("def helper(rank):\n    return Scaler(2)(rank) + OFFSET\n")
-    result = shell.run("%%distribute --backend local -n 2 --no-ui --result out\ndef train(ctx):\n    return helper(ctx.rank)\n")
+    result = shell.run("%%distribute --backend local -n 2 --no-ui --result out\n"
+                       "def train(ctx):\n    return helper(ctx.rank)\n")
     assert result.error_in_exec is None, result.error_in_exec
     assert result.result.values == [10, 12]
     assert shell.user_ns["out"] is result.result
@@ -295,7 +297,8 @@ def test_a_run_looks_up_its_launcher_store_state_and_channel_host_once(shell, co
     for made in calls.values():
         made.clear()
     payload, _ = capture(cell, {})
-    assert runner.execute(RunConfig(num_processes=2, tracking_uri=tracking_uri), payload, RunObserver()).values == [0, 1]
+    direct = runner.execute(RunConfig(num_processes=2, tracking_uri=tracking_uri), payload, RunObserver())
+    assert direct.values == [0, 1]
     assert {name: len(made) for name, made in calls.items()} == dict.fromkeys(calls, 1)
     assert_nothing_left()
 
@@ -318,7 +321,9 @@ def test_worker_output_streams_while_the_run_is_going(tmp_path, tracking_uri):
             self.finished_at = time.monotonic()
 
     ns = {}
-    payload, _ = capture("import time\ndef train(ctx):\n    print('first', flush=True)\n    time.sleep(3)\n    print('last')\n", ns)
+    payload, _ = capture(
+        "import time\ndef train(ctx):\n    print('first', flush=True)\n    time.sleep(3)\n    print('last')\n", ns
+    )
     recorder = Recorder()
     runner.execute(RunConfig(num_processes=2, tracking_uri=tracking_uri), payload, recorder)
     firsts = [t for t, _, text in recorder.lines if text.strip() == "first"]
@@ -328,7 +333,8 @@ def test_worker_output_streams_while_the_run_is_going(tmp_path, tracking_uri):
 
 def test_secrets_in_the_environment_are_not_logged(shell, mlflow, monkeypatch):
     monkeypatch.setenv("MY_API_TOKEN", "tok-planted-secret-123")
-    result = shell.run("%%distribute --backend local -n 2 --no-ui\nimport os\ndef train(ctx):\n    return len(os.environ)\n")
+    result = shell.run("%%distribute --backend local -n 2 --no-ui\n"
+                       "import os\ndef train(ctx):\n    return len(os.environ)\n")
     assert result.error_in_exec is None
     run = mlflow.get_run(result.result.run_id)
     everything = repr(run.data.params) + repr(run.data.tags)
@@ -338,7 +344,8 @@ def test_secrets_in_the_environment_are_not_logged(shell, mlflow, monkeypatch):
 
 
 def test_result_that_cannot_be_pickled_is_a_clear_error(shell):
-    result = shell.run("%%distribute --backend local -n 2 --no-ui\nimport threading\ndef train(ctx):\n    return threading.Lock()\n")
+    result = shell.run("%%distribute --backend local -n 2 --no-ui\n"
+                       "import threading\ndef train(ctx):\n    return threading.Lock()\n")
     error = result.error_in_exec
     assert isinstance(error, WorkerError) and "cannot be pickled" in str(error)
     assert_nothing_left()
@@ -350,7 +357,8 @@ def test_rerun_gets_fresh_workers_forked_by_one_warm_server(shell):
     from dtrain_magic.launchers import get_launcher
 
     pool = get_launcher("local").pool
-    cell = "%%distribute --backend local -n 2 --no-ui\nimport os\ndef train(ctx):\n    return os.getpid(), os.getppid()\n"
+    cell = ("%%distribute --backend local -n 2 --no-ui\n"
+            "import os\ndef train(ctx):\n    return os.getpid(), os.getppid()\n")
     first = shell.run(cell).result
     server = pool.server_pid()
     second = shell.run(cell).result
@@ -461,7 +469,8 @@ def test_run_directory_is_private(shell):
         "import os, stat\n"
         "def train(ctx):\n"
         "    d = os.path.dirname(os.environ['DTRAIN_INIT_METHOD'][len('file://'):])\n"
-        "    return oct(stat.S_IMODE(os.stat(d).st_mode)), oct(stat.S_IMODE(os.stat(os.path.join(d, 'job.pkl')).st_mode))\n"
+        "    return oct(stat.S_IMODE(os.stat(d).st_mode)), "
+        "oct(stat.S_IMODE(os.stat(os.path.join(d, 'job.pkl')).st_mode))\n"
     )
     result = shell.run(cell)
     assert result.error_in_exec is None, result.error_in_exec

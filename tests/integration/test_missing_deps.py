@@ -41,7 +41,9 @@ SCRIPT = textwrap.dedent(
         "experiments": [e.name for e in client.search_experiments() if e.name != "Default"],
         "still_usable": shell.run_cell("2 + 3").result == 5,
         "value": getattr(outcome.result, "value", None),
-        "loaded": sorted({m.split(".")[0] for m in sys.modules} & {"pyspark", "ray", "ipywidgets", "plotly", "anywidget"}),
+        "loaded": sorted(
+            {m.split(".")[0] for m in sys.modules} & {"pyspark", "ray", "ipywidgets", "plotly", "anywidget"}
+        ),
     }))
     """
 )
@@ -50,7 +52,8 @@ SCRIPT = textwrap.dedent(
 def run_case(tmp_path, blocked, line, env_changes=None):
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}", **(env_changes or {}))
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, blocked, line], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env
+        [sys.executable, "-c", SCRIPT, blocked, line],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -87,7 +90,9 @@ def test_missing_java(tmp_path):
 def test_local_backend_needs_neither_spark_nor_ray_and_no_widgets(tmp_path):
     """--backend local with pyspark, ray and the widget packages all uninstalled: it trains, and --ui
     falls back to plain text (nothing requires widgets to render)."""
-    result = run_case(tmp_path, "pyspark,ray,ipywidgets,plotly,anywidget", "%%distribute --backend local -n 2 --cpu --ui")
+    result = run_case(
+        tmp_path, "pyspark,ray,ipywidgets,plotly,anywidget", "%%distribute --backend local -n 2 --cpu --ui"
+    )
     assert result["type"] == "NoneType" and result["value"] == 1, result
     assert result["loaded"] == [] and result["cell_ran"] and result["experiments"] == ["dtrain_magic"]
 

@@ -15,7 +15,13 @@ import pytest
 import torch
 
 from workloads import (
-    HF_TP_CELL, HF_TP_HELPERS, PP_WIDTHS, TP_WIDTHS, assert_model_parallel_run, hf_reference, model_parallel_cell,
+    HF_TP_CELL,
+    HF_TP_HELPERS,
+    PP_WIDTHS,
+    TP_WIDTHS,
+    assert_model_parallel_run,
+    hf_reference,
+    model_parallel_cell,
 )
 
 pytestmark = pytest.mark.slow
@@ -55,7 +61,9 @@ class Blocks(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = torch.nn.Linear(8, 16)
-        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(4))
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(4)
+        )
         self.head = torch.nn.Linear(16, 4)
 
     def forward(self, x):
@@ -101,7 +109,8 @@ def test_a_module_list_model_is_split_balanced_or_where_asked_and_matches_one_pr
     first, second = (v["balanced"] for v in result.result.values)
     assert first == sorted(f"{p}.{w}" for p in ("embed", "layers.0.0", "layers.1.0") for w in ("bias", "weight"))
     assert second[0] == "head.bias" and "layers.2.0.weight" in second  # names as in the whole model
-    assert [n for n in result.result.values[1]["split"] if n.startswith("layers")] == ["layers.3.0.bias", "layers.3.0.weight"]
+    split_layers = [n for n in result.result.values[1]["split"] if n.startswith("layers")]
+    assert split_layers == ["layers.3.0.bias", "layers.3.0.weight"]
 
 
 def test_hugging_face_gpt2_and_llama_tensor_parallel_match_one_process(shell):

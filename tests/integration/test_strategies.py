@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from dtrain_magic.memory import estimate
-
 from workloads import ATOL, RTOL, WORLD, assert_close, reference_weights, strategy_cell
 
 pytestmark = pytest.mark.slow
@@ -163,9 +162,11 @@ def train(ctx):
         ("--strategy fsdp --precision fp16", "use --precision bf16"),
         ("--zero 4", "4"),
         ("--zero 2 --micro-batch 4 --train-batch 12", "set --train-batch 8"),
-        ("--zero 2 --grad-accum 2 --deepspeed-config '{\"train_batch_size\": 12, \"train_micro_batch_size_per_gpu\": 4}'",
+        ("--zero 2 --grad-accum 2 "
+         "--deepspeed-config '{\"train_batch_size\": 12, \"train_micro_batch_size_per_gpu\": 4}'",
          "x world_size 2 (= 16)"),
-        ("--zero 1 --deepspeed-config '{\"zero_optimization\": {\"stage\": 3}}'", "zero_optimization.stage is 3 but --zero 1"),
+        ("--zero 1 --deepspeed-config '{\"zero_optimization\": {\"stage\": 3}}'",
+         "zero_optimization.stage is 3 but --zero 1"),
         ("--zero 1 --deepspeed-config '{\"bf16\": {\"enabled\": true}}'", "bf16.enabled is true but --precision fp32"),
         ("--zero 1 --deepspeed-config '{\"optimizer\": {\"type\": \"Adam\"}}'", "optimizer"),
         ("--zero 1 --deepspeed-config /no/such/file.json", "neither JSON text nor an existing file"),
@@ -177,7 +178,8 @@ def train(ctx):
     ],
 )
 def test_invalid_combinations_fail_before_launch(shell, tmp_path, flags, expected):
-    result = shell.run(f"%%distribute --backend local -n 2 --no-ui {flags}\ndef train(ctx):\n    raise SystemExit('launched')\n")
+    result = shell.run(f"%%distribute --backend local -n 2 --no-ui {flags}\n"
+                       "def train(ctx):\n    raise SystemExit('launched')\n")
     error = result.error_in_exec
     assert error is not None
     assert expected in str(error), str(error)

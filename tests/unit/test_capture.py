@@ -10,14 +10,16 @@ from dtrain_magic.errors import CaptureError
 
 
 def test_last_top_level_def_is_chosen():
-    cell = "def helper(x):\n    return x\n\nclass A:\n    def method(self): pass\n\ndef train(ctx):\n    def inner(): pass\n"
+    cell = ("def helper(x):\n    return x\n\nclass A:\n    def method(self): pass\n\n"
+            "def train(ctx):\n    def inner(): pass\n")
     assert last_function_name(cell) == "train"
     assert last_function_name("x = 1") is None
 
 
 def test_capture_runs_cell_and_ships_function_with_notebook_globals():
     ns = {}
-    exec("SCALE = 3\nclass Box:\n    def __init__(self, v): self.v = v\ndef helper(v):\n    return Box(v * SCALE)\n", ns)
+    exec("SCALE = 3\nclass Box:\n    def __init__(self, v): self.v = v\n"
+         "def helper(v):\n    return Box(v * SCALE)\n", ns)
     payload, fn = capture("def train(ctx):\n    return helper(ctx).v\n", ns)
     assert payload.name == "train" and payload.takes_ctx
     shipped = Payload(payload.function_bytes, payload.name, payload.takes_ctx).load()

@@ -28,7 +28,8 @@ def test_flags_map_to_keys():
 
 def test_micro_batch_sources():
     # from --train-batch
-    assert build_config(cfg(zero=1, train_batch=32, grad_accum=2, num_processes=2))["train_micro_batch_size_per_gpu"] == 8
+    from_train_batch = build_config(cfg(zero=1, train_batch=32, grad_accum=2, num_processes=2))
+    assert from_train_batch["train_micro_batch_size_per_gpu"] == 8
     # from the loader given to ctx.prepare
     ds = build_config(cfg(zero=1), world_size=4, loader_batch=5)
     assert (ds["train_micro_batch_size_per_gpu"], ds["train_batch_size"]) == (5, 20)
@@ -58,9 +59,11 @@ def test_user_stage_used_when_no_zero_flag(tmp_path):
         ({"zero": 1}, {"zero_optimization": {"stage": 2}}, "zero_optimization.stage is 2 but --zero 1"),
         ({"zero": 1}, {"bf16": {"enabled": True}}, "bf16.enabled is true but --precision fp32"),
         ({"zero": 1, "precision": "bf16"}, {"bf16": {"enabled": False}}, "bf16.enabled is false but --precision bf16"),
-        ({"zero": 1, "grad_accum": 2}, {"gradient_accumulation_steps": 4}, "gradient_accumulation_steps is 4 but --grad-accum 2"),
+        ({"zero": 1, "grad_accum": 2}, {"gradient_accumulation_steps": 4},
+         "gradient_accumulation_steps is 4 but --grad-accum 2"),
         ({"zero": 1, "micro_batch": 2}, {"train_micro_batch_size_per_gpu": 3}, "is 3 but --micro-batch 2"),
-        ({"zero": 1, "micro_batch": 2, "train_batch": 4}, {"train_batch_size": 8}, "train_batch_size is 8 but --train-batch 4"),
+        ({"zero": 1, "micro_batch": 2, "train_batch": 4}, {"train_batch_size": 8},
+         "train_batch_size is 8 but --train-batch 4"),
     ],
 )
 def test_conflicts_are_clear_errors(flags, user, message):

@@ -98,7 +98,8 @@ def test_call_statement_rules():
 
 def test_capture_call_form_binds_arguments_and_does_not_run_the_call():
     ns = {}
-    cell = "LR = 0.5\nCALLS = []\ndef train(lr, ctx, steps=1):\n    CALLS.append(lr)\n    return lr * steps, ctx\ntrain(LR * 2, ctx, steps=3)\n"
+    cell = ("LR = 0.5\nCALLS = []\ndef train(lr, ctx, steps=1):\n    CALLS.append(lr)\n    return lr * steps, ctx\n"
+            "train(LR * 2, ctx, steps=3)\n")
     payload, fn = capture(cell, ns)
     assert ns["CALLS"] == []  # the last line runs on the workers, not in the notebook
     assert payload.call_text == "train(LR * 2, ctx, steps=3)" and payload.takes_ctx

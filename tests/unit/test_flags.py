@@ -1,5 +1,7 @@
 """Flag parsing and validation: every bad value is a clear error naming the flag, before any launch."""
 
+from dataclasses import FrozenInstanceError
+
 import pytest
 from IPython.core.error import UsageError
 
@@ -164,7 +166,7 @@ def test_flag_line_round_trips():
 
 def test_config_is_immutable_and_revalidated_on_replace():
     config = parse("")
-    with pytest.raises(Exception):
+    with pytest.raises(FrozenInstanceError):
         config.num_processes = 3  # type: ignore[misc]
     with pytest.raises(ConfigError):
         config.replace(num_processes=0)

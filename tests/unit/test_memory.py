@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from dtrain_magic.memory import (
-    MemoryEstimate, check_fits, count_parameters, estimate, format_bytes, optimizer_state_bytes, table,
+    MemoryEstimate,
+    check_fits,
+    count_parameters,
+    estimate,
+    format_bytes,
+    optimizer_state_bytes,
+    table,
 )
 
 PSI = 7_500_000_000  # the paper's 7.5B-parameter example (figure 1: N = 64, K = 12)

@@ -71,10 +71,12 @@ def test_unknown_models_say_why():
         "def train(ctx):\n    return 1\n": "does not call ctx.prepare",
         "x = 1\n": "no training function",
         "def train(ctx:\n": "does not parse",
-        "import torch\ndef train(ctx):\n    ctx.prepare(torch.nn.Linear(ctx.world_size, 1))\n": "exists only on the workers",
+        ("import torch\ndef train(ctx):\n"
+         "    ctx.prepare(torch.nn.Linear(ctx.world_size, 1))\n"): "exists only on the workers",
         "import torch\ndef train(ctx):\n    ctx.prepare(torch.nn.Linear(dataset.dim, 1))\n": "needs `dataset`",
         "def train(ctx):\n    ctx.prepare(AutoModel.from_pretrained('gpt2'))\n": "loads weights",
-        "import torch\ndef train(ctx):\n    ctx.prepare(torch.nn.Linear(*[i for i in (2, 3)]))\n": "more than calls and names",
+        ("import torch\ndef train(ctx):\n"
+         "    ctx.prepare(torch.nn.Linear(*[i for i in (2, 3)]))\n"): "more than calls and names",
         "import torch\ndef train(ctx):\n    ctx.prepare(torch.randn(3))\n": "not a torch.nn.Module",
         "import torch\ndef train(ctx):\n    ctx.prepare(torch.nn.Linear(-1, 2))\n": "without training failed",
     }

@@ -2,6 +2,8 @@
 split points, cutting a stage, the forward-chain check), tensor-parallel plans, GPT-2's q/k/v split, and the
 memory estimate under --tp/--pp. What needs several processes is in tests/integration/test_model_parallel.py."""
 
+from itertools import pairwise
+
 import pytest
 import torch
 from torch import nn
@@ -36,7 +38,7 @@ def test_dims_refuse_a_world_size_the_mesh_cannot_hold(world, tp, pp):
 def mlp(widths=(8, 32, 16, 4)) -> nn.Sequential:
     torch.manual_seed(0)
     layers: list[nn.Module] = []
-    for a, b in zip(widths, widths[1:]):
+    for a, b in pairwise(widths):
         layers += [nn.Linear(a, b), nn.ReLU()]
     return nn.Sequential(*layers[:-1])
 
@@ -69,10 +71,12 @@ def test_balance_minimises_the_heaviest_stage_and_keeps_activations_with_their_l
 
 
 def test_chain_of_sequential_and_of_a_model_with_a_module_list():
-    assert [(l.name, l.num_params) for l in ps.chain_of(mlp())] == [("0", 288), ("1", 0), ("2", 528), ("3", 0), ("4", 68)]
+    assert [(link.name, link.num_params) for link in ps.chain_of(mlp())] == [
+        ("0", 288), ("1", 0), ("2", 528), ("3", 0), ("4", 68),
+    ]
     links = ps.chain_of(Blocks())
-    assert [l.name for l in links] == ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]
-    assert [l.container for l in links] == ["", "layers", "layers", "layers", "layers", ""]
+    assert [link.name for link in links] == ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]
+    assert [link.container for link in links] == ["", "layers", "layers", "layers", "layers", ""]
     with pytest.raises(ValueError, match="has 1 part"):
         ps.chain_of(nn.Sequential(nn.Linear(2, 2)))
 

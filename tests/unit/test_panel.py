@@ -24,7 +24,8 @@ def test_prefilled_from_the_flags():
     assert s.values == dict(backend="local", strategy="fsdp", zero=None, precision="bf16", num_processes=3,
                             grad_accum=4, use_gpu=False, tp=1, pp=1, experiment="exp1")
     assert s.to_config().flag_line() == (
-        "%%distribute --backend local --strategy fsdp --precision bf16 -n 3 --cpu --grad-accum 4 --experiment exp1 --ui")
+        "%%distribute --backend local --strategy fsdp --precision bf16 -n 3 --cpu --grad-accum 4 "
+        "--experiment exp1 --ui")
 
 
 def test_zero_stage_only_enabled_for_deepspeed():
@@ -151,7 +152,8 @@ def test_estimate_uses_the_cells_model_and_says_what_if_otherwise():
     assert s.num_params == 1153 and s.model_line().startswith("model: 1,153 parameters, `Net()` from the cell")
     assert "1,153 parameters" in s.memory_line()
     s.set(num_params=7_000_000)
-    assert s.model_line().startswith("what-if: 7,000,000 parameters, a size typed") and "the cell's model has 1,153" in s.model_line()
+    assert s.model_line().startswith("what-if: 7,000,000 parameters, a size typed")
+    assert "the cell's model has 1,153" in s.model_line()
     assert "7,000,000 parameters" in s.memory_line()
     s.set(num_params=1153)  # typing the real size again is the real model again
     assert s.model_line().startswith("model: ")
@@ -199,7 +201,8 @@ def test_write_cell_puts_the_equivalent_line_over_the_body():
     panel._writer_message(panel.writer, {"event": "write", "how": "kernel"}, [])
     assert shell.next_inputs == [(expected, False)] and panel.written == ("kernel", None)
     assert "once you run a cell" in panel.writer.note
-    again = flags.config_from_line(expected.split("\n", 1)[0].removeprefix("%%distribute "), gpu_available=lambda: False)
+    flag_line = expected.split("\n", 1)[0]
+    again = flags.config_from_line(flag_line.removeprefix("%%distribute "), gpu_available=lambda: False)
     assert again == panel.state.to_config()
     panel.controls["precision"].value = "fp16"  # invalid: nothing to write
     assert panel.writer.text == "" and panel.write_cell() is None

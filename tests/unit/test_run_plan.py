@@ -96,5 +96,6 @@ def test_execute_refuses_a_plan_made_for_another_config(tmp_path, stub, preloads
 
     plan = runner.check(RunConfig(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db"))
     with pytest.raises(ValueError, match="another config"):
-        runner.execute(RunConfig(num_processes=3, tracking_uri=plan.tracking_uri), Payload(b"", "train", True), plan=plan)
+        runner.execute(RunConfig(num_processes=3, tracking_uri=plan.tracking_uri), Payload(b"", "train", True),
+                       plan=plan)
     assert stub.asked["channel_host"] == 0

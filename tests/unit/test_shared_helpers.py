@@ -60,5 +60,7 @@ def test_batch_arithmetic_is_one_check_for_flags_and_deepspeed_config():
                                deepspeed_config='{"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}'))
     assert str(from_flags.value) == str(from_config.value)
     text = str(from_flags.value)
-    assert text.startswith("--train-batch: train_batch_size 32 != micro_batch_per_gpu 4 x gradient_accumulation_steps 2")
+    assert text.startswith(
+        "--train-batch: train_batch_size 32 != micro_batch_per_gpu 4 x gradient_accumulation_steps 2"
+    )
     assert "world_size 2 (= 16)" in text and "set --train-batch 16" in text and "--micro-batch" in text

@@ -53,7 +53,9 @@ def check_java(environ: dict[str, str] | None = None, minimum: int = MIN_JAVA) -
         proc = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30)
         text = (proc.stderr or "") + (proc.stdout or "")
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise MissingDependencyError(f"--backend spark: could not run `{java} -version`: {exc}; nothing was launched") from None
+        raise MissingDependencyError(
+            f"--backend spark: could not run `{java} -version`: {exc}; nothing was launched"
+        ) from None
     major = parse_java_version(text)
     if major is None:
         raise MissingDependencyError(
@@ -115,7 +117,8 @@ def one_line_reason(exc: BaseException) -> str:
     text = str(exc)
     code = re.search(r"failed with return code (-?\d+)", text)
     errors = [m.group(1).strip() for line in text.splitlines() if (m := _ERROR_LINE.match(line))]
-    errors = [e for e in errors if not e.startswith(("py4j.", "RuntimeError: Command", "org.apache.spark.SparkException: Job aborted"))]
+    wrappers = ("py4j.", "RuntimeError: Command", "org.apache.spark.SparkException: Job aborted")
+    errors = [e for e in errors if not e.startswith(wrappers)]
     if code:
         reason = f"torchrun exited with code {code.group(1)}"
         return f"{reason}: {errors[-1][:300]}" if errors else reason
