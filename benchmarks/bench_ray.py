@@ -34,8 +34,18 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workload  # noqa: E402
 from workload import (  # noqa: E402
-    MAGIC_BODY, Probes, create_tracking_db, finish_report, magic_parts, print_backend_launch, print_comparison,
-    print_standby, raw_parts, raw_train, standby_section, standby_series,
+    MAGIC_BODY,
+    Probes,
+    create_tracking_db,
+    finish_report,
+    magic_parts,
+    print_backend_launch,
+    print_comparison,
+    print_standby,
+    raw_parts,
+    raw_train,
+    standby_section,
+    standby_series,
 )
 
 
@@ -103,7 +113,9 @@ def run_raw(args, workdir: str, index: int) -> dict:
         ray_loop,
         train_loop_config={"steps": args.steps, "gpu": args.gpu, "out": out},
         scaling_config=ray.train.ScalingConfig(num_workers=args.n, use_gpu=args.gpu),
-        run_config=ray.train.RunConfig(name=f"raw_{os.getpid()}_{index}", storage_path=os.path.join(workdir, "raw_runs")),
+        run_config=ray.train.RunConfig(
+            name=f"raw_{os.getpid()}_{index}", storage_path=os.path.join(workdir, "raw_runs"),
+        ),
     ).fit()
     end = time.time()
     with open(out) as handle:
@@ -116,9 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-n", "--num-processes", "--num-workers", dest="n", type=int, default=2)
     parser.add_argument("--gpu", action="store_true", help="one GPU per worker (default: CPU)")
-    parser.add_argument("--repeats", "--warm", dest="repeats", type=int, default=3, help="warm runs of each (default 3)")
+    parser.add_argument("--repeats", "--warm", dest="repeats", type=int, default=3,
+                        help="warm runs of each (default 3)")
     parser.add_argument("--cold-runs", type=int, default=1,
-                        help="cold runs of each, each on a fresh Ray instance (default 1: about 30 s a sample on 2 cores)")
+                        help="cold runs of each, each on a fresh Ray instance "
+                             "(default 1: about 30 s a sample on 2 cores)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--order", default="magic,raw", help="which side gets its fresh instance first")
     parser.add_argument("--json", default=None, help="also write the numbers to this JSON file")
@@ -150,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             inits[mode].append(fresh_ray(args.n))
             samples["cold"][mode].append(one(mode))
             print(f"  {mode} cold run {c + 1}: first step {samples['cold'][mode][-1]['ttfs']:.2f} s, total "
-                  f"{samples['cold'][mode][-1]['total']:.2f} s (ray.init {inits[mode][-1]:.1f} s)", file=sys.stderr, flush=True)
+                  f"{samples['cold'][mode][-1]['total']:.2f} s (ray.init {inits[mode][-1]:.1f} s)",
+                  file=sys.stderr, flush=True)
             if c == args.cold_runs - 1 and mode == "magic":  # the last fresh instance of this side: its warm runs
                 from dtrain_magic.launchers import get_launcher
 
@@ -168,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {
         "backend": "ray", "n": args.n, "gpu": args.gpu, "steps": args.steps, "repeats": args.repeats,
-        "warm_runs": args.repeats, "cold_runs": args.cold_runs, "raw_api": "TorchTrainer.fit", "cpu_count": os.cpu_count(),
+        "warm_runs": args.repeats, "cold_runs": args.cold_runs, "raw_api": "TorchTrainer.fit",
+        "cpu_count": os.cpu_count(),
         "ray_init_s": {m: statistics.median(v) for m, v in inits.items()}, "new_tracking_db_s": new_db_s,
         "samples": samples, "standby": standby_section(series),
     }
@@ -182,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     print_backend_launch(report, "Ray Train's own launch")
     print_standby(report, "TorchTrainer.fit", 0.05)
     print(f"  (ray.init, not included: magic's instance {report['ray_init_s'].get('magic', 0):.1f} s, raw's "
-          f"{report['ray_init_s'].get('raw', 0):.1f} s; load average {load_start:.1f} → {report['load_average']['end']:.1f})")
+          f"{report['ray_init_s'].get('raw', 0):.1f} s; "
+          f"load average {load_start:.1f} → {report['load_average']['end']:.1f})")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(report, handle, indent=2)

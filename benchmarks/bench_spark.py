@@ -39,8 +39,19 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workload  # noqa: E402
 from workload import (  # noqa: E402
-    MAGIC_BODY, Probes, create_tracking_db, finish_report, magic_parts, print_backend_launch, print_comparison,
-    print_standby, raw_parts, raw_train, settle, standby_section, standby_series,
+    MAGIC_BODY,
+    Probes,
+    create_tracking_db,
+    finish_report,
+    magic_parts,
+    print_backend_launch,
+    print_comparison,
+    print_standby,
+    raw_parts,
+    raw_train,
+    settle,
+    standby_section,
+    standby_series,
 )
 
 
@@ -112,8 +123,9 @@ def run_magic(args, master: str) -> dict:
     if args.cluster:
         flags += ["--cluster", f"--spark-master {master}"]
     cell = "%%distribute --backend spark " + " ".join(flags) + "\n" + MAGIC_BODY
-    from dtrain_magic.launchers import get_launcher
     from IPython.utils.capture import capture_output
+
+    from dtrain_magic.launchers import get_launcher
 
     launcher = get_launcher("spark")
     sessions_before = launcher.session_starts
@@ -127,7 +139,8 @@ def run_magic(args, master: str) -> dict:
     first = outcome.result.value
     session_s = launcher.session_start_s if launcher.session_starts > sessions_before else None
     return {"ttfs": first["first_step"] - start, "total": end - start, "entry": first["entered"] - start,
-            "steps_per_s": first["steps_per_s"], "parts": magic_parts(start, _PROBES.reset(), first, session_s=session_s)}
+            "steps_per_s": first["steps_per_s"],
+            "parts": magic_parts(start, _PROBES.reset(), first, session_s=session_s)}
 
 
 def inner(args, master: str, workdir: str) -> dict:
@@ -165,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", action="store_true", help="one process per GPU on the driver (default: CPU)")
     parser.add_argument("--repeats", type=int, default=3, help="warm samples of each (default 3)")
     parser.add_argument("--cold-runs", type=int, default=3,
-                        help="cold samples of each, each a fresh process with its own SparkSession (default 3, ~20 s each)")
+                        help="cold samples of each, each a fresh process with its own SparkSession "
+                             "(default 3, ~20 s each)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--cluster", action="store_true", help="local_mode=False on a local-cluster master")
     parser.add_argument("--master", default=None, help="master URL (default local[*], or local-cluster[2,1,1024])")
@@ -192,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         for which in (("magic", "raw") if i % 2 == 0 else ("raw", "magic")):
             settle(5.0)
             cold[which].append(run_inner_process(which, passthrough))
-            print(f"cold {which:5s}: first step {cold[which][-1]['ttfs']:6.2f} s, total {cold[which][-1]['total']:6.2f} s",
-                  flush=True)
+            print(f"cold {which:5s}: first step {cold[which][-1]['ttfs']:6.2f} s, "
+                  f"total {cold[which][-1]['total']:6.2f} s", flush=True)
 
     t0 = time.monotonic()
     spark = build_session(master, args.gpu, workdir, args.cluster)

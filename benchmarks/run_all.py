@@ -6,12 +6,14 @@
 
 Writes benchmarks/results/report.md (the targets table: target | wanted | measured | met?, with how much
 and why for every missed one, then each benchmark's numbers), results.json (every number, every sample,
-and when, where and how they were measured) and chart.html (plotly: magic/raw ratios, absolute times with min-max, the parts of the time to first
-step, steps/s at 1 and N processes). Each benchmark is its own script, run in its own Python process so
-one's warm state (SparkSession, Ray, warm pool) never helps another; they run one after the other.
+and when, where and how they were measured) and chart.html (plotly: magic/raw ratios, absolute times with
+min-max, the parts of the time to first step, steps/s at 1 and N processes). Each benchmark is its own script,
+run in its own Python process so one's warm state (SparkSession, Ray, warm pool) never helps another; they run
+one after the other.
 
     .venv/bin/python benchmarks/run_all.py --report-to docs/benchmark-report.md       # also write the committed report
-    .venv/bin/python benchmarks/run_all.py --report-from benchmarks/results/results.json --report-to docs/benchmark-report.md
+    .venv/bin/python benchmarks/run_all.py --report-from benchmarks/results/results.json \\
+        --report-to docs/benchmark-report.md
 """
 
 from __future__ import annotations
@@ -46,16 +48,20 @@ def benchmarks(args: argparse.Namespace) -> dict[str, tuple[str, list[str], floa
                  "strategies": ["--only", "ddp,zero3", "--width", "256", "--steps", "4"]}
     return {
         # setup (tracking DB, imports alone) + cold pairs (two fresh interpreters) + 3 kinds of warm calls
-        f"local_n{n}": ("bench_local.py", ["-n", str(n), "--repeats", str(r), *local_steps[n], *gpu], 20 + 16 * r + 15 * r),
+        f"local_n{n}": ("bench_local.py", ["-n", str(n), "--repeats", str(r), *local_steps[n], *gpu],
+                        20 + 16 * r + 15 * r),
         "local_n1": ("bench_local.py", ["-n", "1", "--repeats", str(r), *local_steps[1], *gpu], 20 + 14 * r + 12 * r),
         # cold pairs: a fresh interpreter + JVM each; warm: one session, a warm-up pair, then pairs
-        "spark": ("bench_spark.py", ["-n", str(n), "--repeats", str(r), "--cold-runs", str(spark_cold), *small["backend"], *gpu],
+        "spark": ("bench_spark.py", ["-n", str(n), "--repeats", str(r), "--cold-runs", str(spark_cold),
+                                     *small["backend"], *gpu],
                   20 + 38 * spark_cold + 11 * (r + 1)),
         # per side and cold run: ray.init + a cold fit (about 37 s); then warm fits of about 19 s each
-        "ray": ("bench_ray.py", ["-n", str(n), "--repeats", str(r), "--cold-runs", str(ray_cold), *small["backend"], *gpu],
+        "ray": ("bench_ray.py", ["-n", str(n), "--repeats", str(r), "--cold-runs", str(ray_cold),
+                                 *small["backend"], *gpu],
                 10 + 74 * ray_cold + 38 * r),
         "chart_lag": ("bench_chart_lag.py", small["chart"], 25),
-        "strategies": (("bench_strategies_gpu.py" if args.gpu else "bench_strategies.py"), ["-n", str(n), *small["strategies"]],
+        "strategies": (("bench_strategies_gpu.py" if args.gpu else "bench_strategies.py"),
+                       ["-n", str(n), *small["strategies"]],
                        30 if args.quick else 80),
     }
 
@@ -70,7 +76,8 @@ def run(name: str, script: str, extra: list[str]) -> dict:
         capture_output=True, text=True, timeout=3600,
     )
     entry = {"script": script, "args": extra, "seconds": round(time.monotonic() - started, 1), "rc": proc.returncode}
-    summary = [line for line in proc.stdout.splitlines() if not line.startswith(("[rank", "dtrain_magic:", "step ", "Out[", "VBox("))]
+    summary = [line for line in proc.stdout.splitlines()
+               if not line.startswith(("[rank", "dtrain_magic:", "step ", "Out[", "VBox("))]
     entry["summary"] = summary[-60:]
     if proc.returncode != 0:
         entry["error"] = proc.stderr[-3000:]
@@ -120,7 +127,8 @@ def _top_parts(parts: dict, keys: tuple, count: int = 3) -> str:
 
 
 def _worker_side(parts: dict, magic: bool) -> float:
-    keys = ("worker_start", "prepare", "first_step") if magic else ("backend_launch", "imports_join", "prepare", "first_step")
+    keys = (("worker_start", "prepare", "first_step") if magic
+            else ("backend_launch", "imports_join", "prepare", "first_step"))
     return sum(parts.get(k, 0.0) for k in keys)
 
 
@@ -133,12 +141,13 @@ def ratio_reason(data: dict, backend: str, mode: str) -> str:
     mw, rw = _worker_side(mp, True), _worker_side(rp, False)
     text = (f"magic {m:.2f} s vs {raw_name} {r:.2f} s (+{m - r:.2f} s, medians). Before it launches anything the magic "
             f"spends {notebook:.2f} s in the notebook ({_top_parts(mp, NOTEBOOK_PARTS)}); from the launch to the first "
-            f"step it takes {mw:.2f} s vs raw's {rw:.2f} s (launch → worker function entry with the process group joined: "
+            f"step it takes {mw:.2f} s vs raw's {rw:.2f} s "
+            "(launch → worker function entry with the process group joined: "
             f"{mp.get('worker_start', 0):.2f} s vs {rp.get('backend_launch', 0) + rp.get('imports_join', 0):.2f} s; "
             f"model + DDP wrap: {mp.get('prepare', 0):.2f} s vs {rp.get('prepare', 0):.2f} s)")
     if "spark_session" in mp or "spark_session" in rp:
-        text += (f"; SparkSession start {mp.get('spark_session', 0):.2f} s (magic) vs {rp.get('spark_session', 0):.2f} s "
-                 f"(raw), the same JVM start on both sides")
+        text += (f"; SparkSession start {mp.get('spark_session', 0):.2f} s (magic) vs "
+                 f"{rp.get('spark_session', 0):.2f} s (raw), the same JVM start on both sides")
     if mp.get("mlflow_after_launch", 0) > 0.05:  # the run opened after the launch: MLflow was off the path
         text += (f". MLflow was off the critical path: the run opened {mp['mlflow_after_launch']:.2f} s after the "
                  f"launch (import {mp.get('mlflow_import', 0):.2f} s, run creation {mp.get('mlflow_run', 0):.2f} s, "
@@ -146,14 +155,17 @@ def ratio_reason(data: dict, backend: str, mode: str) -> str:
     elif mode == "cold" and backend == "local" and mp.get("proc_start_vs_call") is not None:
         started = mp["proc_start_vs_call"]
         if started <= rp.get("proc_start_vs_call", 0) + 0.1:  # Launcher.warm_up spawned them at the call
-            text += (f". The workers start {started:.2f} s after the call (raw's {rp.get('proc_start_vs_call', 0):.2f} s) "
+            text += (f". The workers start {started:.2f} s after the call "
+                     f"(raw's {rp.get('proc_start_vs_call', 0):.2f} s) "
                      f"and are ready when the launch comes, so the critical path is the notebook's own MLflow start "
                      f"(the import alone {mp.get('mlflow_import', 0):.2f} s, more than raw's whole launch): only "
-                     f"opening the MLflow run after the launch, or importing MLflow before the first call, would cut it")
+                     f"opening the MLflow run after the launch, or importing MLflow before the first call, "
+                     f"would cut it")
         else:
             text += (f". The workers start {started:.2f} s after the call (raw's "
-                     f"{rp.get('proc_start_vs_call', 0):.2f} s): the magic imports MLflow and creates the run before it "
-                     f"starts them, so those seconds are on the critical path instead of overlapping the workers' start")
+                     f"{rp.get('proc_start_vs_call', 0):.2f} s): the magic imports MLflow and creates the run "
+                     f"before it starts them, so those seconds are on the critical path instead of overlapping the "
+                     f"workers' start")
     if _overlap(_range(data, mode, "magic"), _range(data, mode, "raw")):
         text += ". The min-max ranges of the two sides overlap: part of the gap is this machine's noise"
     return text + "."
@@ -169,8 +181,10 @@ def half_raw_reason(data: dict, backend: str) -> str:
             else "Ray Train's controller, new worker actors and their process group")
     keep = ("a persistent worker pool on the executors: torchrun workers that outlive TorchDistributor.run"
             if backend == "spark" else "Ray Train worker actors kept alive between runs")
+    imports_text = (f", and the fresh workers import torch and join the process group in {imports:.2f} s more"
+                    if imports >= 0.05 else "")
     text = (f"{raw_name}'s own launch (call → worker function entry: {what}) takes {launch:.2f} s of raw's {r:.2f} s"
-            f"{f', and the fresh workers import torch and join the process group in {imports:.2f} s more' if imports >= 0.05 else ''}"
+            f"{imports_text}"
             f": {launch + imports:.2f} s against a budget of {r / 2:.2f} s. The magic runs every cell through the same "
             f"{raw_name}, so it pays this on every run; only workers that outlive a run ({keep}) could "
             f"skip it. The magic's own additions: "
@@ -182,8 +196,8 @@ def local_warm_reason(data: dict) -> str:
     parts = data["warm"]["magic"]["parts"]
     text = "largest parts (medians): " + _top_parts(parts, tuple(PART_LABELS), 4)
     if parts.get("proc_start_vs_call", -1) > 0:
-        text += (f"; the worker processes started {parts['proc_start_vs_call']:.2f} s after the call, i.e. no warm-pool "
-                 "process was ready, and the run paid interpreter start and imports")
+        text += (f"; the worker processes started {parts['proc_start_vs_call']:.2f} s after the call, "
+                 "i.e. no warm-pool process was ready, and the run paid interpreter start and imports")
     return text + "."
 
 
@@ -193,8 +207,9 @@ def steady_reason(data: dict, key_magic: str) -> str:
     share = data.get("driver_cpu_share", {})
     load = data.get("load_average", {})
     text = (f"magic {m['median']:.0f} steps/s ({m['min']:.0f}-{m['max']:.0f}) vs elastic_launch {r['median']:.0f} "
-            f"({r['min']:.0f}-{r['max']:.0f}). During a run the notebook process used {100 * share.get(key_magic, 0):.0f} % "
-            f"of a core (channel pump, MLflow writer, system-metrics sampling) vs {100 * share.get('raw', 0):.0f} % for "
+            f"({r['min']:.0f}-{r['max']:.0f}). During a run the notebook process used "
+            f"{100 * share.get(key_magic, 0):.0f} % of a core (channel pump, MLflow writer, system-metrics sampling) "
+            f"vs {100 * share.get('raw', 0):.0f} % for "
             f"elastic_launch's agent, while the {data.get('n')} workers want {data.get('n')} of the machine's "
             f"{data.get('cpu_count')} cores; load average {load.get('start', 0):.1f} → {load.get('end', 0):.1f}")
     if _overlap((m["min"], m["max"]), (r["min"], r["max"])):
@@ -243,7 +258,8 @@ def targets(results: dict, n: int) -> list[dict]:
         0.8, False, " s", lambda: local_warm_reason(local))
     b2b = (local or {}).get("back_to_back_ttfs")
     later = max(b2b[1:]) if b2b and len(b2b) > 1 else None
-    add(f"local, back to back: 2nd and 3rd run started the moment the last returned, slowest time to first step (-n {n})",
+    add("local, back to back: 2nd and 3rd run started the moment the last returned, "
+        f"slowest time to first step (-n {n})",
         "≤ 0.8 s", later, 0.8, False, " s",
         lambda: f"back-to-back times to first step {', '.join(f'{t:.2f}' for t in b2b)} s")
     cold = _median(local, "cold", "magic") if local else None
@@ -276,8 +292,8 @@ def targets(results: dict, n: int) -> list[dict]:
         rates = [(standby.get(k) or {}).get("steps_per_s", {}).get("median") for k in ("magic", "magic_fresh")]
         add(f"{backend}: steady steps/s on waiting workers / on a fresh launch", "≥ 0.95",
             rates[0] / rates[1] if all(rates) else None, 0.95, True, "", lambda r=rates: f"steps/s {r}", "{:.3f}")
-    add(f"local: steady steps/s magic / raw (same loop, -n {n})", "≥ 0.98", (local or {}).get("steady_ratio"), 0.98, True,
-        "", lambda: steady_reason(local, "magic_nolog"), "{:.3f}")
+    add(f"local: steady steps/s magic / raw (same loop, -n {n})", "≥ 0.98", (local or {}).get("steady_ratio"), 0.98,
+        True, "", lambda: steady_reason(local, "magic_nolog"), "{:.3f}")
     log_cost = (local or {}).get("log_cost")
     add("local: cost of ctx.log every step", "≤ 2 %", 100 * log_cost if log_cost is not None else None, 2.0, False,
         " %", lambda: log_reason(local), "{:.1f}")
@@ -308,9 +324,10 @@ def comparison_table(data: dict, backend: str) -> list[str]:
         if "ttfs_ratio" not in s:
             continue
         runs = s["magic"]["ttfs"]["n"]
-        lines.append(f"| {mode}, call → first step (n={runs}) | {_fmt(s['magic']['ttfs'])} | {_fmt(s['raw']['ttfs'])} | "
-                     f"{s['ttfs_ratio']:.2f} |")
-        lines.append(f"| {mode}, total | {_fmt(s['magic']['total'])} | {_fmt(s['raw']['total'])} | {s['total_ratio']:.2f} |")
+        lines.append(f"| {mode}, call → first step (n={runs}) | {_fmt(s['magic']['ttfs'])} | "
+                     f"{_fmt(s['raw']['ttfs'])} | {s['ttfs_ratio']:.2f} |")
+        lines.append(f"| {mode}, total | {_fmt(s['magic']['total'])} | {_fmt(s['raw']['total'])} | "
+                     f"{s['total_ratio']:.2f} |")
     if backend == "local" and "magic_nolog" in data.get("warm", {}):
         w = data["warm"]
         lines.append(f"| warm, steady steps/s (no logging) | {_fmt(w['magic_nolog']['steps_per_s'], '', 0)} | "
@@ -345,8 +362,9 @@ def scaling_table(results: dict, n: int) -> list[str]:
         if not data:
             continue
         w, c = data["warm"], data["cold"]
-        rows.append(f"| {count} | {_fmt(w['raw']['steps_per_s'], '', 0)} | {_fmt(w['magic_nolog']['steps_per_s'], '', 0)} | "
-                    f"{_fmt(w['magic']['steps_per_s'], '', 0)} | {_fmt(c['magic']['ttfs'])} | {_fmt(c['raw']['ttfs'])} | "
+        rows.append(f"| {count} | {_fmt(w['raw']['steps_per_s'], '', 0)} | "
+                    f"{_fmt(w['magic_nolog']['steps_per_s'], '', 0)} | {_fmt(w['magic']['steps_per_s'], '', 0)} | "
+                    f"{_fmt(c['magic']['ttfs'])} | {_fmt(c['raw']['ttfs'])} | "
                     f"{_fmt(w['magic']['ttfs'])} | {_fmt(w['raw']['ttfs'])} |")
     if not rows:
         return []
@@ -374,8 +392,8 @@ def markdown(results: dict, rows: list[dict], meta: dict, total_s: float, load: 
              f"{measured_at}; `{meta.get('command') or 'benchmarks/run_all.py'}` "
              f"took {total_s / 60:.1f} min; load average {load[0]:.1f} at the start, {load[1]:.1f} at the end. "
              "Values are medians with (min-max); a shared 2-core machine is noisy, so rerun before drawing conclusions."
-             + (" **--quick: one sample of each and few steps, a check that everything runs; the numbers mean nothing.**"
-                if meta.get("quick") else ""),
+             + (" **--quick: one sample of each and few steps, a check that everything runs; "
+                "the numbers mean nothing.**" if meta.get("quick") else ""),
              "", "## Targets", "", "| target | wanted | measured | met? |", "|---|---|---|---|"]
     for row in rows:
         met = "not measured" if row["met"] is None else ("yes" if row["met"] else "**no**")
@@ -392,19 +410,21 @@ def markdown(results: dict, rows: list[dict], meta: dict, total_s: float, load: 
         lines += ["", f"## {backend}" + (f" (-n {n})" if backend == "local" else ""), ""]
         lines += comparison_table(data, backend) + [""] + parts_table(data, backend)
         if backend == "local":
-            lines += ["", "Cold: the first call of a fresh Python process (no warm pool yet: the magic starts its workers "
-                      "directly and fills the pool after the run); warm: later calls, after waiting for the machine to go "
-                      f"idle. A new MLflow tracking DB costs {data.get('new_tracking_db_s', 0):.2f} s once, on its first use "
-                      "(cold samples use an existing one, as after a kernel restart); a fresh worker's interpreter + "
-                      f"imports alone take {data.get('worker_imports_s', 0):.2f} s. Steady steps/s: {data.get('steps')} steps "
-                      "per run, measured after the first 10."]
+            lines += ["", "Cold: the first call of a fresh Python process (no warm pool yet: the magic starts its "
+                      "workers directly and fills the pool after the run); warm: later calls, after waiting for the "
+                      f"machine to go idle. A new MLflow tracking DB costs {data.get('new_tracking_db_s', 0):.2f} s "
+                      "once, on its first use (cold samples use an existing one, as after a kernel restart); a fresh "
+                      f"worker's interpreter + imports alone take {data.get('worker_imports_s', 0):.2f} s. "
+                      f"Steady steps/s: {data.get('steps')} steps per run, measured after the first 10."]
         elif backend == "spark":
-            lines += ["", f"Cold: each sample a fresh process that starts its own SparkSession ({data['cold_runs']} per side); "
-                      f"warm: {data['repeats']} per side on one session (started in {data['session_start_s']:.1f} s, not counted)."]
+            lines += ["", "Cold: each sample a fresh process that starts its own SparkSession "
+                      f"({data['cold_runs']} per side); warm: {data['repeats']} per side on one session "
+                      f"(started in {data['session_start_s']:.1f} s, not counted)."]
         else:
             init = data.get("ray_init_s", {})
-            lines += ["", f"Cold: the first run on a fresh Ray instance, {data['cold_runs']} per side (--cold-runs; each "
-                      f"costs about 30 s on 2 cores); ray.init not included ({init.get('magic', 0):.1f} s / "
+            lines += ["", f"Cold: the first run on a fresh Ray instance, {data['cold_runs']} per side "
+                      "(--cold-runs; each costs about 30 s on 2 cores); "
+                      f"ray.init not included ({init.get('magic', 0):.1f} s / "
                       f"{init.get('raw', 0):.1f} s). Warm: {data['repeats']} per side."]
     scaling = scaling_table(results, n)
     if scaling:
@@ -412,7 +432,8 @@ def markdown(results: dict, rows: list[dict], meta: dict, total_s: float, load: 
     for name, entry in results.items():
         if entry["rc"] == 0 and name.startswith(("local_", "spark", "ray")):
             continue  # tabulated above; the whole output is in results.json
-        lines += ["", f"### output of {name} (`benchmarks/{entry['script']} {' '.join(entry['args'])}`, {entry['seconds']} s)", ""]
+        lines += ["", f"### output of {name} (`benchmarks/{entry['script']} {' '.join(entry['args'])}`, "
+                      f"{entry['seconds']} s)", ""]
         if entry["rc"] != 0:
             lines += ["Failed:", "", "```", entry.get("error", "").strip()[-1500:], "```"]
         lines += ["```", *entry["summary"], "```"]
@@ -428,7 +449,8 @@ def chart(results: dict, n: int, path: str) -> None:
         "time to first step, medians with min-max (s)",
         "parts of the time to first step (medians, s)",
         "steady steps/s, local backend (1 and N processes)"))
-    backends = [(b, name, _data(results, name)) for b, name in (("local", f"local_n{n}"), ("spark", "spark"), ("ray", "ray"))]
+    backends = [(b, name, _data(results, name))
+                for b, name in (("local", f"local_n{n}"), ("spark", "spark"), ("ray", "ray"))]
     backends = [(b, name, d) for b, name, d in backends if d]
     for mode in ("cold", "warm"):
         figure.add_trace(go.Bar(name=f"{mode} ratio", x=[b for b, _, _ in backends],
@@ -460,9 +482,10 @@ def chart(results: dict, n: int, path: str) -> None:
     base = [0.0] * len(labels)
     for key, values in stacks.items():
         if any(values):  # stacked by hand (same offsetgroup, each bar starting where the previous ended)
-            figure.add_trace(go.Bar(name=PART_LABELS[key].strip(), x=labels, y=values, base=list(base), offsetgroup="parts"),
+            figure.add_trace(go.Bar(name=PART_LABELS[key].strip(), x=labels, y=values, base=list(base),
+                                    offsetgroup="parts"),
                              row=2, col=1)
-            base = [b + v for b, v in zip(base, values)]
+            base = [b + v for b, v in zip(base, values, strict=True)]
     for via, key in (("raw", "raw"), ("magic", "magic_nolog"), ("magic + ctx.log", "magic")):
         xs, ys = [], []
         for count in sorted({1, n}):
@@ -477,20 +500,26 @@ def chart(results: dict, n: int, path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(ORDER)} (local_nN with -n N)")
-    parser.add_argument("--repeats", type=int, default=3, help="warm samples per side (and cold ones for local) (default 3)")
+    parser.add_argument("--only", default=None,
+                        help=f"comma-separated subset of {','.join(ORDER)} (local_nN with -n N)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="warm samples per side (and cold ones for local) (default 3)")
     parser.add_argument("-n", "--num-processes", type=int, default=2,
                         help="processes for the multi-process runs (default 2); local also runs with -n 1 (scaling)")
-    parser.add_argument("--gpu", action="store_true", help="run local, spark, ray and strategies on GPUs (one per process)")
-    parser.add_argument("--spark-cold-runs", type=int, default=3, help="Spark cold samples per side (default 3, ~17 s each)")
+    parser.add_argument("--gpu", action="store_true",
+                        help="run local, spark, ray and strategies on GPUs (one per process)")
+    parser.add_argument("--spark-cold-runs", type=int, default=3,
+                        help="Spark cold samples per side (default 3, ~17 s each)")
     parser.add_argument("--ray-cold-runs", type=int, default=1,
                         help="Ray cold samples per side (default 1: each costs ~33 s with its fresh Ray instance)")
     parser.add_argument("--quick", action="store_true",
-                        help="a check that everything runs: 1 sample of each, few steps (about 5 min; the numbers mean nothing)")
+                        help="a check that everything runs: 1 sample of each, few steps "
+                             "(about 5 min; the numbers mean nothing)")
     parser.add_argument("--report-from", metavar="RESULTS_JSON", default=None,
                         help="write report.md and chart.html again from a results.json, running nothing")
     parser.add_argument("--report-to", metavar="PATH", default=None,
-                        help="also write the report (markdown) to PATH, e.g. docs/benchmark-report.md (the committed one)")
+                        help="also write the report (markdown) to PATH, "
+                             "e.g. docs/benchmark-report.md (the committed one)")
     args = parser.parse_args()
     if args.report_from:
         with open(args.report_from) as handle:

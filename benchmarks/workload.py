@@ -146,7 +146,8 @@ PART_LABELS = {
     "schema_migration": "  of which: new tracking DB's schema migration",
     "system_metrics": "MLflow: system-metrics monitor start (background thread)",
     "mlflow_after_launch": "MLflow run ready after the launch by (off the critical path)",
-    "notebook_other": "notebook side up to the launch (warm-up, channel; waiting for the MLflow run if the backend needs its id)",
+    "notebook_other": "notebook side up to the launch "
+                      "(warm-up, channel; waiting for the MLflow run if the backend needs its id)",
     "launch_call": "launcher.start() call",
     "worker_start": "launch → worker function entry (processes, interpreter, imports, process group)",
     "backend_launch": "backend launch → worker function entry",
@@ -398,7 +399,8 @@ def finish_report(report: dict, samples: dict[str, dict], began: float, load_sta
 def print_backend_launch(report: dict, what: str) -> None:
     raw_warm = report["warm"]["raw"]["ttfs"]["median"]
     print(f"  {what} (call → worker function entry), warm: {report['backend_launch_s']:.2f} s of raw's "
-          f"{raw_warm:.2f} s; the target for the magic's warm time to first step is half of raw's: {raw_warm / 2:.2f} s")
+          f"{raw_warm:.2f} s; the target for the magic's warm time to first step is half of raw's: "
+          f"{raw_warm / 2:.2f} s")
 
 
 def print_comparison(report: dict, raw_name: str) -> None:
@@ -439,8 +441,9 @@ def standby_series(run_magic, launcher, repeats: int, log) -> dict[str, list]:
         sample = run_magic()
         sample["claimed"] = launcher.standbys.claims > claims
         out[name].append(sample)
-        log(f"  {name:15s} {len(out[name])}: function entry {sample['entry']:6.2f} s, first step {sample['ttfs']:6.2f} s, "
-            f"total {sample['total']:6.2f} s, {sample['steps_per_s']:6.1f} steps/s, took waiting workers: {sample['claimed']}")
+        log(f"  {name:15s} {len(out[name])}: function entry {sample['entry']:6.2f} s, "
+            f"first step {sample['ttfs']:6.2f} s, total {sample['total']:6.2f} s, "
+            f"{sample['steps_per_s']:6.1f} steps/s, took waiting workers: {sample['claimed']}")
 
     for _ in range(repeats):
         launcher.release_standby("benchmark: a launch with no workers waiting")

@@ -108,9 +108,11 @@ class RunConfig:
             raise ConfigError("--experiment", f"got {self.experiment!r}; must be a non-empty name")
         if self.timeout is not None and (isinstance(self.timeout, bool) or not self.timeout > 0):
             raise ConfigError("--timeout", f"got {self.timeout!r}; must be a number of seconds > 0")
-        if self.keep_warm is not None and (isinstance(self.keep_warm, bool) or not isinstance(self.keep_warm, (int, float))
+        if self.keep_warm is not None and (isinstance(self.keep_warm, bool)
+                                           or not isinstance(self.keep_warm, (int, float))
                                            or not self.keep_warm >= 0):
-            raise ConfigError("--keep-warm", f"got {self.keep_warm!r}; must be a number of seconds >= 0 (0: hold nothing)")
+            raise ConfigError("--keep-warm",
+                              f"got {self.keep_warm!r}; must be a number of seconds >= 0 (0: hold nothing)")
         if self.precision == "fp16" and not self.use_gpu:
             raise ConfigError(
                 "--precision",
@@ -163,9 +165,11 @@ class RunConfig:
             _positive_int("--microbatches", self.microbatches)
         if self.pp == 1:
             if self.microbatches is not None:
-                raise ConfigError("--microbatches", "applies only to pipeline parallelism: add --pp N (N >= 2) or drop it")
+                raise ConfigError("--microbatches",
+                                  "applies only to pipeline parallelism: add --pp N (N >= 2) or drop it")
             if self.pp_schedule != "gpipe":
-                raise ConfigError("--pp-schedule", "applies only to pipeline parallelism: add --pp N (N >= 2) or drop it")
+                raise ConfigError("--pp-schedule",
+                                  "applies only to pipeline parallelism: add --pp N (N >= 2) or drop it")
         if self.tp == 1 and self.pp == 1:
             return
         degrees = " x ".join(f"--{name} {value}" for name, value in (("tp", self.tp), ("pp", self.pp)) if value > 1)
@@ -187,8 +191,8 @@ class RunConfig:
                 "or change the degrees",
             )
         if self.precision == "fp16":
-            raise ConfigError("--precision", f"fp16 with {degrees} is not supported (no loss scaling across tensor-parallel "
-                              "shards or pipeline stages); use --precision bf16")
+            raise ConfigError("--precision", f"fp16 with {degrees} is not supported (no loss scaling across "
+                              "tensor-parallel shards or pipeline stages); use --precision bf16")
         if self.pp > 1:
             microbatches = self.pipeline_microbatches
             if self.pp_schedule == "1f1b" and microbatches < self.pp:

@@ -154,11 +154,13 @@ def seconds(text: str) -> float:
 
 FLAGS: tuple[Flag, ...] = (
     # -- where and how ---------------------------------------------------------------------------------
-    Flag(("--backend",), "backend", WHERE, cheatsheet=True, choices=BACKENDS, default="auto", resolved=True, line=ALWAYS,
+    Flag(("--backend",), "backend", WHERE, cheatsheet=True, choices=BACKENDS, default="auto", resolved=True,
+         line=ALWAYS,
          help="auto: spark with an active SparkSession, ray when Ray is initialised, else local",
          doc="`auto`: spark when a SparkSession is active, ray when Ray is initialised, else local",
          panel=PanelControl(DROPDOWN, "backend", hidden=("auto",))),
-    Flag(("--strategy",), "strategy", WHERE, cheatsheet=True, choices=STRATEGIES, default=None, resolved=True, line=ALWAYS,
+    Flag(("--strategy",), "strategy", WHERE, cheatsheet=True, choices=STRATEGIES, default=None, resolved=True,
+         line=ALWAYS,
          help="parallelism strategy (None means ddp, or deepspeed when --zero is given)",
          doc="parallelism strategy", default_doc="ddp (deepspeed if `--zero` is given)",
          panel=PanelControl(DROPDOWN, "strategy")),
@@ -169,12 +171,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--precision",), "precision", WHERE, cheatsheet=True, choices=PRECISIONS, default="fp32", line=ALWAYS,
          help="numeric precision of training", doc="fp16 needs a GPU (on CPU: an error suggesting bf16)",
          panel=PanelControl(DROPDOWN, "precision")),
-    Flag(("-n", "--num-processes", "--num-workers"), "num_processes", WHERE, cheatsheet=True, type=int, default=None, resolved=True,
-         line=ALWAYS, placeholder="N",
+    Flag(("-n", "--num-processes", "--num-workers"), "num_processes", WHERE, cheatsheet=True, type=int, default=None,
+         resolved=True, line=ALWAYS, placeholder="N",
          help="number of worker processes (None means one per GPU with --gpu, else 2)",
          doc="number of worker processes", default_doc="one per GPU with `--gpu`, else 2",
          panel=PanelControl(INT_BOX, "processes", column=1, bounds=(1, 4096))),
-    Flag(("--gpu",), "use_gpu", WHERE, cheatsheet=True, kind=SWITCH, off_options=("--cpu",), default=None, resolved=True, line=ALWAYS,
+    Flag(("--gpu",), "use_gpu", WHERE, cheatsheet=True, kind=SWITCH, off_options=("--cpu",), default=None,
+         resolved=True, line=ALWAYS,
          help="one GPU per process (None means GPU when CUDA is available)",
          off_help="train on CPU even if CUDA is available",
          doc="one GPU per process, or CPU only", default_doc="GPU when CUDA is available",
@@ -365,7 +368,8 @@ def docs_page() -> str:
 def readme_block() -> str:
     """README's short flag table (the rows marked ``cheatsheet``), markers included."""
     rows = tuple(row for row in FLAGS if row.cheatsheet)
-    more = f"The other {len(FLAGS) - len(rows)} flags (tracking, Spark, Ray, DeepSpeed, the cell): [docs/flags.md](docs/flags.md)."
+    more = (f"The other {len(FLAGS) - len(rows)} flags (tracking, Spark, Ray, DeepSpeed, the cell): "
+            "[docs/flags.md](docs/flags.md).")
     return "\n".join([README_BEGIN, f"<!-- {DOCS_COMMAND} writes this table from dtrain_magic/flagtable.py -->",
                       markdown_table(rows), "", more, README_END])
 

@@ -85,7 +85,8 @@ class TextObserver(RunObserver):
     def started(self, config: RunConfig, run_id: str, link: str, plan: str) -> None:
         self._t0 = self._last_progress = time.monotonic()
         plan = plan_with_backend(plan, config)
-        print(f"dtrain_magic: {plan}; strategy {config.strategy}, {config.precision}; MLflow run {run_id}", file=self.out)
+        print(f"dtrain_magic: {plan}; strategy {config.strategy}, {config.precision}; MLflow run {run_id}",
+              file=self.out)
 
     def output(self, rank: int, stream: str, text: str) -> None:
         key = (rank, stream)

@@ -28,7 +28,14 @@ from .launchers import Launcher, get_launcher
 from .observer import RunObserver, TextObserver
 from .result import RunResult
 from .strategies import get_strategy
-from .tracking import RunOpening, RunTracker, check_tracking_uri, preload_mlflow, resolve_tracking_uri, sqlite_experiment_stage
+from .tracking import (
+    RunOpening,
+    RunTracker,
+    check_tracking_uri,
+    preload_mlflow,
+    resolve_tracking_uri,
+    sqlite_experiment_stage,
+)
 from .tracking.uri import deleted_experiment_error
 from .worker import WorkerJob
 
@@ -93,7 +100,8 @@ def check_payload(config: RunConfig, payload: Payload) -> None:
     if payload.uses_ray_train and config.backend != "ray":
         raise ConfigError(
             "--backend",
-            f"{payload.call_text or payload.name} calls Ray Train (ray.train.report / get_context / prepare_model ...), "
+            f"{payload.call_text or payload.name} calls Ray Train "
+            "(ray.train.report / get_context / prepare_model ...), "
             f"which works only inside Ray Train: run it with --backend ray, where it runs unchanged, not --backend "
             f"{config.backend} (or use ctx.rank, ctx.prepare, ctx.log instead). Nothing was launched",
         )
@@ -123,7 +131,8 @@ def execute(
     # ctx.save_checkpoint() without a directory: one directory per run, the same on every backend (Ray
     # Train keeps its own checkpoints there); named before the MLflow run exists, recorded in a tag. A
     # standby named it at its launch (on Ray it is the TorchTrainer's run name, fixed there).
-    root = (claim.checkpoint_root if claim is not None else None) or run_checkpoint_root(config.storage, uuid.uuid4().hex)
+    root = ((claim.checkpoint_root if claim is not None else None)
+            or run_checkpoint_root(config.storage, uuid.uuid4().hex))
     early = plan.starts_before_tracking
     opening = RunOpening(config, tags={"dtrain_magic.checkpoint_root": root}, deferred=early)
     started = time.monotonic()
@@ -141,7 +150,8 @@ def execute(
             running = claim.start(job, channel.put) if claim is not None else launcher.start(job, channel.put)
             released = False
             try:
-                described = launcher.describe(config) + ("; its workers were launched ahead and waiting" if claim else "")
+                described = launcher.describe(config) + (
+                    "; its workers were launched ahead and waiting" if claim else "")
                 if hasattr(observer, "launched"):  # observers written before it existed lack it
                     observer.launched(config, described)
                 if tracker is None:
@@ -168,7 +178,8 @@ def execute(
         return result
     except (KeyboardInterrupt, RunInterrupted) as exc:
         status, reason = "KILLED", "interrupted from the notebook"
-        error = exc if isinstance(exc, RunInterrupted) else RunInterrupted("the run was interrupted; every worker was stopped")
+        error = (exc if isinstance(exc, RunInterrupted)
+                 else RunInterrupted("the run was interrupted; every worker was stopped"))
         observer.finished(None, error)
         raise error from None
     except DistributeError as exc:
@@ -185,7 +196,8 @@ def execute(
             claim.abandon()  # stopped before its launch: the standby waits for the next run
         # Stopped or failed while the run was opening: the metrics that came meanwhile are still recorded.
         waiting = outcome.waiting_metrics if outcome is not None else []
-        opening.close(status, reason, {"dtrain_magic.wall_time_s": f"{time.monotonic() - started:.3f}"}, metrics=waiting)
+        opening.close(status, reason, {"dtrain_magic.wall_time_s": f"{time.monotonic() - started:.3f}"},
+                      metrics=waiting)
         if held and hasattr(observer, "held"):  # observers written before it existed lack it
             observer.held(held)
 
@@ -405,7 +417,8 @@ def dry_run_text(plan: RunPlan, payload: Payload, model: Any = None) -> str:
         f"  would run {call} on {plan_with_backend(launcher.describe(config), config)}",
         f"  strategy {config.strategy}" + (f" (ZeRO {config.zero_stage})" if config.strategy == "deepspeed" else "")
         + f", precision {config.precision}, grad accumulation {config.grad_accum}"
-        + (f", model parallel tp {config.tp} x pp {config.pp} x dp {config.data_parallel_size}" if config.tp * config.pp > 1 else ""),
+        + (f", model parallel tp {config.tp} x pp {config.pp} x dp {config.data_parallel_size}"
+           if config.tp * config.pp > 1 else ""),
     ]
     if model is not None and model.found:
         est = estimate(model.num_params, config.strategy, config.zero, config.precision, config.num_processes,

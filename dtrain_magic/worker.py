@@ -14,8 +14,8 @@ import io
 import os
 import random
 import socket
-import time
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,7 @@ from .capture import Payload
 from .channel import ChannelAddress, Error, Hello, Output, Result, Status, WorkerLink
 from .config import RunConfig
 from .tracebacks import short_traceback, summary
+
 
 @dataclass(frozen=True)
 class WorkerJob:

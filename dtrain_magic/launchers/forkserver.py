@@ -287,7 +287,8 @@ class ForkServer:
         self._stderr = tempfile.TemporaryFile()  # a file, not a pipe: nobody must have to read it for it to go on
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "dtrain_magic.launchers.forkserver", str(theirs.fileno()), "1" if preload else "0"],
+                [sys.executable, "-m", "dtrain_magic.launchers.forkserver", str(theirs.fileno()),
+                 "1" if preload else "0"],
                 env=env,
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,

@@ -38,7 +38,14 @@ from ..errors import ConfigError, LaunchError
 from ..state import kernel_state
 from ..worker import WorkerJob
 from .base import (
-    Emit, Failure, Launcher, LaunchState, RunningJob, describe_exit, import_time_environment, loopback_interface,
+    Emit,
+    Failure,
+    Launcher,
+    LaunchState,
+    RunningJob,
+    describe_exit,
+    import_time_environment,
+    loopback_interface,
 )
 from .forkserver import ForkedProcess, ForkServer
 
@@ -221,7 +228,7 @@ class LocalJob(RunningJob):
         codes = [proc.poll() for proc in self.processes]
         failures = [
             Failure(rank, proc.error or describe_exit(code))
-            for rank, (proc, code) in enumerate(zip(self.processes, codes)) if code not in (None, 0)
+            for rank, (proc, code) in enumerate(zip(self.processes, codes, strict=True)) if code not in (None, 0)
         ]
         if failures and self._restarts_left > 0 and not self._cancelled:
             self._restart(failures[0])
@@ -331,4 +338,5 @@ class LocalLauncher(Launcher):
 
     def describe(self, config: RunConfig) -> str:
         device = "GPU" if config.use_gpu else "CPU"
-        return f"{config.num_processes} local process(es) on this machine ({device}, {'nccl' if config.use_gpu else 'gloo'} on 127.0.0.1)"
+        return (f"{config.num_processes} local process(es) on this machine "
+                f"({device}, {'nccl' if config.use_gpu else 'gloo'} on 127.0.0.1)")

@@ -104,7 +104,8 @@ class Standby:
 
     def __init__(self, placement: Placement, world_size: int, host: str, checkpoint_root: str | None, where: str,
                  order_for: Callable[[Any], StandbyJob]):
-        self.placement, self.world_size, self.checkpoint_root, self.where = placement, world_size, checkpoint_root, where
+        self.placement, self.world_size, self.checkpoint_root, self.where = (
+            placement, world_size, checkpoint_root, where)
         self._order_for = order_for
         self.launch: StandbyLaunch | None = None
         self.started_at = time.time()

@@ -44,7 +44,8 @@ LOG_TAIL = 200
 
 
 def esm_source() -> str:
-    """The widget's front-end, ``dtrain_magic/js/monitor.js`` (a link to the repo's ``js/monitor.js``; wheels get the file itself)."""
+    """The widget's front-end, ``dtrain_magic/js/monitor.js`` (a link to the repo's ``js/monitor.js``; wheels
+    get the file itself)."""
     from importlib.resources import files
 
     return (files("dtrain_magic") / "js" / "monitor.js").read_text(encoding="utf-8")
@@ -94,7 +95,8 @@ class MonitorObserver(RunObserver):
         self.config = config
         self.stop_event = threading.Event()
         self.text = TextObserver(out=text_out, err=text_out)
-        self.widget = MonitorWidget(ranks=[{"rank": r, "state": "starting", "detail": ""} for r in range(config.num_processes)])
+        self.widget = MonitorWidget(ranks=[{"rank": r, "state": "starting", "detail": ""}
+                                           for r in range(config.num_processes)])
         self.widget.add_class("dtm-monitor-widget")
         self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger",
                                     tooltip="Stop every worker (the cell raises RunInterrupted)")
@@ -113,7 +115,8 @@ class MonitorObserver(RunObserver):
         self.container = w.VBox([self.widget, w.HBox([self.stop_button, self.link_html]), self._charts_box])
         self.container.add_class("dtm-monitor-panel")
         self._lock = threading.Lock()
-        self._state: dict[str, Any] = {"state": "starting", "ranks": {r: ("starting", "") for r in range(config.num_processes)},
+        self._state: dict[str, Any] = {"state": "starting",
+                                       "ranks": {r: ("starting", "") for r in range(config.num_processes)},
                                        "step": 0, "total": 0, "metrics": {}, "message": ""}
         self._log: deque[str] = deque(maxlen=LOG_TAIL)
         self._pending: dict[tuple[int, str], str] = {}
@@ -201,8 +204,8 @@ class MonitorObserver(RunObserver):
         self.stop_button.disabled = True
         # The button now says how the run ended, in the colour of the status line (not a red "Done").
         outcome = self._state["state"]
-        label, icon, style = {"finished": ("Finished", "check", "success"), "stopped": ("Stopped", "stop", "warning")}.get(
-            outcome, ("Failed", "times", "danger"))
+        label, icon, style = {"finished": ("Finished", "check", "success"),
+                              "stopped": ("Stopped", "stop", "warning")}.get(outcome, ("Failed", "times", "danger"))
         self.stop_button.description, self.stop_button.icon, self.stop_button.button_style = label, icon, style
         self.stop_button.tooltip = f"the run {outcome}"
         with self._charts_lock:
@@ -310,10 +313,12 @@ class MonitorObserver(RunObserver):
         """The state the widget shows, as plain data (used by the flusher and by tests)."""
         with self._lock:
             s = self._state
-            elapsed = s.get("elapsed", time.monotonic() - self._t0) if s["state"] != "running" else time.monotonic() - self._t0
+            elapsed = (s.get("elapsed", time.monotonic() - self._t0) if s["state"] != "running"
+                       else time.monotonic() - self._t0)
             step, total = s["step"], s["total"]
             rate = step / elapsed if elapsed > 0 and step else 0.0
-            eta = (total - step) / rate if total and rate > 0 and step < total else (0.0 if total and step >= total else -1.0)
+            eta = ((total - step) / rate if total and rate > 0 and step < total
+                   else (0.0 if total and step >= total else -1.0))
             return dict(
                 state=s["state"], plan=s.get("plan", ""), run_id=s.get("run_id", ""), link=s.get("link", ""),
                 ranks=[{"rank": r, "state": st, "detail": d} for r, (st, d) in sorted(s["ranks"].items())],

@@ -123,7 +123,8 @@ def test_worker_frozen_in_native_code_dies_with_the_notebook(backend, tmp_path):
     try:
         proc = run_notebook(FROZEN.format(backend=backend, ready=ready), tag, tmp_path, timeout=240)
         died_at = time.monotonic()
-        assert proc.returncode == -signal.SIGKILL and "VERDICT frozen" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert proc.returncode == -signal.SIGKILL and "VERDICT frozen" in proc.stdout, (
+            proc.stdout[-3000:] + proc.stderr[-3000:])
         left = wait_until_none_left(tag, within_s=10)
         assert left == [], f"{backend}: alive {time.monotonic() - died_at:.1f} s after the notebook died: {left}"
     finally:
@@ -138,8 +139,9 @@ SPARK_CLUSTER = textwrap.dedent('''
     def train(ctx):
         return ctx.rank * 10
     """)
-    print("VERDICT", "ok" if result.error_in_exec is None and result.result.values == [0, 10] else repr(result.error_in_exec), flush=True)
-''')
+    print("VERDICT", "ok" if result.error_in_exec is None and result.result.values == [0, 10]
+          else repr(result.error_in_exec), flush=True)
+''')  # noqa: E501 (the inner cell's %%distribute line is one line of the program: it cannot be wrapped)
 
 
 def test_kernel_exit_after_a_spark_cluster_run_is_quiet(tmp_path):

@@ -21,9 +21,19 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # generous: a loaded 
 
 ray = pytest.importorskip("ray")
 
-from workloads import (
-    EVERY, MIXED_CELL, PP_WIDTHS, STEPS, TP_WIDTHS, assert_model_parallel_run, assert_nothing_grew, assert_strategy_run,
-    model_parallel_cell, notebook_snapshot, restart_cell, strategy_cell,
+from workloads import (  # noqa: E402 (after importorskip: without Ray the module is skipped, not failed)
+    EVERY,
+    MIXED_CELL,
+    PP_WIDTHS,
+    STEPS,
+    TP_WIDTHS,
+    assert_model_parallel_run,
+    assert_nothing_grew,
+    assert_strategy_run,
+    model_parallel_cell,
+    notebook_snapshot,
+    restart_cell,
+    strategy_cell,
 )
 
 
@@ -108,7 +118,6 @@ def wait_standby_ready():
 def ray_instance():
     """One embedded Ray instance for the module (what a notebook gets), shut down at the end."""
     from dtrain_magic.config import RunConfig
-
     from dtrain_magic.launchers import get_launcher
 
     assert not ray.is_initialized(), "another test left Ray running in this process"
@@ -272,7 +281,8 @@ def test_strategies_run_unchanged_on_ray(shell, tmp_path, flags, accum):
 
 # Model parallelism (issue #16) on Ray Train's process group: the local backend's ctx.train_step function
 # (tests/integration/test_model_parallel.py) under --tp 2 and --pp 2 matches one process (fp32, 1e-5) and resumes.
-@pytest.mark.parametrize("flags,widths", [("--tp 2", TP_WIDTHS), ("--pp 2 --microbatches 4", PP_WIDTHS)], ids=["tp", "pp"])
+@pytest.mark.parametrize("flags,widths", [("--tp 2", TP_WIDTHS), ("--pp 2 --microbatches 4", PP_WIDTHS)],
+                         ids=["tp", "pp"])
 def test_tensor_and_pipeline_parallel_on_ray(shell, tmp_path, flags, widths):
     assert_model_parallel_run(shell.run(model_parallel_cell("ray", flags, tmp_path / "ckpt", widths)), widths)
 
@@ -484,7 +494,7 @@ def head_node():
     from dtrain_magic.launchers import get_launcher
 
     get_launcher("ray").shutdown()  # a kernel joins one cluster at a time (its waiting workers go first)
-    for attempt in range(2):  # on a loaded machine Ray's own 30 s raylet start-up wait can time out
+    for _attempt in range(2):  # on a loaded machine Ray's own 30 s raylet start-up wait can time out
         port = _free_port()
         temp_dir = tempfile.mkdtemp(prefix="dtr_head_", dir="/tmp")
         proc, lines, up = _start_head(port, temp_dir)
@@ -563,7 +573,14 @@ def test_ray_train_loop_runs_unchanged_with_report_checkpoints_and_restarts(shel
 def test_torchdistributor_style_and_accelerate_run_unchanged_on_ray(shell, mlflow):
     """Ray Train has joined the group already: the function's own init_process_group (with device_id) is
     adopted and its destroy deferred; then an accelerate loop in the same Ray instance. Both match one process."""
-    from workloads import EXISTING_HELPERS, accelerate_cell, assert_close, existing_reference, loss_fell, torchdistributor_cell
+    from workloads import (
+        EXISTING_HELPERS,
+        accelerate_cell,
+        assert_close,
+        existing_reference,
+        loss_fell,
+        torchdistributor_cell,
+    )
 
     assert shell.run(EXISTING_HELPERS).error_in_exec is None
     result = shell.run(torchdistributor_cell(

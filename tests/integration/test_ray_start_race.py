@@ -31,7 +31,8 @@ NOTEBOOK = textwrap.dedent('''
     from dtrain_magic.observer import RunObserver
 
     assert not ray.is_initialized()
-    payload, _ = capture("import os, time\\ndef train(ctx):\\n    time.sleep(1)\\n    return ctx.rank, os.getpid()\\n", {})
+    payload, _ = capture("import os, time\\ndef train(ctx):\\n    time.sleep(1)\\n"
+                         "    return ctx.rank, os.getpid()\\n", {})
     config = RunConfig(backend="ray", num_processes=2, tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(runner.execute, config, payload, RunObserver()) for _ in range(2)]

@@ -22,8 +22,20 @@ from dtrain_magic.config import RunConfig
 from dtrain_magic.errors import ConfigError, RunInterrupted, RunTimeout, WorkerError
 from dtrain_magic.launchers import get_launcher
 from workloads import (
-    EVERY, KILL_RANK1_CELL, MIXED_CELL, PP_WIDTHS, STEPS, TP_WIDTHS, TRAIN_HELPERS, assert_model_parallel_run,
-    assert_nothing_grew, assert_strategy_run, model_parallel_cell, notebook_snapshot, restart_cell, strategy_cell,
+    EVERY,
+    KILL_RANK1_CELL,
+    MIXED_CELL,
+    PP_WIDTHS,
+    STEPS,
+    TP_WIDTHS,
+    TRAIN_HELPERS,
+    assert_model_parallel_run,
+    assert_nothing_grew,
+    assert_strategy_run,
+    model_parallel_cell,
+    notebook_snapshot,
+    restart_cell,
+    strategy_cell,
     train_cell,
 )
 
@@ -195,7 +207,8 @@ def test_second_run_reuses_the_session_and_takes_over_the_waiting_workers(spark_
     session, starts = spark_launcher._session, spark_launcher.session_starts
     assert session is not None
     standby = spark_launcher.standbys.standby
-    assert standby is not None and standby.placement == spark_launcher._placement(RunConfig(backend="spark", seed=0), session)
+    assert standby is not None and standby.placement == spark_launcher._placement(
+        RunConfig(backend="spark", seed=0), session)
     held(spark_launcher)  # every waiting worker is up: this is the warm re-run
     waiting = set(standby.pids.values())
     claims = spark_launcher.standbys.claims
@@ -251,7 +264,8 @@ def test_a_placement_change_releases_the_waiting_workers_and_launches_fresh(spar
 def test_idle_release_and_distribute_release_free_everything(spark_launcher, shell, capsys):
     """--keep-warm S: the waiting workers go after S idle seconds (no torchrun process, no Spark job left);
     %distribute_release frees them at once."""
-    result = shell.run("%%distribute --backend spark -n 2 --keep-warm 3 --no-ui\ndef train(ctx):\n    return ctx.rank\n")
+    result = shell.run("%%distribute --backend spark -n 2 --keep-warm 3 --no-ui\n"
+                       "def train(ctx):\n    return ctx.rank\n")
     assert result.error_in_exec is None and result.result.values == [0, 1], result.error_in_exec
     standby = spark_launcher.standbys.standby
     assert standby is not None and round(standby.expires_at - standby.started_at) == 3
@@ -331,7 +345,8 @@ def test_strategies_run_unchanged_through_torchdistributor(spark_launcher, shell
 
 # Model parallelism (issue #16) through TorchDistributor's torchrun: the local backend's ctx.train_step function
 # (tests/integration/test_model_parallel.py) under --tp 2 and --pp 2 matches one process (fp32, 1e-5) and resumes.
-@pytest.mark.parametrize("flags,widths", [("--tp 2", TP_WIDTHS), ("--pp 2 --microbatches 4", PP_WIDTHS)], ids=["tp", "pp"])
+@pytest.mark.parametrize("flags,widths", [("--tp 2", TP_WIDTHS), ("--pp 2 --microbatches 4", PP_WIDTHS)],
+                         ids=["tp", "pp"])
 def test_tensor_and_pipeline_parallel_through_torchdistributor(spark_launcher, shell, tmp_path, flags, widths):
     assert_model_parallel_run(shell.run(model_parallel_cell("spark", flags, tmp_path / "ckpt", widths)), widths)
     assert_no_torchrun_left(spark_launcher)
@@ -342,7 +357,14 @@ def test_torchdistributor_style_and_accelerate_run_unchanged(spark_launcher, she
     """A function as written for TorchDistributor.run (its own init_process_group("gloo", env://), DDP,
     destroy_process_group, arguments from the cell's call), then an accelerate loop: both on the shared
     session, both matching one plain process (fp32, 1e-5)."""
-    from workloads import EXISTING_HELPERS, accelerate_cell, assert_close, existing_reference, loss_fell, torchdistributor_cell
+    from workloads import (
+        EXISTING_HELPERS,
+        accelerate_cell,
+        assert_close,
+        existing_reference,
+        loss_fell,
+        torchdistributor_cell,
+    )
 
     assert shell.run(EXISTING_HELPERS).error_in_exec is None
     result = shell.run(torchdistributor_cell("spark", init='dist.init_process_group(backend="gloo", init_method="env://")'))
@@ -498,7 +520,8 @@ def test_gpu_setting_problems_are_clear_errors(spark_launcher, shell, mlflow):
     assert isinstance(error, ConfigError), error
     assert "spark.task.resource.gpu.amount" in str(error) and "Traceback" not in str(error)
     result = shell.run("%%distribute --backend spark --local-mode --gpu -n 2 --no-ui\ndef train(ctx): pass\n")
-    assert isinstance(result.error_in_exec, ConfigError) and "spark.driver.resource.gpu.amount" in str(result.error_in_exec)
+    assert (isinstance(result.error_in_exec, ConfigError)
+            and "spark.driver.resource.gpu.amount" in str(result.error_in_exec))
     assert mlflow.get_experiment_by_name("dtrain_magic") is None  # nothing launched, no run
 
 

@@ -87,7 +87,8 @@ def train(ctx):
 
 
 def restart_cell(backend: str, flags: str = "", kill: bool = False, save: bool = True, steps: int = STEPS) -> str:
-    return RESTART_CELL.format(backend=backend, flags=flags, steps=steps, every=EVERY, kill_at=KILL_AT, kill=kill, save=save)
+    return RESTART_CELL.format(backend=backend, flags=flags, steps=steps, every=EVERY, kill_at=KILL_AT, kill=kill,
+                               save=save)
 
 
 
@@ -298,7 +299,8 @@ def train(lr, epochs=1):
             losses.append(loss.item())
     weights = {{k: v.detach().clone() for k, v in model.module.state_dict().items()}}
     dist.destroy_process_group()
-    return {{"env": env, "losses": losses, "weights": weights, "group_alive": dist.is_initialized(), "listening": listening}}
+    return {{"env": env, "losses": losses, "weights": weights, "group_alive": dist.is_initialized(),
+            "listening": listening}}
 
 train({lr}, epochs={epochs})
 """
@@ -437,8 +439,8 @@ def train():
             losses.append(loss.item())
             accelerator.log({{"loss": loss.item()}}, step=len(losses) - 1)
     weights = {{k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}}
-    return {{"losses": losses, "num_processes": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
-            "rank": accelerator.process_index, "weights": weights}}
+    return {{"losses": losses, "num_processes": accelerator.num_processes,
+            "mixed_precision": accelerator.mixed_precision, "rank": accelerator.process_index, "weights": weights}}
 """
 
 
@@ -607,8 +609,9 @@ def make_hf(kind):
     if kind == "gpt2":
         return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=VOCAB, n_positions=16,
                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16))
+    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                        max_position_embeddings=16))
 
 def tokens():
     starts = torch.randint(0, VOCAB, (32, 1), generator=torch.Generator().manual_seed(1))

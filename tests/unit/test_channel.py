@@ -130,8 +130,10 @@ def test_the_watchdog_sends_the_rank_watch_messages_wire_form():
 
 def test_the_watchdog_imports_the_standard_library_only():
     tree = ast.parse(open(watchdog.__file__).read())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0}
+    imported = {alias.name.split(".")[0]
+                for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0]
+                 for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0}
     assert not any(isinstance(node, ast.ImportFrom) and node.level > 0 for node in ast.walk(tree))
     assert imported <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)
 

@@ -46,7 +46,8 @@ ROUND_TRIP: dict[str, list[dict]] = {
     "ui": [{"ui": True}, {"ui": False}],
     "local_mode": [{"backend": "spark", "local_mode": False}],
     "max_restarts": [{"max_restarts": 3}],
-    "keep_warm": [{"backend": "spark", "keep_warm": 0.0}, {"backend": "ray", "keep_warm": 30}, {"backend": "ray", "keep_warm": 2.5}],
+    "keep_warm": [{"backend": "spark", "keep_warm": 0.0}, {"backend": "ray", "keep_warm": 30},
+                  {"backend": "ray", "keep_warm": 2.5}],
     "micro_batch": [{"micro_batch": 4}, {"micro_batch": 4, "grad_accum": 2, "num_processes": 2, "train_batch": 16}],
     "train_batch": [{"train_batch": 16}],
     "tp": [{"tp": 2}, {"tp": 2, "num_processes": 4, "strategy": "fsdp"}],
@@ -190,7 +191,8 @@ def test_write_docs_replaces_only_the_marked_block(tmp_path):
     text = readme.read_text()
     assert text.startswith("# x\nbefore\n" + flagtable.README_BEGIN)
     assert text.endswith(flagtable.README_END + "\nafter\n")
-    assert "| `--grad-accum N` |" in text and "| `--train-batch N` |" not in text and "| stale |" not in text  # the short table
+    # the short table
+    assert "| `--grad-accum N` |" in text and "| `--train-batch N` |" not in text and "| stale |" not in text
     assert (tmp_path / "docs" / "flags.md").read_text() == flagtable.docs_page()
     assert flagtable.write_docs(tmp_path) == []  # nothing to rewrite
     readme.write_text("# no markers\n")

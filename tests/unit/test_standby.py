@@ -15,8 +15,15 @@ from dtrain_magic.config import RunConfig
 from dtrain_magic.errors import ConfigError
 from dtrain_magic.launchers.base import LaunchState
 from dtrain_magic.launchers.standby import (
-    DEFAULT_KEEP_WARM_S, KEEP_WARM_ENV, Placement, Standby, StandbyLaunch, StandbySlot, default_keep_warm_s,
-    environment_changes, keep_warm_s,
+    DEFAULT_KEEP_WARM_S,
+    KEEP_WARM_ENV,
+    Placement,
+    Standby,
+    StandbyLaunch,
+    StandbySlot,
+    default_keep_warm_s,
+    environment_changes,
+    keep_warm_s,
 )
 from dtrain_magic.launchers.waiting import job_of, wait_for_job
 
@@ -38,7 +45,8 @@ class FakeLaunch(StandbyLaunch):
                 self.add_worker(rank)
 
     def add_worker(self, rank: int) -> threading.Thread:
-        thread = threading.Thread(target=lambda: self.orders.__setitem__(rank, wait_for_job(self.standby.address, rank)))
+        thread = threading.Thread(
+            target=lambda: self.orders.__setitem__(rank, wait_for_job(self.standby.address, rank)))
         self.threads.append(thread)
         thread.start()
         return thread

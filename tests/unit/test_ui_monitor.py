@@ -63,7 +63,8 @@ def test_failed_run_shows_the_error():
     obs, _ = make()
     obs.status(1, "failed", "ValueError: boom")
     obs.finished(None, RuntimeError("rank 1 failed: ValueError: boom"))
-    assert obs.widget.state == "failed" and obs.widget.ranks[1] == {"rank": 1, "state": "failed", "detail": "ValueError: boom"}
+    assert obs.widget.state == "failed" and (
+        obs.widget.ranks[1] == {"rank": 1, "state": "failed", "detail": "ValueError: boom"})
 
 
 def test_the_widget_loads_the_packaged_front_end():
@@ -78,7 +79,8 @@ def test_system_series_prefers_gpus_and_falls_back_to_cpu_ram():
     gpu = cpu + ["system/gpu_0_utilization_percentage", "system/gpu_1_memory_usage_percentage"]
     assert system_series(gpu) == {"system/gpu_0_utilization_percentage": "GPU 0 util %",
                                   "system/gpu_1_memory_usage_percentage": "GPU 1 memory %"}
-    assert system_series(["system/node1/cpu_utilization_percentage"]) == {"system/node1/cpu_utilization_percentage": "node1 CPU %"}
+    assert system_series(["system/node1/cpu_utilization_percentage"]) == {
+        "system/node1/cpu_utilization_percentage": "node1 CPU %"}
 
 
 def test_default_metric_and_lag_summary():
@@ -119,7 +121,8 @@ class _Store:
         from types import SimpleNamespace
 
         metrics = {k: v[-1].value for k, v in self.history.items()}
-        return SimpleNamespace(info=SimpleNamespace(status=self.status, start_time=1000), data=SimpleNamespace(metrics=metrics))
+        return SimpleNamespace(info=SimpleNamespace(status=self.status, start_time=1000),
+                               data=SimpleNamespace(metrics=metrics))
 
     def get_metric_history(self, run_id, key):
         return list(self.history.get(key, []))
@@ -167,7 +170,7 @@ def test_loss_spanning_decades_switches_to_log_y_and_the_toggle_overrides():
 
     assert wants_log_y([1.0, 1e-6]) and not wants_log_y([1.0, 0.5]) and not wants_log_y([1.0, -1.0, 1e-6])
     charts = _charts()
-    charts.widget  # the toggle exists once the widget is built
+    _ = charts.widget  # the toggle exists once the widget is built
     for step in range(40):
         charts.feed(step, {"loss": 10.0 ** (-step / 6)}, timestamp_ms=1 + step)
         if step == 10:

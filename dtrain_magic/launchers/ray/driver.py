@@ -72,7 +72,8 @@ class RayJob(StandbyLaunch):
         """Launch ``job``'s workers now. Ray Train's run directory is the run's checkpoint root, so its
         checkpoints and ctx's are one place."""
         name = os.path.basename(job.checkpoint_root) if job.checkpoint_root else f"dtrain_{uuid.uuid4().hex}"
-        return cls(job.config, emit, _train_loop, {"job": job, "cwd": os.getcwd()}, name, storage_path(job.config.storage))
+        return cls(job.config, emit, _train_loop, {"job": job, "cwd": os.getcwd()}, name,
+                   storage_path(job.config.storage))
 
     @classmethod
     def for_standby(cls, config: RunConfig, standby: Standby, strategies: tuple[str, ...]) -> "RayJob":
@@ -220,7 +221,8 @@ class RayLauncher(Launcher):
 
     def _launch_standby(self, config: RunConfig, placement: Placement) -> Standby:
         if not self.instance.has_capacity(config):
-            raise LaunchError(f"not enough {'GPUs' if config.use_gpu else 'CPUs'} on this Ray for {config.num_processes} workers")
+            raise LaunchError(f"not enough {'GPUs' if config.use_gpu else 'CPUs'} on this Ray "
+                              f"for {config.num_processes} workers")
 
         def order_for(job: WorkerJob) -> StandbyJob:
             import cloudpickle
@@ -228,7 +230,8 @@ class RayLauncher(Launcher):
             return StandbyJob(cloudpickle.dumps(job), os.getcwd(), {}, (), None)
 
         device = "GPU" if config.use_gpu else "CPU"
-        on = "the local Ray instance" if self.instance.temp_dir else f"the Ray cluster at {redact_uri(_current_address() or '?')}"
+        on = ("the local Ray instance" if self.instance.temp_dir
+              else f"the Ray cluster at {redact_uri(_current_address() or '?')}")
         root = run_checkpoint_root(config.storage, uuid.uuid4().hex)
         standby = Standby(placement, config.num_processes, self.channel_host(config), root,
                           f"{config.num_processes} Ray Train worker(s) ({device}) on {on}", order_for)
@@ -243,7 +246,8 @@ class RayLauncher(Launcher):
     def shutdown(self, at_exit: bool = False) -> None:
         """Release the waiting workers, then shut down the local Ray instance this kernel started (a joined
         cluster is left as it is)."""
-        self.standbys.release("the kernel exits" if at_exit else "the backend shuts down", grace_s=3.0 if at_exit else 15.0)
+        self.standbys.release("the kernel exits" if at_exit else "the backend shuts down",
+                              grace_s=3.0 if at_exit else 15.0)
         self.instance.shutdown()
 
     def describe(self, config: RunConfig) -> str:

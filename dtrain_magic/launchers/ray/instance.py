@@ -178,7 +178,8 @@ class RayInstance:
 
         from ... import watchdog
 
-        temp_dir = tempfile.mkdtemp(prefix="dtr_ray_", dir="/tmp" if os.path.isdir("/tmp") else None)  # short: unix sockets
+        # short: unix sockets
+        temp_dir = tempfile.mkdtemp(prefix="dtr_ray_", dir="/tmp" if os.path.isdir("/tmp") else None)
         marker = f"{_INSTANCE_ENV}={temp_dir}"
         # Started first, so that nothing of the instance can outlive this process, even if it is killed
         # while Ray starts: its stdin closes with this process, and it SIGKILLs every process carrying the mark.

@@ -133,6 +133,6 @@ def _run_job(job: Any, cwd: str | None) -> None:
         run_worker(job, ranks, checkpoints=store)
     finally:
         builtins.print = printer
-        for logger, level in zip(quiet, levels):
+        for logger, level in zip(quiet, levels, strict=True):
             logger.setLevel(level)
         store.cleanup()

@@ -41,7 +41,14 @@ from ...state import kernel_state
 from ...worker import WorkerJob
 from ..base import IMPORT_TIME_ENV, Emit, Failure, Launcher, LaunchState, RunningJob, import_time_environment
 from ..standby import (
-    Claim, Placement, Standby, StandbyLaunch, StandbySlot, default_keep_warm_s, environment_changes, keep_warm_s,
+    Claim,
+    Placement,
+    Standby,
+    StandbyLaunch,
+    StandbySlot,
+    default_keep_warm_s,
+    environment_changes,
+    keep_warm_s,
 )
 from .diagnostics import check_java, gpu_setting_error, is_loopback_master, one_line_reason, torchrun_root_cause
 from .worker import _spark_standby_fn, _spark_train_fn
@@ -113,8 +120,8 @@ class SparkJob(StandbyLaunch):
     def for_job(cls, launcher: "SparkLauncher", spark: Any, job: WorkerJob, emit: Emit,
                 tracking_uri: str | None) -> "SparkJob":
         """Launch ``job``'s workers now."""
-        return cls(launcher, spark, job.config, emit, f"dtrain_magic-{job.run_id or uuid.uuid4().hex}", job.channel.host,
-                   lambda watch: (_spark_train_fn, (job, tracking_uri, watch)))
+        return cls(launcher, spark, job.config, emit, f"dtrain_magic-{job.run_id or uuid.uuid4().hex}",
+                   job.channel.host, lambda watch: (_spark_train_fn, (job, tracking_uri, watch)))
 
     @classmethod
     def for_standby(cls, launcher: "SparkLauncher", spark: Any, config: RunConfig, standby: Standby,
@@ -373,7 +380,8 @@ class SparkLauncher(Launcher):
         from pyspark.sql import SparkSession
 
         # No console progress bar: it would interleave with the workers' rank-prefixed output in the cell.
-        builder = SparkSession.builder.master(master).appName("dtrain_magic").config("spark.ui.showConsoleProgress", "false")
+        builder = (SparkSession.builder.master(master).appName("dtrain_magic")
+                   .config("spark.ui.showConsoleProgress", "false"))
         if is_loopback_master(master):
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
             # Executors (local-cluster, a standalone cluster on this machine) run this notebook's Python.
@@ -403,7 +411,8 @@ class SparkLauncher(Launcher):
         """Stop the SparkSession this launcher started (never a session it found active). ``at_exit``: with
         the JVM's logging off (executors being torn down report every lost connection as an error otherwise;
         not before, as the level would stay off for a session started later in the same JVM)."""
-        self.standbys.release("the kernel exits" if at_exit else "the backend shuts down", grace_s=3.0 if at_exit else 15.0)
+        self.standbys.release("the kernel exits" if at_exit else "the backend shuts down",
+                              grace_s=3.0 if at_exit else 15.0)
         with self._lock:
             if at_exit and self._session is not None and self._alive(self._session):
                 try:
@@ -488,16 +497,19 @@ class SparkLauncher(Launcher):
         def order_for(job: WorkerJob) -> StandbyJob:
             import cloudpickle
 
-            env_set, env_unset = environment_changes(launched_env, os.environ, _managed) if config.local_mode else ({}, ())
+            env_set, env_unset = (environment_changes(launched_env, os.environ, _managed) if config.local_mode
+                                  else ({}, ()))
             return StandbyJob(cloudpickle.dumps(job), os.getcwd(), env_set, env_unset, self._tracking_uri(job.config))
 
         device = "GPU" if config.use_gpu else "CPU"
         where = (f"{config.num_processes} TorchDistributor worker(s) ({device}, local mode: on this machine)"
                  if config.local_mode else
-                 f"{config.num_processes} TorchDistributor barrier task(s) ({device}) on {redact_uri(spark.sparkContext.master)}")
+                 f"{config.num_processes} TorchDistributor barrier task(s) ({device}) "
+                 f"on {redact_uri(spark.sparkContext.master)}")
         standby = Standby(placement, config.num_processes, self.channel_host(config), None, where, order_for)
         try:
-            standby.launch = SparkJob.for_standby(self, spark, config, standby, tuple(dict.fromkeys(("ddp", config.strategy))))
+            standby.launch = SparkJob.for_standby(self, spark, config, standby,
+                                                  tuple(dict.fromkeys(("ddp", config.strategy))))
         except BaseException:
             standby.release("its launch failed")
             raise
