@@ -87,10 +87,15 @@ def abortable_trainer_class() -> type:
                 runtime_env={"env_vars": env_vars},
             )(parts.controller)
             self.controller = controller_cls.remote(**controller_init_kwargs)
-            if self.cancel_requested:
-                abort(self.controller)
-            ray.get(self.controller.run.remote())
-            return ray.get(self.controller.get_result.remote())
+            try:
+                if self.cancel_requested:
+                    abort(self.controller)
+                ray.get(self.controller.run.remote())
+                return ray.get(self.controller.get_result.remote())
+            finally:
+                # Ray's own code holds the handle in a local: once fit() is over, no handle is left and Ray ends
+                # the controller actor (a kept handle kept one idle controller process alive per run).
+                self.controller = None
 
     return AbortableTorchTrainer
 

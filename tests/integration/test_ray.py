@@ -218,9 +218,9 @@ def test_a_placement_change_releases_the_waiting_workers_and_launches_fresh(shel
 
 
 def test_idle_release_gives_the_cpus_back(shell):
-    """--keep-warm 20: the waiting workers hold 2 CPUs, then go after 20 idle seconds (counted from their launch):
+    """--keep-warm 45: the waiting workers hold 2 CPUs, then go after 45 idle seconds (counted from their launch):
     none of their processes is left and every CPU of the instance is available again."""
-    result = shell.run("%%distribute --backend ray -n 2 --keep-warm 20 --no-ui\ndef train(ctx):\n    return ctx.rank\n")
+    result = shell.run("%%distribute --backend ray -n 2 --keep-warm 45 --no-ui\ndef train(ctx):\n    return ctx.rank\n")
     assert result.error_in_exec is None and result.result.values == [0, 1], result.error_in_exec
     standby = ray_launcher().standbys.standby
     assert standby is not None
@@ -228,7 +228,7 @@ def test_idle_release_gives_the_cpus_back(shell):
     deadline = time.monotonic() + 120
     while not standby.all_ready.is_set() and standby.released is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    if standby.released is None:  # (a very loaded machine may take longer than 20 s to start them)
+    if standby.released is None:  # (a very loaded machine may take longer than 45 s to start them)
         assert standby.all_ready.is_set(), "the waiting workers did not come up"
         assert ray.available_resources().get("CPU", 0) <= total - 2
     waiting = set(standby.pids.values())
@@ -241,6 +241,25 @@ def test_idle_release_gives_the_cpus_back(shell):
     while ray.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("CPU", 0) == total
+    # No run and nothing waiting: no Ray Train controller of any earlier run or standby is left either.
+    deadline = time.monotonic() + 30
+    while train_controllers() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert train_controllers() == []
+
+
+def train_controllers() -> list[int]:
+    """Ray Train controller processes of this process's Ray instance (its raylet is a child of this process)."""
+    import psutil
+
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.cmdline()[:1] and proc.cmdline()[0].startswith("ray::TrainController"):
+                found.append(proc.pid)
+        except psutil.Error:
+            pass
+    return found
 
 
 def test_a_ray_whose_private_parts_are_unknown_is_refused_before_anything_starts(shell, mlflow, monkeypatch):

@@ -112,8 +112,9 @@ class RayJob(StandbyLaunch):
         if not self._cancelled:
             return
         self.trainer.cancel_requested = True
-        if self.trainer.controller is not None:
-            ray_compat.abort(self.trainer.controller)
+        controller = self.trainer.controller  # (None again once fit() is over)
+        if controller is not None:
+            ray_compat.abort(controller)
         self._thread.join(ray_compat.ABORT_WAIT_S + 2)
 
 
