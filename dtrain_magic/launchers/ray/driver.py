@@ -205,13 +205,14 @@ class RayLauncher(Launcher):
         return self.standbys.claim(self._placement(config))
 
     def keep_warm(self, config: RunConfig) -> str | None:
-        """Launch the next run's workers on the Ray this kernel is connected to (held by default only on the
-        local instance the magic started); nothing before Ray is up (a kernel's first run starts it after the
-        cell ran: the cell may call ray.init itself)."""
+        """Launch the next run's workers on the Ray this kernel is connected to, only when the run asked for it
+        with ``--keep-warm S``: on Ray standbys are opt-in while a known problem stands (a released standby can
+        leave its worker group's placement group holding CPUs; docs/warm-reruns.md). Nothing before Ray is up
+        (a kernel's first run starts it after the cell ran: the cell may call ray.init itself)."""
         how = self.instance.connected_for(config)
         if how is None:
             return None
-        keep = keep_warm_s(config, holds_by_default=how == "embedded")
+        keep = keep_warm_s(config, holds_by_default=False)
         placement = self._placement(config)
         standby = self.standbys.ensure(placement, keep, lambda: self._launch_standby(config, placement))
         return standby.describe() if standby is not None else None
