@@ -86,7 +86,9 @@ def run_magic(shell, args) -> dict:
         _PROBES = Probes("ray")
     shell.user_ns.update(STEPS=args.steps, LOG=True)
     device = "--gpu" if args.gpu else "--cpu"
-    cell = f"%%distribute --backend ray -n {args.n} {device} --no-ui --experiment bench_ray\n" + MAGIC_BODY
+    # --keep-warm: on Ray the next run's workers wait only when a run asks (docs/backends.md#warm-re-runs-standbys)
+    flags = f"-n {args.n} {device} --keep-warm 600 --no-ui --experiment bench_ray"
+    cell = f"%%distribute --backend ray {flags}\n" + MAGIC_BODY
     _PROBES.reset()
     start = time.time()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # progress, rank output
