@@ -3,8 +3,9 @@
 - `abortable_trainer_class` (``launchers/ray/driver.py``): overrides ``TorchTrainer._initialize_and_run_controller``
   with Ray 2.60's own body (``ray.train.v2._internal``'s ``TrainController`` and ``get_env_vars_to_propagate``,
   ``ray._raylet.RAY_NODE_ID_KEY``, ``ray._common.constants``) to keep the controller actor's handle; `abort` calls
-  its ``abort``. **Required** (`check`, from ``RayLauncher.check``): without it a run cannot be stopped (Stop,
-  ``--timeout``, an interrupt, a failing rank). An opted-in version that lacks one of these parts is refused too.
+  its ``abort`` and waits for it (it also removes the worker group's placement group: `ABORT_WAIT_S`).
+  **Required** (`check`, from ``RayLauncher.check``): without it a run cannot be stopped (Stop, ``--timeout``, an
+  interrupt, a failing rank). An opted-in version that lacks one of these parts is refused too.
 - `init_local_instance` (``launchers/ray/instance.py``): ``ray.init(_node_ip_address=..., _temp_dir=...)``.
   **Required** (the same `check`): they keep the local instance on loopback, in a directory only the user reads.
 - `unpatched_print` (``launchers/ray/worker.py``): ``ray.train.v2._internal.logging.patch_print._original_print``.
@@ -100,22 +101,33 @@ def abortable_trainer_class() -> type:
     return AbortableTorchTrainer
 
 
-ABORT_WAIT_S = 4.0  # the controller's own abort, before the actor is killed outright
+# The controller's own abort stops the workers (Ray Train gives them 5 s) and then removes the worker group's
+# placement group. It runs only between the controller's steps: a worker group still starting (placement,
+# actors, process group: seconds on a busy machine) finishes that first. Killing the controller before its abort
+# is over leaves the placement group holding its CPUs/GPUs until the notebook's driver exits (a placement group
+# made by an actor lives while its job does; Ray Train's own cleaner is stopped by the abort, or was never told
+# of a group still starting), so the kill is the last resort.
+ABORT_WAIT_S = 45.0
 
 
-def abort(controller: Any, wait_s: float = ABORT_WAIT_S) -> None:
-    """Ask the run's controller actor to abort (it stops the worker actors), then kill it if it is still
-    there after ``wait_s``; its worker actors fate-share with it."""
+def abort(controller: Any, wait_s: float = ABORT_WAIT_S) -> bool:
+    """Ask the run's controller actor to abort (it stops the worker actors and removes their placement group,
+    then exits); kill it only if it is still there after ``wait_s``. Returns False when it had to be killed
+    (its placement group may then stay until the driver exits)."""
     import ray
 
+    finished = True
     try:
-        ray.get(controller.abort.remote(), timeout=wait_s)
-    except Exception:  # RayActorError: it exited (as abort does); GetTimeoutError: killed below
-        pass
+        ray.get(controller.abort.remote(), timeout=wait_s)  # returns at once when the run is already over
+    except ray.exceptions.GetTimeoutError:
+        finished = False
+    except Exception:  # RayActorError: it exited, as abort does once the workers and their group are gone
+        return True
     try:
         ray.kill(controller, no_restart=True)
     except Exception:
         pass
+    return finished
 
 
 def init_local_instance(num_cpus: int, temp_dir: str) -> None:

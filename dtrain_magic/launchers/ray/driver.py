@@ -11,12 +11,14 @@ cluster at ``--ray-address`` / ``$RAY_ADDRESS``; else a local instance started o
 dashboard, its own temp dir) and reused by later runs, shut down and removed when the kernel exits.
 
 ``start`` returns at once: ``trainer.fit()`` runs in a background thread. ``cancel`` asks Ray Train's
-controller actor to abort (it kills the worker actors), then kills the controller if it has not gone
-within a few seconds; the Ray instance stays up for the next run.
+controller actor to abort (it stops the worker actors and removes their placement group) and waits for it,
+killing the controller only if it has not gone within `ray_compat.ABORT_WAIT_S`; the Ray instance stays up
+for the next run.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import uuid
@@ -51,6 +53,7 @@ class RayJob(StandbyLaunch):
         self._error: BaseException | None = None
         self._cancelled = False
         self._lock = threading.Lock()
+        self.abort_wait_s = ray_compat.ABORT_WAIT_S  # shorter at kernel exit, where the driver's end frees it all
         self.storage, self.name = storage, name  # Ray Train's storage_path and run name
         if "://" not in self.storage:  # Ray Train would create it 0755: the run's files are the user's alone
             os.makedirs(os.path.join(self.storage, self.name), mode=0o700, exist_ok=True)
@@ -113,9 +116,11 @@ class RayJob(StandbyLaunch):
             return
         self.trainer.cancel_requested = True
         controller = self.trainer.controller  # (None again once fit() is over)
-        if controller is not None:
-            ray_compat.abort(controller)
-        self._thread.join(ray_compat.ABORT_WAIT_S + 2)
+        if controller is not None and not ray_compat.abort(controller, self.abort_wait_s):
+            logging.getLogger(__name__).warning(
+                "Ray Train's controller of %s did not stop within %.0f s and was killed: its workers' placement "
+                "group may hold their CPUs/GPUs until this kernel exits", self.name, self.abort_wait_s)
+        self._thread.join(self.abort_wait_s + 2)
 
 
 class RayLauncher(Launcher):
@@ -205,14 +210,13 @@ class RayLauncher(Launcher):
         return self.standbys.claim(self._placement(config))
 
     def keep_warm(self, config: RunConfig) -> str | None:
-        """Launch the next run's workers on the Ray this kernel is connected to, only when the run asked for it
-        with ``--keep-warm S``: on Ray standbys are opt-in while a known problem stands (a released standby can
-        leave its worker group's placement group holding CPUs; docs/warm-reruns.md). Nothing before Ray is up
-        (a kernel's first run starts it after the cell ran: the cell may call ray.init itself)."""
+        """Launch the next run's workers on the Ray this kernel is connected to (held by default only on the
+        local instance the magic started); nothing before Ray is up (a kernel's first run starts it after the
+        cell ran: the cell may call ray.init itself)."""
         how = self.instance.connected_for(config)
         if how is None:
             return None
-        keep = keep_warm_s(config, holds_by_default=False)
+        keep = keep_warm_s(config, holds_by_default=how == "embedded")
         placement = self._placement(config)
         standby = self.standbys.ensure(placement, keep, lambda: self._launch_standby(config, placement))
         return standby.describe() if standby is not None else None
@@ -248,6 +252,9 @@ class RayLauncher(Launcher):
     def shutdown(self, at_exit: bool = False) -> None:
         """Release the waiting workers, then shut down the local Ray instance this kernel started (a joined
         cluster is left as it is)."""
+        if at_exit:  # what a killed controller leaves goes with the driver: no need to wait on its abort
+            for job in list(self._jobs):
+                job.abort_wait_s = 4.0
         self.standbys.release("the kernel exits" if at_exit else "the backend shuts down",
                               grace_s=3.0 if at_exit else 15.0)
         self.instance.shutdown()
