@@ -83,6 +83,37 @@ def ray_instance_state():
     return get_launcher("ray").instance
 
 
+def ray_launcher():
+    from dtrain_magic.launchers import get_launcher
+
+    return get_launcher("ray")
+
+
+def take_over(**flags):
+    """Make sure workers with the placement of a run with ``flags`` (default -n 2, CPU) wait, all up: the previous
+    run's standby, or one launched now. (claims so far, their pids, the standby): the test's run must take
+    exactly these over (`assert_taken_over`)."""
+    from dtrain_magic.config import RunConfig
+
+    launcher = ray_launcher()
+    launcher.keep_warm(RunConfig(backend="ray", **flags))
+    standby = launcher.standbys.standby
+    assert standby is not None and standby.all_ready.wait(300), "the waiting workers did not come up"
+    return launcher.standbys.claims, set(standby.pids.values()), standby
+
+
+def assert_taken_over(before) -> None:
+    """The run took the waiting workers over, and none of them outlived it."""
+    claims, waiting, standby = before
+    assert ray_launcher().standbys.claims == claims + 1 and standby.claimed
+    assert wait_dead(waiting, 15) == []
+
+
+def wait_standby_ready():
+    standby = ray_launcher().standbys.standby
+    assert standby is None or standby.all_ready.wait(300)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def ray_instance():
     """One embedded Ray instance for the module (what a notebook gets), shut down at the end."""
@@ -93,7 +124,7 @@ def ray_instance():
     assert ray_instance_state().connect(RunConfig(backend="ray")) == "embedded"
     temp_dir = ray_instance_state().temp_dir
     yield
-    ray_instance_state().shutdown()
+    ray_launcher().shutdown()  # the waiting workers first, then the instance
     if ray.is_initialized():
         ray.shutdown()
     assert not os.path.exists(temp_dir)
@@ -103,10 +134,13 @@ _reference: dict = {}
 
 
 @pytest.fixture
-def reference_weights(shell):
-    """Final weights of an uninterrupted run of the same function on the local backend (fp32, seed 0)."""
+def reference_weights(shell, tmp_path_factory, monkeypatch):
+    """Final weights of an uninterrupted run of the same function on the local backend (fp32, seed 0), run in a
+    directory of its own (its pid files are not the test's)."""
     if "weights" not in _reference:
-        result = shell.run(cell(backend="local", save=False))
+        with monkeypatch.context() as here:
+            here.chdir(tmp_path_factory.mktemp("reference"))
+            result = shell.run(cell(backend="local", save=False))
         assert result.error_in_exec is None, result.error_in_exec
         _reference["weights"] = result.result.value
     return _reference["weights"]
@@ -144,6 +178,102 @@ def test_two_workers_match_the_local_backend(shell, mlflow, reference_weights, t
     for artifact in artifacts:
         everything += open(mlflow.download_artifacts(run.run_id, artifact.path)).read()
     assert "tok-planted-secret-ray" not in everything
+
+
+def test_a_rerun_takes_over_the_waiting_workers_and_matches_one_process(shell, capsys):
+    """After a run the next run's workers wait (TorchTrainer.fit of a waiting loop: Ray Train placed them and
+    joined their process group): the re-run sends them its job, trains to one plain process's weights (fp32,
+    1e-5) and keeps its checkpoints under the run Ray Train was launched with."""
+    from workloads import TRAIN_HELPERS, train_cell, train_reference
+
+    before = take_over(seed=0)
+    standby = before[2]
+    capsys.readouterr()
+    assert shell.run(TRAIN_HELPERS).error_in_exec is None
+    result = shell.run(train_cell("ray", extra="--seed 0"))
+    assert result.error_in_exec is None, result.error_in_exec
+    for name, weight in train_reference().items():
+        for value in result.result.values:
+            assert (value[name] - weight).abs().max().item() < 1e-5, name
+    out = capsys.readouterr().out
+    assert "its workers were launched ahead and waiting" in out
+    assert "dtrain_magic: 2 Ray Train worker(s) (CPU) on the local Ray instance wait for the next run" in out
+    assert result.result.checkpoint_root == standby.checkpoint_root  # Ray Train's run name, fixed at launch
+    assert_taken_over(before)
+
+
+def test_a_placement_change_releases_the_waiting_workers_and_launches_fresh(shell):
+    """-n 2 then -n 1: the waiting workers go (their CPUs back) before the run's own are launched (for it, once
+    its checks passed, as for a kernel's first run)."""
+    claims, waiting, standby = take_over()
+    result = shell.run("%%distribute --backend ray -n 1 --no-ui\nimport os\ndef train(ctx):\n"
+                       "    return ctx.world_size, os.getpid()\n")
+    assert result.error_in_exec is None, result.error_in_exec
+    assert result.result.values == [(1, result.result.value[1])] and result.result.value[1] not in waiting
+    assert "processes 2 → 1" in standby.released and wait_dead(waiting, 15) == []
+    assert ray_launcher().standbys.claims == claims + 1  # one worker launched for it, once its checks passed
+    after = ray_launcher().standbys.standby
+    assert after is not standby and dict(after.placement.items)["processes"] == 1
+
+
+def test_idle_release_gives_the_cpus_back(shell):
+    """--keep-warm 20: the waiting workers hold 2 CPUs, then go after 20 idle seconds (counted from their launch):
+    none of their processes is left and every CPU of the instance is available again."""
+    result = shell.run("%%distribute --backend ray -n 2 --keep-warm 20 --no-ui\ndef train(ctx):\n    return ctx.rank\n")
+    assert result.error_in_exec is None and result.result.values == [0, 1], result.error_in_exec
+    standby = ray_launcher().standbys.standby
+    assert standby is not None
+    total = ray.cluster_resources()["CPU"]
+    deadline = time.monotonic() + 120
+    while not standby.all_ready.is_set() and standby.released is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if standby.released is None:  # (a very loaded machine may take longer than 20 s to start them)
+        assert standby.all_ready.is_set(), "the waiting workers did not come up"
+        assert ray.available_resources().get("CPU", 0) <= total - 2
+    waiting = set(standby.pids.values())
+    deadline = time.monotonic() + 60
+    while ray_launcher().standbys.standby is not None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray_launcher().standbys.standby is None and standby.released.startswith("idle for")
+    assert wait_dead(waiting, 15) == []
+    assert_everything_given_back(total)
+
+
+def test_released_while_starting_gives_the_cpus_back(shell):
+    """Waiting workers released while Ray Train still starts them (their placement group made, the workers not all
+    connected): the controller's abort waits for the start to finish, stops the workers and removes the placement
+    group — nothing stays held, and the next waiting workers come up. (Killed mid-start, the controller would
+    leave its placement group holding the CPUs until the notebook's driver exits.)"""
+    from dtrain_magic.config import RunConfig
+
+    launcher = ray_launcher()
+    launcher.release_standby("the test starts from none")
+    total = ray.cluster_resources()["CPU"]
+    assert_everything_given_back(total)
+    for _ in range(2):
+        launcher.keep_warm(RunConfig(backend="ray"))
+        standby = launcher.standbys.standby
+        assert standby is not None
+        deadline = time.monotonic() + 120
+        while not live_placement_groups() and not standby.all_ready.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not standby.all_ready.is_set(), "the workers came up before their placement group was seen"
+        launcher.release_standby("the test releases it while it starts")
+        assert standby.released and launcher.standbys.standby is None
+        assert_everything_given_back(total)
+    assert take_over()[2].all_ready.is_set()  # and waiting workers still come up
+
+
+def live_placement_groups() -> list[dict]:
+    """Placement groups of this Ray instance that are not removed (pending ones too: they would take CPUs)."""
+    return [pg for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"]
+
+
+def assert_everything_given_back(total: float) -> None:
+    deadline = time.monotonic() + 30
+    while (live_placement_groups() or ray.available_resources().get("CPU", 0) < total) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert live_placement_groups() == [] and ray.available_resources().get("CPU", 0) == total
 
 
 def test_a_ray_whose_private_parts_are_unknown_is_refused_before_anything_starts(shell, mlflow, monkeypatch):
@@ -191,12 +321,19 @@ def test_tensor_and_pipeline_parallel_on_ray(shell, tmp_path, flags, widths):
 
 
 def test_sigkill_with_max_restarts_resumes_from_checkpoint(shell, mlflow, reference_weights, tmp_path, capsys):
+    """Through waiting workers launched with FailureConfig(max_failures=1): Ray Train restarts the group, whose
+    new workers run the waiting loop again and get the same job, and resume from Ray's checkpoint."""
+    before = take_over(max_restarts=1, seed=0)
     result = shell.run(cell(flags="--max-restarts 1", kill=True))
     assert result.error_in_exec is None, result.error_in_exec
     assert (tmp_path / "killed").exists()
     out = capsys.readouterr().out
     assert f"resumed at step {EVERY}" in out  # the last checkpoint before KILL_AT was after step EVERY-1
-    assert len(pids(tmp_path)) == 4  # two attempts of two workers
+    assert len(pids(tmp_path)) == 4, out  # two attempts of two workers
+    first = {int(open(tmp_path / f"pid_{rank}").read().split()[0]) for rank in (0, 1)}
+    assert first == before[1]  # the first attempt ran on the waiting workers
+    assert result.result.checkpoint_root == before[2].checkpoint_root
+    assert_taken_over(before)
     assert same_weights(result.result.value, reference_weights, atol=1e-6)
     assert mlflow.get_run(result.result.run_id).info.status == "FINISHED"
     assert wait_dead(pids(tmp_path), 15) == []
@@ -205,6 +342,7 @@ def test_sigkill_with_max_restarts_resumes_from_checkpoint(shell, mlflow, refere
 def test_sigkill_without_restarts_fails_short_and_leaves_no_worker(shell, mlflow, tmp_path):
     from dtrain_magic.errors import WorkerError
 
+    before = take_over(seed=0)
     started = time.monotonic()
     result = shell.run(cell(kill=True))
     error = result.error_in_exec
@@ -217,6 +355,7 @@ def test_sigkill_without_restarts_fails_short_and_leaves_no_worker(shell, mlflow
     assert run.info.status == "FAILED"
     reason = run.data.tags["dtrain_magic.failure"]
     assert "rank 1" in reason and "died without reporting an error" in reason, reason
+    assert_taken_over(before)
 
 
 def test_kernel_interrupt_stops_workers_within_10s_and_ray_stays_usable(shell, tmp_path):
@@ -241,12 +380,15 @@ def train(ctx):
         stopped["at"] = time.monotonic()
         _thread.interrupt_main()  # what the kernel's interrupt does: KeyboardInterrupt in the cell's thread
 
+    before = take_over()
     threading.Thread(target=interrupt_when_running, daemon=True).start()
     result = shell.run(long_cell)
     assert isinstance(result.error_in_exec, RunInterrupted), result.error_in_exec
     assert len(stopped["pids"]) == 2
     left = wait_dead(stopped["pids"], max(0.0, 10 - (time.monotonic() - stopped["at"])))
     assert left == [], f"workers still alive 10 s after the interrupt: {left}"
+    assert set(stopped["pids"]) == before[1]  # the interrupted run ran on the waiting workers
+    assert_taken_over(before)
     # the same Ray instance runs the next cell
     again = shell.run(cell(steps=2, save=False))
     assert again.error_in_exec is None, again.error_in_exec
@@ -279,7 +421,9 @@ def test_runs_in_a_row_leave_nothing_growing(shell):
         result = shell.run(MIXED_CELL.format(backend="ray"))
         outcomes.append(type(result.error_in_exec).__name__ if result.error_in_exec else "ok")
         if i == 0:
+            wait_standby_ready()  # the next run's workers are up in both snapshots (their connections, threads)
             before = notebook_snapshot()
+    wait_standby_ready()
     after = notebook_snapshot()
     assert outcomes == ["ok", "WorkerError"], outcomes
     assert_nothing_grew(before, after)
@@ -307,6 +451,7 @@ def train_controllers() -> list[int]:
 def test_python_error_in_a_worker_is_the_same_short_error(shell, mlflow):
     from dtrain_magic.errors import WorkerError
 
+    before = take_over()
     result = shell.run(
         """%%distribute --backend ray -n 2 --no-ui
 def train(ctx):
@@ -322,6 +467,7 @@ def train(ctx):
     run = mlflow.search_runs(experiment_ids=[mlflow.get_experiment_by_name("dtrain_magic").experiment_id])[0]
     assert run.info.status == "FAILED"
     assert run.data.tags["dtrain_magic.failure"] == "rank 1 failed: ValueError: bad batch"
+    assert_taken_over(before)
 
 
 # -- a real cluster: `ray start --head` on 127.0.0.1 in a subprocess (runs last: it replaces the embedded Ray)
@@ -397,7 +543,7 @@ def _stop_head(proc: subprocess.Popen, temp_dir: str) -> None:
 
 @pytest.fixture
 def head_node():
-    ray_instance_state().shutdown()  # a kernel joins one cluster at a time
+    ray_launcher().shutdown()  # a kernel joins one cluster at a time (its waiting workers go first)
     for _attempt in range(2):  # on a loaded machine Ray's own 30 s raylet start-up wait can time out
         port = _free_port()
         temp_dir = tempfile.mkdtemp(prefix="dtr_head_", dir="/tmp")
@@ -424,6 +570,7 @@ def test_existing_cluster_with_ray_address(shell, head_node, reference_weights, 
     instance = ray_instance_state()
     assert instance.joined == head_node and instance.temp_dir is None
     assert same_weights(result.result.value, reference_weights, atol=1e-5)
+    assert ray_launcher().standbys.standby is None  # a cluster the user brought: nothing held by default
 
     # More workers than the cluster's 3 CPUs: a clear error at once, not a run waiting for resources forever.
     started = time.monotonic()
