@@ -92,3 +92,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 sys.dont_write_bytecode = True
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Python waits for every non-daemon thread before it exits: one a test left blocked keeps the test command
+    (and CI) running after the summary with nothing printed. Name them, so such a hang explains itself."""
+    import threading
+
+    left = [t.name for t in threading.enumerate() if t.is_alive() and not t.daemon and t is not threading.main_thread()]
+    if left:
+        sys.stderr.write(f"\nnon-daemon threads still alive at the end of the session (the process waits for "
+                         f"them before it exits): {', '.join(left)}\n")

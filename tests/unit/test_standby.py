@@ -31,6 +31,21 @@ PLACEMENT = Placement("fake", (("processes", 2), ("GPU", False)))
 OTHER = Placement("fake", (("processes", 1), ("GPU", False)))
 
 
+MADE: list[tuple[Standby, threading.Thread]] = []  # every fake worker of the running test, with its standby
+
+
+@pytest.fixture(autouse=True)
+def no_fake_worker_left():
+    """After each test: its standbys released, every fake worker thread has returned."""
+    MADE.clear()
+    yield
+    for standby, _ in MADE:
+        standby.release("the test ends", grace_s=0.0)
+    left = [thread for _, thread in MADE if (thread.join(5) or thread.is_alive())]
+    MADE.clear()
+    assert left == [], f"{len(left)} fake worker(s) still waiting after their standby was released"
+
+
 class FakeLaunch(StandbyLaunch):
     """Workers as threads running the real waiting function; finished once every one returned (or cancelled)."""
 
@@ -45,8 +60,11 @@ class FakeLaunch(StandbyLaunch):
                 self.add_worker(rank)
 
     def add_worker(self, rank: int) -> threading.Thread:
+        # daemon: a fake worker left waiting must not keep pytest's process from exiting (real workers are
+        # processes the launch cancels); `no_fake_worker_left` still fails the test that leaves one.
         thread = threading.Thread(
-            target=lambda: self.orders.__setitem__(rank, wait_for_job(self.standby.address, rank)))
+            target=lambda: self.orders.__setitem__(rank, wait_for_job(self.standby.address, rank)), daemon=True)
+        MADE.append((self.standby, thread))
         self.threads.append(thread)
         thread.start()
         return thread
