@@ -230,19 +230,12 @@ def log_reason(data: dict) -> str:
     return text + "."
 
 
-def _stat_text(stats: dict | None, key: str = "ttfs") -> str:
-    stat = (stats or {}).get(key) or {}
-    if stat.get("median") is None:
-        return "(not measured)"
-    return f"{stat['median']:.2f} s ({stat['min']:.2f}-{stat['max']:.2f})"
-
-
 def immediate_reason(standby: dict) -> str:
     """Why a re-run started at once can be slower than a launch on an idle machine (both take over a launch)."""
     now, fresh = standby.get("magic_immediate") or {}, standby.get("magic_fresh") or {}
     ranges = [(s.get("ttfs") or {}) for s in (now, fresh)]
     overlap = _overlap(*[(r["min"], r["max"]) if r.get("min") is not None else None for r in ranges])
-    return (f"re-run at once {_stat_text(now)}, no workers waiting {_stat_text(fresh)}; took waiting workers in "
+    return (f"re-run at once {_fmt(ranges[0])}, no workers waiting {_fmt(ranges[1])}; took waiting workers in "
             f"{now.get('claimed')} samples. The re-run takes over the next run's launch, started when the last run "
             "ended, so that launch shares the cores with the end of the last run (its workers' exit, the MLflow "
             "run's close); the launch with none waiting starts on an idle machine"
@@ -308,7 +301,8 @@ def targets(results: dict, n: int) -> list[dict]:
         cold = _median(data, "cold", "magic") if data else None
         add(f"{backend}: re-run started the moment the last returned, time to first step ≤ the cold first run",
             f"≤ {cold:.2f} s" if cold else "≤ cold", immediate, cold, False, " s",
-            lambda s=standby, c=cold: f"re-run at once {_stat_text(s.get('magic_immediate'))}, cold {c} s")
+            lambda s=standby, c=cold: f"re-run at once {_fmt((s.get('magic_immediate') or {}).get('ttfs'))}, "
+            f"cold {c:.2f} s")
         add(f"{backend}: re-run started the moment the last returned, time to first step ≤ a launch with none waiting",
             f"≤ {fresh:.2f} s" if fresh else "≤ fresh", immediate, fresh, False, " s",
             lambda s=standby: immediate_reason(s))
