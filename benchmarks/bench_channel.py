@@ -24,7 +24,7 @@ import sys, time
 import torch
 from dtrain_magic.channel import ChannelAddress, WorkerLink
 from dtrain_magic.config import RunConfig
-from dtrain_magic.context import TrainContext
+from dtrain_magic.worker.context import TrainContext
 
 host, port, key, n = sys.stdin.readline().split()
 link = WorkerLink(ChannelAddress(host, int(port), bytes.fromhex(key)), rank=0)
@@ -41,8 +41,8 @@ print(cpu, flush=True)
 def one_sample(messages: int) -> dict:
     from dtrain_magic.channel import Channel
     from dtrain_magic.config import RunConfig
-    from dtrain_magic.observer import RunObserver
-    from dtrain_magic.runner import _Pump
+    from dtrain_magic.driver.observer import RunObserver
+    from dtrain_magic.driver.runner import _Pump
 
     with Channel() as channel:
         pump = _Pump(RunConfig(num_processes=1), channel, RunObserver(), time.monotonic())

@@ -102,8 +102,8 @@ def inner(which: str, n: int, steps: int, gpu: bool) -> dict:
 
 def worker_import_time() -> float:
     """Interpreter start + the imports a fresh local worker pays (torch, DDP, dtrain_magic.worker), alone."""
-    code = ("import torch, torch.distributed, torch.nn.parallel; import dtrain_magic.worker, dtrain_magic.context; "
-            "import dtrain_magic.strategies.ddp")
+    code = ("import torch, torch.distributed, torch.nn.parallel; "
+            "import dtrain_magic.worker, dtrain_magic.worker.context; import dtrain_magic.strategies.ddp")
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=300)
     return time.perf_counter() - t0

@@ -12,7 +12,7 @@ step time after ``--warmup`` steps and its memory:
   shows what the strategy keeps alive better than RSS (freed memory stays in RSS);
 * GPU (``--gpu``, see bench_strategies_gpu.py): ``torch.cuda.max_memory_allocated``.
 
-It also prints the ZeRO-paper estimate (dtrain_magic.memory) and the measured optimizer-state bytes.
+It also prints the ZeRO-paper estimate (dtrain_magic.strategies.memory) and the measured optimizer-state bytes.
 
     .venv/bin/python benchmarks/bench_strategies.py                 # CPU, 2 processes, fp32
     .venv/bin/python benchmarks/bench_strategies.py --precision bf16 --width 1024
@@ -36,7 +36,7 @@ import torch
 
 def bench(ctx):
     import psutil
-    from dtrain_magic.memory import optimizer_state_bytes, count_parameters
+    from dtrain_magic.strategies.memory import optimizer_state_bytes, count_parameters
     if ctx.config.strategy == "deepspeed":
         import deepspeed  # so its import is part of the baseline, not of the measurement
     gpu = ctx.device.type == "cuda"
@@ -121,7 +121,7 @@ def run(argv: list[str] | None = None, gpu: bool = False) -> list[dict]:
 
     from IPython.core.interactiveshell import InteractiveShell
 
-    from dtrain_magic.memory import estimate, format_bytes
+    from dtrain_magic.strategies.memory import estimate, format_bytes
 
     workdir = tempfile.mkdtemp(prefix="dtrain_bench_")
     os.chdir(workdir)

@@ -229,7 +229,8 @@ class Probes:
 
     def __init__(self, backend: str):
         self.marks: dict[str, float] = {}
-        from dtrain_magic import runner, tracking
+        from dtrain_magic import tracking
+        from dtrain_magic.driver import runner
         from dtrain_magic.launchers import get_launcher
 
         marks = self.marks

@@ -1,7 +1,14 @@
-"""dtrain_magic: ``%%distribute`` runs a notebook cell's training function on many processes.
+"""dtrain_magic: run a PyTorch training function on many processes, GPUs or nodes (local, Spark, Ray).
 
-``%load_ext dtrain_magic`` registers the magics. The public API: `RunConfig`, `RunResult`,
-`TrainContext`, and the errors in `dtrain_magic.errors`.
+Three entry points, one path (`driver.runner`): ``%%distribute`` in a notebook (``%load_ext dtrain_magic``
+registers the magics), `run` from Python (``dtrain_magic.run(train, backend="ray", num_processes=4)``), and the
+command line (``python -m dtrain_magic run my_pkg.train:main -n 4``, `dtrain_magic.cli`).
+
+The public API: `run`, `CTX` (stands for the worker's ``ctx`` among `run`'s arguments), `RunConfig`,
+`RunResult`, `TrainContext`, and the errors in `dtrain_magic.errors`. The layout follows the flow: `notebook`
+(the magics), `api` and `cli` → `config` (one validated `RunConfig` from the flag table, `flagtable`) →
+`driver` (check, launch, pump) → `launchers` (one per backend) → `worker` (every rank: the `TrainContext` for
+the `strategies`) → `tracking` (MLflow) → `ui` (the panel and charts that read it).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ __version__ = "0.1.0"
 
 def load_ipython_extension(ipython: Any) -> None:
     """Called by ``%load_ext dtrain_magic``: register ``%%distribute``."""
-    from .magic import DistributeMagics
+    from .notebook.magic import DistributeMagics
 
     ipython.register_magics(DistributeMagics)
     try:  # %distribute_show and friends, when the UI extras (ipywidgets, plotly) are installed
@@ -40,15 +47,15 @@ def load_ipython_extension(ipython: Any) -> None:
 
 def __getattr__(name: str) -> Any:
     if name == "TrainContext":  # imports torch: only when asked for
-        from .context import TrainContext
+        from .worker.context import TrainContext
 
         return TrainContext
     raise AttributeError(name)
 
 
 __all__ = [
-    "CaptureError", "ConfigError", "DistributeError", "LaunchError", "MissingDependencyError", "RunConfig",
+    "CTX", "CaptureError", "ConfigError", "DistributeError", "LaunchError", "MissingDependencyError", "RunConfig",
     "RunInterrupted", "RunResult", "RunTimeout", "TrainContext", "UnsupportedCodeError", "UnsupportedVersionError",
     "WorkerError",
-    "load_ipython_extension",
+    "load_ipython_extension", "run",
 ]

@@ -1,28 +1,24 @@
 """`RunConfig`: the one validated, immutable description of a run.
 
-The magic's flags (see :mod:`dtrain_magic.flags`) and the panel both end here. Validation is pure
-logic, runs before anything is launched, and every error names the flag, the value and what is allowed.
+Every entry point ends here: the magic's flags (`dtrain_magic.notebook.flags`), the panel, `dtrain_magic.run`
+and the command line. Validation is pure logic, runs before anything is launched, and every error names the
+flag, the value and what is allowed. The rules that belong to one backend or one strategy live with its class
+(``validate``, ``own_fields``: `dtrain_magic.registry`); the rules here are the ones that hold for all of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
-from .batch_sizes import check_batch_arithmetic
 from .errors import ConfigError
+from .flagtable import BY_FIELD, DEFAULT_EXPERIMENT, FLAGS, SWITCH
+from .registry import BACKENDS, STRATEGIES
 
-BACKENDS = ("auto", "local", "spark", "ray")
-STRATEGIES = ("ddp", "fsdp", "deepspeed")
-PRECISIONS = ("fp32", "fp16", "bf16")
-ZERO_STAGES = (0, 1, 2, 3)
-PP_SCHEDULES = ("gpipe", "1f1b")
-DEFAULT_EXPERIMENT = "dtrain_magic"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -35,6 +31,24 @@ def _choice(flag: str, value: Any, allowed: tuple) -> None:
 def _positive_int(flag: str, value: Any, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(flag, f"got {value!r}; must be an integer >= {minimum}")
+
+
+# The batch arithmetic DeepSpeed insists on, checked on the flags here and again on the DeepSpeed config they
+# build with --deepspeed-config merged in (`strategies.deepspeed.build_config`).
+def check_batch_arithmetic(train: int | None, micro: int | None, accum: int, world: int) -> None:
+    """Raise a `ConfigError` on ``--train-batch`` naming the numbers and the fix unless ``train`` (global batch)
+    equals ``micro`` (per process) x ``accum`` x ``world``; nothing to check while either batch is unknown."""
+    if train is None or micro is None:
+        return
+    expected = micro * accum * world
+    if train != expected:
+        raise ConfigError(
+            "--train-batch",
+            f"train_batch_size {train} != micro_batch_per_gpu {micro} x gradient_accumulation_steps {accum} x "
+            f"world_size {world} (= {expected}); set --train-batch {expected} (train_batch_size in a DeepSpeed "
+            "config), or change --micro-batch (train_micro_batch_size_per_gpu), --grad-accum or --num-processes "
+            "so the product matches",
+        )
 
 
 @dataclass(frozen=True)
@@ -78,21 +92,11 @@ class RunConfig:
     pp: int = 1
     microbatches: int | None = None
     pp_schedule: str = "gpipe"
-    # Extra options for strategies or backends, kept as sorted (key, value) pairs so the config stays hashable.
-    extra: tuple[tuple[str, Any], ...] = field(default=())
-
     def __post_init__(self) -> None:
-        _choice("--backend", self.backend, BACKENDS)
-        _choice("--strategy", self.strategy, STRATEGIES)
-        _choice("--precision", self.precision, PRECISIONS)
-        if self.zero is not None:
-            _choice("--zero", self.zero, ZERO_STAGES)
-            if self.strategy != "deepspeed":
-                raise ConfigError(
-                    "--zero",
-                    f"ZeRO stage {self.zero} applies only to --strategy deepspeed, not --strategy {self.strategy}; "
-                    "drop --zero or use --strategy deepspeed",
-                )
+        for row in FLAGS:  # every flag with a fixed set of values: backend, strategy, precision, zero, ...
+            value = getattr(self, row.field) if row.field else None
+            if row.choices is not None and value is not None:
+                _choice(row.name, value, tuple(row.choices))
         _positive_int("--num-processes", self.num_processes)
         _positive_int("--grad-accum", self.grad_accum)
         _positive_int("--max-restarts", self.max_restarts, minimum=0)
@@ -119,48 +123,31 @@ class RunConfig:
                 "fp16 needs a GPU (CPU kernels and loss scaling for fp16 are not supported); "
                 "use --precision bf16 on CPU, or --gpu on a machine with CUDA",
             )
-        self._check_backend_flags()
+        self._check_owned_fields()
         check_batch_arithmetic(self.train_batch, self.micro_batch, self.grad_accum, self.num_processes)
         self._check_model_parallel()
+        if self.backend != "auto":
+            BACKENDS.load(self.backend).validate(self)
+        STRATEGIES.load(self.strategy).validate(self)
 
-    def _check_backend_flags(self) -> None:
-        if not self.local_mode and self.backend not in ("spark", "auto"):
-            raise ConfigError("--cluster", f"applies only to --backend spark, not --backend {self.backend}")
-        only = {
-            "--spark-master": (self.spark_master, ("spark", "auto")),
-            "--ray-address": (self.ray_address, ("ray", "auto")),
-            "--deepspeed-config": (self.deepspeed_config, None),
-        }
-        for flag, (value, backends) in only.items():
-            if value is None:
-                continue
-            if backends is not None and self.backend not in backends:
-                raise ConfigError(flag, f"applies only to --backend {backends[0]}, not --backend {self.backend}")
-        if self.deepspeed_config is not None and self.strategy != "deepspeed":
-            raise ConfigError("--deepspeed-config", f"applies only to --strategy deepspeed, not {self.strategy}")
-        if self.storage is not None and "://" in self.storage and self.backend in ("local", "spark"):
-            raise ConfigError(
-                "--storage",
-                f"got {self.storage!r}; --backend {self.backend} writes checkpoints as plain files: give a path "
-                "(on a multi-host cluster, one every node can reach, such as /dbfs/...); URLs (s3://, gs://) are "
-                "for --backend ray",
-            )
-        if self.keep_warm is not None and self.backend == "local":
-            raise ConfigError(
-                "--keep-warm",
-                "applies only to --backend spark or ray (the next run's workers waiting for it); the local backend "
-                "keeps its fork server, which holds no worker, for the kernel's life",
-            )
-        if self.max_restarts and self.backend == "spark":
-            raise ConfigError(
-                "--max-restarts",
-                "TorchDistributor does not restart failed workers; use --backend ray or local for restarts",
-            )
+    def _check_owned_fields(self) -> None:
+        """A flag that belongs to one backend or strategy (its class's ``own_fields``) is an error with another."""
+        chosen = {"--backend": self.backend, "--strategy": self.strategy}
+        for registry in (BACKENDS, STRATEGIES):
+            if chosen[registry.flag] == "auto":
+                continue  # resolved before the run: the owner's own checks run then
+            for owner, cls in registry.classes().items():
+                for name in cls.own_fields:
+                    value = getattr(self, name)
+                    if owner == chosen[registry.flag] or value == _FIELD_DEFAULTS[name]:
+                        continue
+                    flag = flag_for(name, value)
+                    raise ConfigError(flag, f"applies only to {registry.flag} {owner}, not {registry.flag} "
+                                            f"{chosen[registry.flag]}; drop {flag} or use {registry.flag} {owner}")
 
     def _check_model_parallel(self) -> None:
         _positive_int("--tp", self.tp)
         _positive_int("--pp", self.pp)
-        _choice("--pp-schedule", self.pp_schedule, PP_SCHEDULES)
         if self.microbatches is not None:
             _positive_int("--microbatches", self.microbatches)
         if self.pp == 1:
@@ -173,13 +160,10 @@ class RunConfig:
         if self.tp == 1 and self.pp == 1:
             return
         degrees = " x ".join(f"--{name} {value}" for name, value in (("tp", self.tp), ("pp", self.pp)) if value > 1)
-        if self.strategy == "deepspeed":
-            raise ConfigError(
-                "--tp" if self.tp > 1 else "--pp",
-                f"{degrees} is not supported with --strategy deepspeed (ZeRO {self.zero_stage}): DeepSpeed's own "
-                "tensor/pipeline engines need models written for them. Use --strategy fsdp with it (FSDP over the "
-                "data-parallel ranks, ZeRO-3-like) or --strategy ddp",
-            )
+        strategy = STRATEGIES.load(self.strategy)
+        if strategy.model_parallel_refusal:
+            raise ConfigError("--tp" if self.tp > 1 else "--pp", f"{degrees} is not supported with "
+                              f"{strategy.label(self.zero)}: {strategy.model_parallel_refusal}")
         model_parallel = self.tp * self.pp
         if self.num_processes % model_parallel:
             lower = (self.num_processes // model_parallel) * model_parallel
@@ -213,13 +197,14 @@ class RunConfig:
         return self.microbatches if self.microbatches is not None else 2 * self.pp
 
     @property
+    def process_group_backend(self) -> str:
+        """The torch.distributed backend of the run's process group, as the strategy chooses it (nccl/gloo)."""
+        return STRATEGIES.load(self.strategy).process_group_backend(self.use_gpu)
+
+    @property
     def zero_stage(self) -> int:
         """ZeRO stage for DeepSpeed (0 when not given)."""
         return 0 if self.zero is None else self.zero
-
-    @property
-    def extras(self) -> dict[str, Any]:
-        return dict(self.extra)
 
     def replace(self, **changes: Any) -> "RunConfig":
         """A copy with some fields changed, validated again."""
@@ -232,8 +217,6 @@ class RunConfig:
             value = getattr(self, f.name)
             if f.name in ("tracking_uri", "ray_address", "spark_master") and isinstance(value, str):
                 value = redact_uri(value)
-            if f.name == "extra":
-                value = json.dumps(dict(value), sort_keys=True, default=str)
             params[f.name] = str(value)
         return params
 
@@ -241,11 +224,55 @@ class RunConfig:
         """The ``%%distribute`` line that reproduces this config (``flags.config_from_line`` reads it back to
         an equal config, ``dry_run`` aside: the line is the one that launches). Written from the flag table
         (`dtrain_magic.flagtable`), in its order; values with spaces or quotes are quoted (`quote_flag_value`)."""
-        from .flagtable import FLAGS  # the table imports this module's constants
-
         words = [word for row in FLAGS if row.field is not None
                  for word in row.line_words(getattr(self, row.field), quote_flag_value)]
         return "%%distribute " + " ".join(words)
+
+
+_FIELD_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+
+
+def flag_for(field: str, value: Any = None) -> str:
+    """The flag that sets a `RunConfig` field to ``value``, as messages name it (``--cluster`` for local_mode=False)."""
+    row = BY_FIELD[field]
+    if row.kind == SWITCH and value is False:
+        return row.off_options[0]
+    return row.name
+
+
+def resolve_config(
+    values: Mapping[str, Any],
+    *,
+    gpu_available: Callable[[], bool] | None = None,
+    backend_detector: Callable[[], str] | None = None,
+    in_frontend: bool = False,
+    gpu_count: Callable[[], int] | None = None,
+) -> RunConfig:
+    """Every entry point's last step: ``values`` (each `RunConfig` field, as given or the flag table's "not
+    given" default) with the defaults that depend on the environment resolved (the rows with ``resolved=True``:
+    backend, strategy, processes, GPU, UI), validated into a `RunConfig`."""
+    values = dict(values)
+    if values.get("use_gpu") is None:
+        values["use_gpu"] = (gpu_available or cuda_available)()
+    if values.get("strategy") is None:
+        values["strategy"] = default_strategy(values)
+    if values.get("num_processes") is None:
+        count = (gpu_count or cuda_device_count)() if values["use_gpu"] else 0
+        values["num_processes"] = count if count > 0 else 2
+    if values.get("backend", "auto") == "auto":
+        values["backend"] = (backend_detector or detect_backend)()
+    if values.get("ui") is None:
+        values["ui"] = in_frontend
+    return RunConfig(**values)
+
+
+def default_strategy(given: Mapping[str, Any]) -> str:
+    """``--strategy`` when not given: the strategy that owns a flag that was given (``--zero`` → deepspeed), else
+    the first registered one (ddp)."""
+    for name, cls in STRATEGIES.classes().items():
+        if any(given.get(field) not in (None, _FIELD_DEFAULTS[field]) for field in cls.own_fields):
+            return name
+    return STRATEGIES.names()[0]
 
 
 _NEEDS_QUOTES = re.compile(r"[\s'\"]")
@@ -300,26 +327,27 @@ def cuda_available() -> bool:
         return False
 
 
-def detect_backend(modules: Mapping[str, Any] | None = None) -> str:
-    """``--backend auto``: spark with an active SparkSession, ray when Ray is initialised, else local.
+def cuda_device_count() -> int:
+    try:
+        import torch
 
-    Only looks at libraries the notebook has already imported, so ``auto`` never pays their import time.
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
+
+
+def detect_backend(modules: Mapping[str, Any] | None = None) -> str:
+    """``--backend auto``: the first registered backend whose class says it is in use in this process
+    (``in_use``: spark with an active SparkSession, ray when Ray is initialised), else local.
+
+    Backends look only at libraries the notebook has already imported, so ``auto`` never pays their import time.
     """
     import sys
 
     modules = sys.modules if modules is None else modules
-    if "pyspark.sql" in modules:
-        try:
-            if modules["pyspark.sql"].SparkSession.getActiveSession() is not None:
-                return "spark"
-        except Exception:
-            pass
-    if "ray" in modules:
-        try:
-            if modules["ray"].is_initialized():
-                return "ray"
-        except Exception:
-            pass
+    for name, cls in BACKENDS.classes().items():
+        if cls.in_use(modules):
+            return name
     return "local"
 
 

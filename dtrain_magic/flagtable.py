@@ -2,14 +2,14 @@
 
 Everything else about the flags comes from this table:
 
-- the magic's parser and the ``%%distribute?`` help (`dtrain_magic.flags` applies IPython's
+- the magic's parser and the ``%%distribute?`` help (`dtrain_magic.notebook.flags` applies IPython's
   ``argument``/``argument_group`` for each row, in table order, one help group per run of rows);
 - `flags.config_from_args`: each row's parsed value goes to its `RunConfig` field; the defaults that depend
   on the environment or on other flags (rows with ``resolved=True``) are resolved there explicitly;
 - `RunConfig.flag_line`: rows are written in table order, as their ``line`` says, every value through
   `config.quote_flag_value`;
 - the ``--configure`` panel's controls, labels and options (`dtrain_magic.ui.panel`): rows with a `PanelControl`;
-- the flag tables of ``docs/flags.md`` and README.md: ``python -m dtrain_magic.flagtable --write-docs``
+- the flag tables of ``docs/flags.md`` and README.md: ``python -m dtrain_magic.flagdocs --write-docs``
   (``--check`` says whether they are current; ``tests/unit/test_flagtable.py`` fails when they are not).
 
 Adding a flag (say ``--tp N``)
@@ -26,7 +26,7 @@ Adding a flag (say ``--tp N``)
    is resolved, and `flags.config_from_args` resolves it. Give ``panel=PanelControl(...)`` to show it in the
    ``--configure`` panel, ``line=NEVER`` for a flag an equivalent line must not repeat (``--dry-run``).
 3. Add non-default sample values for the field to ``ROUND_TRIP`` in tests/unit/test_flagtable.py.
-4. ``python -m dtrain_magic.flagtable --write-docs`` and commit docs/flags.md and README.md with it.
+4. ``python -m dtrain_magic.flagdocs --write-docs`` and commit docs/flags.md and README.md with it.
 
 tests/unit/test_flagtable.py fails until each of these is done (a field without a row or a row without a
 field, a default that disagrees with RunConfig, a field without round-trip samples, stale docs).
@@ -35,13 +35,15 @@ field, a default that disagrees with RunConfig, a field without round-trip sampl
 from __future__ import annotations
 
 import argparse
-import re
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .config import BACKENDS, DEFAULT_EXPERIMENT, PP_SCHEDULES, PRECISIONS, STRATEGIES, ZERO_STAGES
+from .registry import BACKENDS, STRATEGIES
+
+PRECISIONS = ("fp32", "fp16", "bf16")
+ZERO_STAGES = (0, 1, 2, 3)
+PP_SCHEDULES = ("gpipe", "1f1b")
+DEFAULT_EXPERIMENT = "dtrain_magic"
 
 # How a flag takes its value.
 VALUE = "value"  # --flag VALUE
@@ -61,6 +63,13 @@ SPARK = "Spark (TorchDistributor)"
 RAY = "Ray (TorchTrainer)"
 DEEPSPEED = "DeepSpeed and batch arithmetic"
 MODEL_PARALLEL = "Model parallelism"
+
+# Where a flag applies: the ``%%distribute`` magic (and its panel), `dtrain_magic.run`'s keyword options, the command
+# line (``python -m dtrain_magic run``).
+MAGIC = "magic"
+PYTHON = "python"
+CLI = "cli"
+EVERYWHERE = (MAGIC, PYTHON, CLI)
 
 # How the ``--configure`` panel shows a row.
 DROPDOWN = "dropdown"
@@ -107,6 +116,7 @@ class Flag:
     default_doc: str | None = None  # markdown default in the docs (None: written from ``default``)
     panel: PanelControl | None = None  # shown in the --configure panel
     cheatsheet: bool = False  # also in README's short table (docs/flags.md has every flag)
+    entry_points: tuple[str, ...] = EVERYWHERE  # where it applies (MAGIC, PYTHON, CLI)
 
     @property
     def name(self) -> str:
@@ -116,6 +126,15 @@ class Flag:
     @property
     def all_options(self) -> tuple[str, ...]:
         return self.options + self.off_options
+
+    @property
+    def keywords(self) -> tuple[str, ...]:
+        """Its names as keyword options of `dtrain_magic.run`: the `RunConfig` field, then each long option that
+        sets it True or to a value (``num_processes``, ``num_workers``; ``use_gpu``, ``gpu``), dashes as underscores."""
+        if self.field is None:
+            return ()
+        names = [self.field] + [o.lstrip("-").replace("-", "_") for o in self.options if o.startswith("--")]
+        return tuple(dict.fromkeys(names))
 
     def argparse_calls(self) -> Iterator[tuple[tuple[str, ...], dict[str, Any]]]:
         """The ``add_argument`` calls (positional, keywords) that declare this flag."""
@@ -214,10 +233,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--pp-schedule",), "pp_schedule", MODEL_PARALLEL, choices=PP_SCHEDULES, default="gpipe",
          help="pipeline schedule with --pp", doc="pipeline schedule with `--pp`"),
     # -- the cell --------------------------------------------------------------------------------------
-    Flag(("--fn",), "fn", CELL, default=None, placeholder="NAME",
+    Flag(("--fn",), "fn", CELL, default=None, placeholder="NAME", entry_points=(MAGIC,),
          help="name of the function to ship (None means the last top-level def in the cell)",
          doc="the function to ship", default_doc="last top-level def"),
-    Flag(("--result",), "result", CELL, default=None, placeholder="NAME",
+    Flag(("--result",), "result", CELL, default=None, placeholder="NAME", entry_points=(MAGIC,),
          help="also bind the RunResult to this notebook variable",
          doc="also bind the `RunResult` to this notebook variable"),
     # Never on an equivalent line: the line shown by --dry-run's plan and the panel is the one that launches.
@@ -232,10 +251,12 @@ FLAGS: tuple[Flag, ...] = (
          help="MLflow tracking URI (None means $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)",
          doc="MLflow tracking store", default_doc="`$MLFLOW_TRACKING_URI`, else `sqlite:///./mlflow.db`"),
     Flag(("--ui",), "ui", TRACKING, kind=SWITCH, off_options=("--no-ui",), default=None, resolved=True, line=ALWAYS,
+         entry_points=(MAGIC, PYTHON),
          help="show the live panel (None means on in a notebook front-end)", off_help="plain text progress only",
          doc="live panel, or plain-text progress", default_doc="ui in a notebook front-end"),
     # The magic itself acts on it (shows the panel): no RunConfig field, never on a line.
     Flag(("--configure",), None, TRACKING, cheatsheet=True, kind=STORE_TRUE, default=False, line=NEVER,
+         entry_points=(MAGIC,),
          help="show the configuration panel instead of running"),
     # -- Spark -----------------------------------------------------------------------------------------
     Flag(("--local-mode",), "local_mode", SPARK, kind=SWITCH, off_options=("--cluster",), default=True,
@@ -277,153 +298,3 @@ BY_FIELD: dict[str, Flag] = {row.field: row for row in FLAGS if row.field is not
 def panel_rows() -> tuple[Flag, ...]:
     """The rows the ``--configure`` panel shows, in table order."""
     return tuple(row for row in FLAGS if row.panel is not None)
-
-
-# -- docs ------------------------------------------------------------------------------------------------
-
-DOCS_COMMAND = "python -m dtrain_magic.flagtable --write-docs"
-DOCS_PAGE = Path("docs") / "flags.md"
-README = Path("README.md")
-README_BEGIN = "<!-- BEGIN generated: flags -->"
-README_END = "<!-- END generated: flags -->"
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
-
-
-def doc_flag(row: Flag) -> str:
-    """How the docs write a flag (markdown): ```--zero {0,1,2,3}```, ```-n, --num-processes, --num-workers N```,
-    ```--gpu` / `--cpu```."""
-    if row.kind == SWITCH:
-        return " / ".join(f"`{', '.join(opts)}`" for opts in (row.options, row.off_options))
-    text = ", ".join(row.options)
-    if row.kind == VALUE:
-        if row.choices is not None:
-            text += " {" + ",".join(str(c) for c in row.choices) + "}"
-        else:
-            text += " " + (row.placeholder or (row.field or row.name.lstrip("-")).upper())
-    return f"`{text}`"
-
-
-def doc_default(row: Flag) -> str:
-    """The default as the docs say it (markdown)."""
-    if row.default_doc is not None:
-        return row.default_doc
-    if row.default is None:
-        return "none"
-    if isinstance(row.default, bool):
-        return "on" if row.default else "off"
-    if isinstance(row.default, str):
-        return f"`{row.default}`"
-    return str(row.default)
-
-
-def markdown_table(rows: tuple[Flag, ...] = FLAGS, details: bool = False) -> str:
-    """The flags as a markdown table: flag, default, meaning (and with ``details``, the RunConfig field and
-    the panel control)."""
-    head = ["flag", "default", "meaning"] + (["`RunConfig` field", "panel"] if details else [])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in rows:
-        cells = [doc_flag(row), doc_default(row), row.doc or row.help]
-        if details:
-            cells.append(f"`{row.field}`" if row.field else "none: the magic acts on it")
-            cells.append(row.panel.label if row.panel else "")
-        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
-    return "\n".join(lines)
-
-
-def groups() -> list[tuple[str, tuple[Flag, ...]]]:
-    """(group, rows) in table order."""
-    found: dict[str, list[Flag]] = {}
-    for row in FLAGS:
-        found.setdefault(row.group, []).append(row)
-    return [(group, tuple(rows)) for group, rows in found.items()]
-
-
-def docs_page() -> str:
-    """The text of docs/flags.md."""
-    def names(line: str) -> str:
-        return ", ".join(f"`{' / '.join(row.options[:1] + row.off_options[:1])}`" for row in FLAGS if row.line == line)
-
-    parts = [
-        "# `%%distribute` flags",
-        "",
-        f"<!-- Generated from dtrain_magic/flagtable.py by `{DOCS_COMMAND}`: edit the table there. -->",
-        "",
-        "Every flag of the `%%distribute` cell magic, by help group; `%%distribute?` prints the same list in a "
-        "notebook. Each flag sets one field of the validated `RunConfig` (`dtrain_magic/config.py`); the panel "
-        "column names the control of the `--configure` panel that sets it.",
-        "",
-        "The *equivalent line* (in the `--dry-run` plan and the panel, and what the panel's \"Write cell\" "
-        f"writes) always has {names(ALWAYS)}, so that it pins what the machine-dependent defaults resolved "
-        f"to; any other flag only when its value is not the default; never {names(NEVER)}. Values with spaces "
-        "or quotes, or starting with `-`, are quoted.",
-    ]
-    for group, rows in groups():
-        parts += ["", f"## {group}", "", markdown_table(rows, details=True)]
-    return "\n".join(parts) + "\n"
-
-
-def readme_block() -> str:
-    """README's short flag table (the rows marked ``cheatsheet``), markers included."""
-    rows = tuple(row for row in FLAGS if row.cheatsheet)
-    more = (f"The other {len(FLAGS) - len(rows)} flags (tracking, Spark, Ray, DeepSpeed, the cell): "
-            "[docs/flags.md](docs/flags.md).")
-    return "\n".join([README_BEGIN, f"<!-- {DOCS_COMMAND} writes this table from dtrain_magic/flagtable.py -->",
-                      markdown_table(rows), "", more, README_END])
-
-
-def _with_readme_block(text: str) -> str:
-    pattern = re.compile(re.escape(README_BEGIN) + r".*?" + re.escape(README_END), re.S)
-    if not pattern.search(text):
-        raise ValueError(f"README.md has no {README_BEGIN} ... {README_END} block for the flag table")
-    return pattern.sub(lambda _: readme_block(), text, count=1)
-
-
-def expected_docs(root: Path) -> dict[Path, str]:
-    """Each generated file under ``root`` (the repository) and the text it should have."""
-    readme = (root / README).read_text(encoding="utf-8")
-    return {root / DOCS_PAGE: docs_page(), root / README: _with_readme_block(readme)}
-
-
-def stale_docs(root: Path) -> list[Path]:
-    """The generated files under ``root`` that are not current."""
-    return [path for path, text in expected_docs(root).items()
-            if not path.exists() or path.read_text(encoding="utf-8") != text]
-
-
-def write_docs(root: Path) -> list[Path]:
-    """Regenerate docs/flags.md and README's flag table under ``root``; the files that changed."""
-    changed = stale_docs(root)
-    for path, text in expected_docs(root).items():
-        if path in changed:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text, encoding="utf-8")
-    return changed
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m dtrain_magic.flagtable --write-docs | --check [--root REPO]``; the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m dtrain_magic.flagtable",
-                                     description="Write or check the docs generated from dtrain_magic/flagtable.py.")
-    action = parser.add_mutually_exclusive_group(required=True)
-    action.add_argument("--write-docs", action="store_true", help="regenerate docs/flags.md and README's flag table")
-    action.add_argument("--check", action="store_true", help="exit 1 when either is not current")
-    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1],
-                        help="the repository (default: the one this package is in)")
-    args = parser.parse_args(argv)
-    if not (args.root / README).exists():
-        parser.error(f"{args.root} has no README.md: give the repository with --root")
-    if args.check:
-        stale = stale_docs(args.root)
-        for path in stale:
-            print(f"not current: {path}; run `{DOCS_COMMAND}`")
-        return 1 if stale else 0
-    for path in write_docs(args.root):
-        print(f"wrote {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,7 +24,7 @@ want="$(cat requirements.txt requirements-test.txt constraints.txt pyproject.tom
 ops=".venv/var/dtrain_magic/torch_extensions/deepspeed_shm_comm/deepspeed_shm_comm.so"
 build_ops() {  # DeepSpeed's CPU op, compiled once here so that no notebook cell ever compiles C++
     echo "setup: building DeepSpeed's CPU op for this environment (about a minute on 2 cores, once)"
-    DS_ACCELERATOR=cpu .venv/bin/python -m dtrain_magic.extensions
+    DS_ACCELERATOR=cpu .venv/bin/python -m dtrain_magic.strategies.extensions
 }
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import dtrain_magic, torch, deepspeed, ray, pyspark, mlflow" 2>/dev/null; then
     [ -f "$ops" ] || build_ops

@@ -8,6 +8,10 @@
   interrupt, a failing rank). An opted-in version that lacks one of these parts is refused too.
 - `init_local_instance` (``launchers/ray/instance.py``): ``ray.init(_node_ip_address=..., _temp_dir=...)``.
   **Required** (the same `check`): they keep the local instance on loopback, in a directory only the user reads.
+- `started_by_this_process` (``launchers/ray/instance.py``): ``ray._private.worker._global_node.is_head()``, whether
+  the notebook's own ``ray.init()`` started the Ray it is connected to (a head node on this machine, which ends
+  with the notebook). **Gated**: on an unknown version, or when missing, the answer is "no" (the next run's
+  workers are then held only when the cell asks, as on a cluster).
 - `unpatched_print` (``launchers/ray/worker.py``): ``ray.train.v2._internal.logging.patch_print._original_print``.
   **Fallback** when missing: Ray Train's own ``print``, which also tees each line into its logger (each worker
   line then shows twice).
@@ -154,3 +158,16 @@ def unpatched_print() -> Any:
         return _original_print
     except ImportError:
         return builtins.print
+
+
+def started_by_this_process() -> bool:
+    """True when this process's ``ray.init()`` started the Ray head it is connected to (not joined a running one)."""
+    if not RAY.allowed():
+        return False
+    try:
+        from ray._private import worker
+
+        node = worker._global_node
+        return node is not None and bool(node.is_head())
+    except Exception:
+        return False

@@ -3,7 +3,7 @@
 `install` runs in every worker once the run's process group exists and ``ctx`` is built, before the
 user's function is unpickled; `uninstall` runs before the worker's own teardown. It sets up:
 
-- `dtrain_magic.compat_dist`: the function's own ``init_process_group`` / ``destroy_process_group``
+- `dtrain_magic.integrations.compat_dist`: the function's own ``init_process_group`` / ``destroy_process_group``
   (TorchDistributor / torchrun style) adopt the run's group; torchrun's rank variables.
 - Hugging Face (`hf`): every ``transformers.Trainer`` logs to the magic's MLflow run and live charts
   (rank 0, through ``ctx.log``) instead of a second MLflow run of its own; ``--precision`` and
@@ -26,7 +26,7 @@ import os
 import sys
 from typing import Any, Callable, Mapping
 
-from .. import compat_dist
+from . import compat_dist
 
 _hooks: "_PostImportHooks | None" = None
 _undo: list[Callable[[], None]] = []

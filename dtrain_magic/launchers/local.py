@@ -3,7 +3,7 @@
 Each worker runs with torchrun's environment variables (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR=127.0.0.1, a free MASTER_PORT) in its own process group. The process group rendezvous goes
 through a file in the run's private directory (a FileStore: no port listening on every interface, no
-port race); gloo/nccl sockets are bound to the loopback interface. Output written below Python (C
+port race); the process group's sockets are bound to the loopback interface. Output written below Python (C
 extensions, crashes) is read from the processes' pipes and shown with the rank prefix; Python-level
 output travels over the channel. Cancel = SIGTERM to every process group, then SIGKILL after a grace
 period; once every rank has sent its result the workers are killed at once (nothing of theirs is
@@ -291,6 +291,7 @@ class LocalLauncher(Launcher):
     """torch.distributed on this machine; needs neither Spark nor Ray."""
 
     name = "local"
+    restarts_workers = True  # --max-restarts: the whole group again, resuming from the run's checkpoints
 
     def __init__(self) -> None:
         self.pool = WorkerPool()  # its fork server starts with the first run (or warm_up)
@@ -339,4 +340,4 @@ class LocalLauncher(Launcher):
     def describe(self, config: RunConfig) -> str:
         device = "GPU" if config.use_gpu else "CPU"
         return (f"{config.num_processes} local process(es) on this machine "
-                f"({device}, {'nccl' if config.use_gpu else 'gloo'} on 127.0.0.1)")
+                f"({device}, 127.0.0.1)")

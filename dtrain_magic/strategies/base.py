@@ -13,18 +13,50 @@ from __future__ import annotations
 import contextlib
 import os
 from abc import ABC, abstractmethod
+from types import MappingProxyType
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 
 from ..config import RunConfig
 from . import sharded_checkpoint
+from .memory import MemoryModel
 
 
 class Strategy(ABC):
-    """One way of training in parallel. Subclasses register themselves by ``name`` (see the registry)."""
+    """One way of training in parallel: its facts (class attributes and classmethods: the flags it owns, its
+    rules, its memory model, its process-group backend, its panel defaults) and what it does in a worker.
+
+    Subclasses set ``name`` and are found through `dtrain_magic.registry.STRATEGIES` (one line there).
+    """
 
     name: ClassVar[str]
+    #: `RunConfig` fields that apply only to this strategy (``--zero``): another strategy refuses them, the panel
+    #: enables their controls only under it, and giving one without ``--strategy`` chooses it.
+    own_fields: ClassVar[tuple[str, ...]] = ()
+    #: what the panel shows in an own field's control when this strategy is chosen and the field is unset
+    panel_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType({})
+    #: why ``--tp``/``--pp`` cannot be used with this strategy (None: they can)
+    model_parallel_refusal: ClassVar[str | None] = None
+
+    @classmethod
+    def validate(cls, config: RunConfig) -> None:
+        """Pure rules on the flags for this strategy (`RunConfig` calls it; raise `ConfigError`). Default: none."""
+
+    @classmethod
+    def process_group_backend(cls, use_gpu: bool) -> str:
+        """The torch.distributed backend of the run's process group: nccl on GPUs, else gloo."""
+        return "nccl" if use_gpu else "gloo"
+
+    @classmethod
+    def memory_model(cls, zero: int | None, precision: str) -> MemoryModel:
+        """How this strategy stores each parameter (`memory.MemoryModel`): replicated, fp32 (DDP's)."""
+        return MemoryModel(stage=0)
+
+    @classmethod
+    def label(cls, zero: int | None = None) -> str:
+        """The strategy as messages and the memory estimate name it (``deepspeed ZeRO-2``)."""
+        return cls.name
 
     def __init__(self, config: RunConfig, rank: int, local_rank: int, world_size: int, device: torch.device):
         self.config = config
@@ -68,7 +100,7 @@ class Strategy(ABC):
         if self.rank != 0:
             return
         try:
-            from ..memory import report
+            from .memory import report
 
             if self.device.type == "cuda":
                 per_device = 1

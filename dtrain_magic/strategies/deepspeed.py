@@ -26,16 +26,17 @@ import importlib.util
 import json
 import os
 import warnings
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from .._compat import deepspeed as deepspeed_compat
-from ..batch_sizes import check_batch_arithmetic
-from ..config import RunConfig
+from ..config import RunConfig, check_batch_arithmetic
 from ..errors import ConfigError, MissingDependencyError
-from ..extensions import load_deepspeed_cpu_ops, use_private_extensions_dir
 from .base import Strategy
+from .extensions import load_deepspeed_cpu_ops, use_private_extensions_dir
+from .memory import ADAM_MIXED_K, MemoryModel
 
 _FLAG_KEYS = (
     "zero_optimization.stage", "fp16.enabled", "bf16.enabled", "gradient_accumulation_steps",
@@ -175,6 +176,29 @@ def build_config(config: RunConfig, world_size: int | None = None, loader_batch:
 
 class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
+    own_fields = ("zero", "deepspeed_config")
+    panel_defaults = MappingProxyType({"zero": 0})
+    model_parallel_refusal = (
+        "DeepSpeed's own tensor/pipeline engines need models written for them. Use --strategy fsdp with it (FSDP "
+        "over the data-parallel ranks, ZeRO-3-like) or --strategy ddp"
+    )
+
+    @classmethod
+    def memory_model(cls, zero: int | None, precision: str) -> MemoryModel:
+        """ZeRO's sharding by stage; mixed precision stores 2-byte parameters and gradients beside an fp32 master
+        copy (K = 12), and from stage 1 DeepSpeed keeps that fp32 copy of its partition even in fp32."""
+        stage = 0 if zero is None else int(zero)
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
+        if precision != "fp32":
+            return MemoryModel(stage, param_bytes=2, grad_bytes=2, optimizer_bytes=ADAM_MIXED_K)
+        if stage >= 1:
+            return MemoryModel(stage, optimizer_bytes=ADAM_MIXED_K)
+        return MemoryModel(stage)
+
+    @classmethod
+    def label(cls, zero: int | None = None) -> str:
+        return f"deepspeed ZeRO-{zero or 0}"
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)

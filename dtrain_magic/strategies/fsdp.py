@@ -27,10 +27,16 @@ from typing import Any
 import torch
 
 from .base import TorchStrategy
+from .memory import MemoryModel
 
 
 class FSDPStrategy(TorchStrategy):
     name = "fsdp"
+
+    @classmethod
+    def memory_model(cls, zero: int | None, precision: str) -> MemoryModel:
+        """Full sharding, like ZeRO-3; autocast keeps parameters, gradients and Adam's moments in fp32."""
+        return MemoryModel(stage=3)
 
     sharded_checkpoints = True
 

@@ -10,8 +10,7 @@ import time
 from typing import Any, Mapping
 
 from ..config import RunConfig, redact_uri
-from ..errors import ConfigError
-from ..tracebacks import summary
+from ..errors import ConfigError, summary
 from .preload import wait_for_preload
 from .system_metrics import SYSTEM_METRICS_INTERVAL_S, finish_monitor, quiet_mlflow, start_monitor
 from .uri import NOTHING_LAUNCHED, WORKERS_STOPPED, deleted_experiment_error, resolve_tracking_uri, tracking_uri_error

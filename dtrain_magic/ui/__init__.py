@@ -9,7 +9,7 @@
 - `magics.UIMagics`: ``%distribute_show RUN_ID``.
 
 Importing this package imports ipywidgets (not plotly/anywidget); a missing extra raises ImportError,
-which ``dtrain_magic.magic.make_observer`` turns into the plain-text observer.
+which ``dtrain_magic.notebook.magic.make_observer`` turns into the plain-text observer.
 """
 
 from __future__ import annotations

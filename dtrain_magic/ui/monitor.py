@@ -36,7 +36,7 @@ import ipywidgets as w
 import traitlets
 
 from ..config import RunConfig
-from ..observer import RunObserver, TextObserver, plan_with_backend, prefix_lines
+from ..driver.observer import RunObserver, TextObserver, plan_with_backend, prefix_lines
 from . import _kernel
 from .charts import preload_plotly
 

@@ -13,7 +13,8 @@ child of the panel's own widget tree, not display data inside an ``Output``: an 
 front-end also captures into (the cell's prints) syncs its outputs back to the kernel and would
 overwrite a display appended from the kernel in between (the monitor vanished that way). The workers'
 text goes to a separate ``Output`` that only the kernel writes. The `RunResult` is bound to
-``--result NAME`` when given, else to ``_distribute_result``.
+``--result NAME`` when given, and to ``_distribute_result`` (as every entry point in a notebook does:
+`driver.runner.bind_result`).
 
 "Write cell" (`CellWriter`, ``js/cell_writer.js``) puts the equivalent ``%%distribute`` line over the
 cell's body into a new cell below: through the notebook's document in JupyterLab and Notebook 7 (at
@@ -32,11 +33,11 @@ import traitlets
 from ..config import RunConfig, cuda_available
 from ..errors import ConfigError, DistributeError
 from ..flagtable import CHECKBOX, DROPDOWN, INT_BOX, TEXT, Flag, panel_rows
-from ..memory import CellModel
+from ..notebook.model_of_cell import CellModel
+from ..registry import STRATEGIES
 
 CONTROLS = tuple(row.field for row in panel_rows())  # the RunConfig fields the panel sets, from the flag table
 DEFAULT_PARAMS = 125_000_000  # the memory estimate's what-if size when the cell's model is not known
-RESULT_NAME = "_distribute_result"
 OUTPUT_LINES = 400  # the panel keeps this many lines of worker text (the monitor shows a tail too)
 
 def esm_source(name: str) -> str:
@@ -72,8 +73,7 @@ class PanelState:
         if self.size_source == "typed" and model is not None and model.num_params == self.num_params:
             self.size_source = "cell"
         self.values: dict[str, Any] = {name: getattr(config, name) for name in CONTROLS}
-        if self.values["strategy"] == "deepspeed" and self.values["zero"] is None:
-            self.values["zero"] = 0
+        self._apply_strategy_fields()
 
     # -- controls --------------------------------------------------------------------------------
     def set(self, **changes: Any) -> "PanelState":
@@ -85,15 +85,30 @@ class PanelState:
             known = self.model.num_params if self.model is not None else None
             self.size_source = "cell" if known is not None and self.num_params == known else "typed"
         self.values.update(changes)
-        if self.values["strategy"] != "deepspeed":
-            self.values["zero"] = None  # ZeRO applies to DeepSpeed only: the control is disabled
-        elif self.values["zero"] is None:
-            self.values["zero"] = 0
+        self._apply_strategy_fields()
         return self
+
+    def _apply_strategy_fields(self) -> None:
+        """A control that belongs to a strategy (its ``own_fields``: ZeRO to DeepSpeed) is unset and disabled under
+        another, and shows the strategy's ``panel_defaults`` under its own."""
+        chosen = self.values["strategy"]
+        for name in CONTROLS:
+            owner = STRATEGIES.owner_of(name)
+            if owner is None:
+                continue
+            if owner != chosen:
+                self.values[name] = None
+            elif self.values[name] is None:
+                self.values[name] = STRATEGIES.load(owner).panel_defaults.get(name)
+
+    def enabled(self, name: str) -> bool:
+        """Whether the control of ``name`` applies to the chosen strategy."""
+        owner = STRATEGIES.owner_of(name)
+        return owner is None or owner == self.values["strategy"]
 
     @property
     def zero_enabled(self) -> bool:
-        return self.values["strategy"] == "deepspeed"
+        return self.enabled("zero")
 
     def options(self) -> dict[str, list[tuple[str, Any]]]:
         """(label, value) choices per dropdown (from the flag table); choices that cannot work here are
@@ -163,9 +178,9 @@ class PanelState:
 
     def memory_line(self) -> str | None:
         """The model line, then the estimate of parameter + gradient + optimizer memory per process
-        (``dtrain_magic.memory``), and a warning when it exceeds the device's memory."""
+        (``dtrain_magic.strategies.memory``), and a warning when it exceeds the device's memory."""
         try:
-            from .. import memory
+            from ..strategies import memory
         except ImportError:
             return None
         try:
@@ -209,9 +224,9 @@ class ConfigurePanel:
         import ipywidgets as w
 
         if checker is None:
-            from ..runner import check as checker
+            from ..driver.runner import check as checker
         if model is None:
-            from ..memory import model_of_cell
+            from ..notebook.model_of_cell import model_of_cell
 
             model = model_of_cell(cell, getattr(shell, "user_ns", None) or {}, config.fn)
         from .charts import preload_plotly
@@ -273,17 +288,19 @@ class ConfigurePanel:
     def refresh(self) -> None:
         import html
 
-        zero = self.controls["zero"]
-        zero.disabled = not self.state.zero_enabled
-        # One short label (a longer one was cut off); the tooltip says why it may be greyed out.
-        zero.description = "ZeRO stage"
-        zero.tooltip = ("DeepSpeed ZeRO stage" if self.state.zero_enabled
-                        else "DeepSpeed only: choose strategy deepspeed to pick a ZeRO stage")
+        for name, control in self.controls.items():  # a strategy's own controls: greyed out under another
+            owner = STRATEGIES.owner_of(name)
+            if owner is None:
+                continue
+            control.disabled = not self.state.enabled(name)
+            # The label stays short (a longer one was cut off); the tooltip says why it may be greyed out.
+            control.tooltip = (control.description if not control.disabled
+                               else f"{owner} only: choose strategy {owner} to set {control.description}")
         self.controls["precision"].options = self.state.options()["precision"]
         self.controls["precision"].value = self.state.values["precision"]
         memory = self.state.memory_line()
         self.memory.value = (f"<pre style='margin:0; white-space:pre-wrap'>{html.escape(memory)}</pre>" if memory
-                             else "<i>memory estimate unavailable (dtrain_magic.memory is not installed)</i>")
+                             else "<i>memory estimate unavailable</i>")
         problems = self.state.problems()
         self.problems.value = ("".join(f"<div style='color:#cf222e'>⚠ {html.escape(p)}</div>" for p in problems)
                                if problems else "<div style='color:#1a7f37'>✓ ready to run</div>")
@@ -317,9 +334,10 @@ class ConfigurePanel:
 
     # -- Run -------------------------------------------------------------------------------------
     def run(self, wait: bool = False) -> None:
-        """Capture the cell, then run it in a background thread; the monitor appears under the panel."""
-        from ..capture import capture
-        from ..runner import execute
+        """Prepare the run as the magic does (check, the next run's workers ahead, the cell captured on this
+        thread), then execute it in a background thread; the monitor appears under the panel."""
+        from ..driver import runner
+        from ..notebook.capture import capture
         from .monitor import MonitorObserver
 
         if self.running:
@@ -329,9 +347,11 @@ class ConfigurePanel:
         self.cell_output.clear_output()
         text = _OutputWriter(self.output)
         text.write(f"running: {config.flag_line()}\n")
+        namespace = self.shell.user_ns
         try:
             with self.cell_output:  # the cell runs in the notebook first: its own prints land here
-                payload, _ = capture(self.cell, self.shell.user_ns, config.fn, self.shell)
+                prepared = runner.prepare(
+                    config, lambda: capture(self.cell, namespace, config.fn, self.shell)[0], namespace)
         except DistributeError as exc:
             text.write(f"{type(exc).__name__}: {exc}\n", stream="stderr")
             text.close()
@@ -343,8 +363,7 @@ class ConfigurePanel:
 
         def work() -> None:
             try:
-                self.result = execute(config, payload, self.observer, stop=self.observer.stop_event)
-                self.shell.user_ns[config.result or RESULT_NAME] = self.result
+                self.result = prepared.execute(self.observer, stop=self.observer.stop_event)
             except BaseException as exc:  # shown in the panel; the kernel goes on
                 self.error = exc
                 text.write(f"{type(exc).__name__}: {exc}\n", stream="stderr")

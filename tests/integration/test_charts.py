@@ -166,7 +166,7 @@ def test_stop_event_stops_the_run_cleanly(shell, mlflow):
 
 def test_configure_panel_runs_in_the_background(shell, mlflow):
     """Run in the --configure panel: the chosen RunConfig, launched in a background thread, result bound."""
-    from dtrain_magic import flags
+    from dtrain_magic.notebook import flags
     from dtrain_magic.ui.panel import ConfigurePanel
 
     cell = _cell(5, 0.01).split("\n", 1)[1]
@@ -245,8 +245,8 @@ def test_first_points_are_charted_while_the_mlflow_run_opens(shell, mlflow, monk
 def test_configure_panel_shows_the_monitor_stops_and_runs_again(shell, mlflow):
     """Run in the panel: the monitor (with its live charts) is part of the panel's own widgets; Stop ends
     the run as KILLED; Run works again after it."""
-    from dtrain_magic import flags
     from dtrain_magic.errors import RunInterrupted
+    from dtrain_magic.notebook import flags
     from dtrain_magic.ui.panel import ConfigurePanel
 
     config = flags.config_from_line("--backend local -n 2", gpu_available=lambda: False)

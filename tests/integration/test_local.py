@@ -277,11 +277,12 @@ def test_dry_run_shows_plan_and_launches_nothing(shell, mlflow, capsys):
 def test_a_run_looks_up_its_launcher_store_state_and_channel_host_once(shell, count_calls, tracking_uri):
     """`runner.check`'s plan is what `execute` runs: through the magic (check, capture, execute with the plan)
     and through `runner.execute` alone (the panel's Run, which checks itself), once per run each."""
-    from dtrain_magic import launchers, runner
-    from dtrain_magic.capture import capture
+    from dtrain_magic import launchers
     from dtrain_magic.config import RunConfig
+    from dtrain_magic.driver import runner
+    from dtrain_magic.driver.observer import RunObserver
     from dtrain_magic.launchers.local import LocalLauncher
-    from dtrain_magic.observer import RunObserver
+    from dtrain_magic.notebook.capture import capture
     from dtrain_magic.tracking import uri
 
     calls = {
@@ -305,10 +306,10 @@ def test_a_run_looks_up_its_launcher_store_state_and_channel_host_once(shell, co
 
 def test_worker_output_streams_while_the_run_is_going(tmp_path, tracking_uri):
     """Lines reach the notebook as they are printed, not at the end."""
-    from dtrain_magic import runner
-    from dtrain_magic.capture import capture
     from dtrain_magic.config import RunConfig
-    from dtrain_magic.observer import RunObserver
+    from dtrain_magic.driver import runner
+    from dtrain_magic.driver.observer import RunObserver
+    from dtrain_magic.notebook.capture import capture
 
     class Recorder(RunObserver):
         def __init__(self):
@@ -448,10 +449,10 @@ def test_processes_bind_only_to_loopback(shell):
 def test_two_runs_at_once_use_separate_channels_and_mlflow_runs(tracking_uri):
     from concurrent.futures import ThreadPoolExecutor
 
-    from dtrain_magic import runner
-    from dtrain_magic.capture import capture
     from dtrain_magic.config import RunConfig
-    from dtrain_magic.observer import RunObserver
+    from dtrain_magic.driver import runner
+    from dtrain_magic.driver.observer import RunObserver
+    from dtrain_magic.notebook.capture import capture
 
     payload, _ = capture("import time\ndef train(ctx):\n    time.sleep(1)\n    return ctx.rank\n", {})
     config = RunConfig(num_processes=2, tracking_uri=tracking_uri)

@@ -166,7 +166,7 @@ def test_kernel_exit_after_a_spark_cluster_run_is_quiet(tmp_path):
 def test_stale_deepspeed_build_lock_does_not_hang_a_run(shell):
     """A build killed half-way leaves torch's ``lock`` file: the next DeepSpeed run removes it (nobody
     holds the environment's flock) and trains, instead of waiting on it forever."""
-    from dtrain_magic.extensions import extensions_dir
+    from dtrain_magic.strategies.extensions import extensions_dir
 
     build_dir = os.path.join(extensions_dir(), "deepspeed_shm_comm")
     os.makedirs(build_dir, exist_ok=True)

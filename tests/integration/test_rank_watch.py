@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from dtrain_magic import watchdog
+from dtrain_magic.launchers import watchdog
 from dtrain_magic.launchers.spark.driver import _RankWatch
 
 pytestmark = pytest.mark.slow

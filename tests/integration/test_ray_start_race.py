@@ -24,11 +24,11 @@ NOTEBOOK = textwrap.dedent('''
 
     import ray
 
-    from dtrain_magic import runner
-    from dtrain_magic.capture import capture
+    from dtrain_magic.driver import runner
+    from dtrain_magic.notebook.capture import capture
     from dtrain_magic.config import RunConfig
     from dtrain_magic.launchers import get_launcher
-    from dtrain_magic.observer import RunObserver
+    from dtrain_magic.driver.observer import RunObserver
 
     assert not ray.is_initialized()
     payload, _ = capture("import os, time\\ndef train(ctx):\\n    time.sleep(1)\\n"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtrain_magic.memory import estimate
+from dtrain_magic.strategies.memory import estimate
 from workloads import ATOL, RTOL, WORLD, assert_close, reference_weights, strategy_cell
 
 pytestmark = pytest.mark.slow
@@ -171,7 +171,7 @@ def train(ctx):
         ("--zero 1 --deepspeed-config '{\"optimizer\": {\"type\": \"Adam\"}}'", "optimizer"),
         ("--zero 1 --deepspeed-config /no/such/file.json", "neither JSON text nor an existing file"),
         # model parallelism (issue #16): the mesh's arithmetic and unsupported mixes
-        ("--zero 2 --pp 2", "--pp: --pp 2 is not supported with --strategy deepspeed (ZeRO 2)"),
+        ("--zero 2 --pp 2", "--pp: --pp 2 is not supported with deepspeed ZeRO-2"),
         ("-n 3 --tp 2", "--tp: -n 3 processes cannot be arranged as --tp 2"),
         ("-n 4 --pp 4 --microbatches 2 --pp-schedule 1f1b", "needs at least as many micro-batches as stages"),
         ("--microbatches 4", "--microbatches: applies only to pipeline parallelism"),

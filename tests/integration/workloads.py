@@ -117,7 +117,7 @@ ATOL, RTOL = 1e-5, 1e-4
 STRATEGY_CELL = '''
 import os
 import torch
-from dtrain_magic.memory import optimizer_state_bytes
+from dtrain_magic.strategies.memory import optimizer_state_bytes
 
 def make_model():
     return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))

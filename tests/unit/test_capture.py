@@ -5,8 +5,9 @@ import threading
 import cloudpickle
 import pytest
 
-from dtrain_magic.capture import Payload, capture, last_function_name, serialize, takes_context
 from dtrain_magic.errors import CaptureError
+from dtrain_magic.notebook.capture import capture, last_function_name
+from dtrain_magic.payload import Payload, serialize, takes_context
 
 
 def test_last_top_level_def_is_chosen():

@@ -8,8 +8,8 @@ from multiprocessing.connection import AuthenticationError, Client
 import pytest
 
 from dtrain_magic import channel as ch
-from dtrain_magic import watchdog
 from dtrain_magic.channel import Channel, ChannelAddress, WorkerLink
+from dtrain_magic.launchers import watchdog
 
 
 def test_messages_arrive_and_secret_is_not_in_repr():

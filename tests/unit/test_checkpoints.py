@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from dtrain_magic.checkpoints import CheckpointStore, run_checkpoint_root, storage_path
 from dtrain_magic.config import RunConfig
 from dtrain_magic.errors import ConfigError
+from dtrain_magic.worker.checkpoints import CheckpointStore, run_checkpoint_root, storage_path
 
 
 def test_numbered_saves_and_latest(tmp_path):

@@ -118,7 +118,7 @@ def test_the_opt_in_lets_an_unknown_version_be_tried(installed, monkeypatch, val
 
 
 def test_an_unknown_cloudpickle_stops_capture_before_the_cell_runs(installed, monkeypatch):
-    from dtrain_magic.capture import capture
+    from dtrain_magic.notebook.capture import capture
 
     installed("cloudpickle", "9.0.0")
     namespace: dict = {}
@@ -134,7 +134,7 @@ def test_an_unknown_cloudpickle_stops_capture_before_the_cell_runs(installed, mo
 def test_cloudpickle_code_reducer_keeps_the_cells_file_name_and_plain_cloudpickle_without_it(monkeypatch):
     import cloudpickle
 
-    from dtrain_magic import capture
+    from dtrain_magic import payload as capture
 
     def f(x):
         return 2 * x

@@ -6,12 +6,13 @@ import types
 
 import pytest
 
-from dtrain_magic.capture import CTX, BoundCall, call_statement, capture, refers_to_ray_train
-from dtrain_magic.compat_dist import check_request, requested_backends
 from dtrain_magic.errors import CaptureError, DistributeError, UnsupportedCodeError
 from dtrain_magic.integrations import numbers
+from dtrain_magic.integrations.compat_dist import check_request, requested_backends
 from dtrain_magic.integrations.hf import apply_flags
 from dtrain_magic.integrations.ray_train import report_step
+from dtrain_magic.notebook.capture import call_statement, capture
+from dtrain_magic.payload import CTX, BoundCall, refers_to_ray_train
 
 
 # -- init_process_group adoption ---------------------------------------------------------------------
@@ -63,7 +64,7 @@ def test_adopt_in_a_real_one_process_group_and_restore():
     restore puts torch's functions back."""
     import torch.distributed as dist
 
-    from dtrain_magic import compat_dist
+    from dtrain_magic.integrations import compat_dist
 
     real_init, real_destroy = dist.init_process_group, dist.destroy_process_group
     real_init("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -203,10 +204,10 @@ def test_numbers_keeps_numeric_metrics_only():
 
 # -- before launch -----------------------------------------------------------------------------------
 def test_a_ray_train_loop_off_ray_is_refused_and_dry_run_shows_the_call(tmp_path):
-    from dtrain_magic.capture import Payload
     from dtrain_magic.config import RunConfig
+    from dtrain_magic.driver.runner import check, check_payload, dry_run_text
     from dtrain_magic.errors import ConfigError
-    from dtrain_magic.runner import check, check_payload, dry_run_text
+    from dtrain_magic.payload import Payload
 
     payload = Payload(b"", "loop", False, call_text="loop({'lr': 0.1})", uses_ray_train=True)
     with pytest.raises(ConfigError, match=r"--backend: loop\(\{'lr': 0.1\}\) calls Ray Train .* --backend ray"):

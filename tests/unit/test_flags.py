@@ -5,9 +5,9 @@ from dataclasses import FrozenInstanceError
 import pytest
 from IPython.core.error import UsageError
 
-from dtrain_magic import flags
 from dtrain_magic.config import RunConfig
 from dtrain_magic.errors import ConfigError
+from dtrain_magic.notebook import flags
 
 
 def parse(line, **kw):
@@ -123,7 +123,7 @@ def test_other_argparse_errors_get_no_flag_list_hint():
         ("--backend local --spark-master local[2]", "--spark-master", "spark"),
         ("--backend local --ray-address auto", "--ray-address", "ray"),
         ("--backend spark --max-restarts 1", "--max-restarts", "restart"),
-        ("--deepspeed-config {}", "--deepspeed-config", "deepspeed"),
+        ("--strategy ddp --deepspeed-config {}", "--deepspeed-config", "deepspeed"),
         ("--seed -1", "--seed", ">= 0"),
         ("--micro-batch 0 --train-batch 8", "--micro-batch", ">= 1"),
         ("--zero 2 -n 2 --grad-accum 2 --micro-batch 4 --train-batch 32", "--train-batch", "--train-batch 16"),

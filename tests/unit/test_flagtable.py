@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from dtrain_magic import flags, flagtable
+from dtrain_magic import flagdocs, flagtable
 from dtrain_magic.config import RunConfig, quote_flag_value
 from dtrain_magic.errors import ConfigError
 from dtrain_magic.flagtable import FLAGS, NEVER, SWITCH, VALUE
+from dtrain_magic.notebook import flags
 
 REPO = Path(__file__).resolve().parents[2]
 FIELDS = [f.name for f in dataclasses.fields(RunConfig) if f.name != "extra"]
@@ -178,29 +179,29 @@ def test_quote_flag_value_leaves_plain_values_and_numbers_bare():
 # -- generated docs -----------------------------------------------------------------------------------
 
 def test_generated_docs_are_current():
-    stale = [str(p.relative_to(REPO)) for p in flagtable.stale_docs(REPO)]
-    assert not stale, f"{stale} not generated from dtrain_magic/flagtable.py: run `.venv/bin/{flagtable.DOCS_COMMAND}`"
+    stale = [str(p.relative_to(REPO)) for p in flagdocs.stale_docs(REPO)]
+    assert not stale, f"{stale} not generated from dtrain_magic/flagtable.py: run `.venv/bin/{flagdocs.DOCS_COMMAND}`"
 
 
 def test_write_docs_replaces_only_the_marked_block(tmp_path):
     readme = tmp_path / "README.md"
-    readme.write_text(f"# x\nbefore\n{flagtable.README_BEGIN}\n| stale |\n{flagtable.README_END}\nafter\n")
-    assert flagtable.main(["--check", "--root", str(tmp_path)]) == 1
-    assert flagtable.main(["--write-docs", "--root", str(tmp_path)]) == 0
-    assert flagtable.main(["--check", "--root", str(tmp_path)]) == 0
+    readme.write_text(f"# x\nbefore\n{flagdocs.README_BEGIN}\n| stale |\n{flagdocs.README_END}\nafter\n")
+    assert flagdocs.main(["--check", "--root", str(tmp_path)]) == 1
+    assert flagdocs.main(["--write-docs", "--root", str(tmp_path)]) == 0
+    assert flagdocs.main(["--check", "--root", str(tmp_path)]) == 0
     text = readme.read_text()
-    assert text.startswith("# x\nbefore\n" + flagtable.README_BEGIN)
-    assert text.endswith(flagtable.README_END + "\nafter\n")
+    assert text.startswith("# x\nbefore\n" + flagdocs.README_BEGIN)
+    assert text.endswith(flagdocs.README_END + "\nafter\n")
     # the short table
     assert "| `--grad-accum N` |" in text and "| `--train-batch N` |" not in text and "| stale |" not in text
-    assert (tmp_path / "docs" / "flags.md").read_text() == flagtable.docs_page()
-    assert flagtable.write_docs(tmp_path) == []  # nothing to rewrite
+    assert (tmp_path / "docs" / "flags.md").read_text() == flagdocs.docs_page()
+    assert flagdocs.write_docs(tmp_path) == []  # nothing to rewrite
     readme.write_text("# no markers\n")
     with pytest.raises(ValueError, match="BEGIN generated: flags"):
-        flagtable.write_docs(tmp_path)
+        flagdocs.write_docs(tmp_path)
 
 
 def test_docs_list_every_flag():
-    page = flagtable.docs_page()
+    page = flagdocs.docs_page()
     for row in FLAGS:
-        assert flagtable.doc_flag(row) in page and (row.doc or row.help).replace("|", "\\|") in page, row.name
+        assert flagdocs.doc_flag(row) in page and (row.doc or row.help).replace("|", "\\|") in page, row.name

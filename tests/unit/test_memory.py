@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dtrain_magic.memory import (
+from dtrain_magic.strategies.memory import (
     MemoryEstimate,
     check_fits,
     count_parameters,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from dtrain_magic.memory import count_parameters, estimate, model_of_cell
+from dtrain_magic.notebook.model_of_cell import model_of_cell
+from dtrain_magic.strategies.memory import count_parameters, estimate
 
 MLP = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
 
@@ -95,7 +96,7 @@ def test_dry_run_prints_the_estimate_for_the_cells_model(shell, capsys):
     out = capsys.readouterr().out
     assert "nothing launched" in out and "model: 1,010 parameters, `Net()` from the cell" in out
     assert "memory estimate (deepspeed ZeRO-2, bf16, 2 processes, 1,010 parameters)" in out
-    assert "gloo on 127.0.0.1" in out and "gloo/nccl" not in out
+    assert "(CPU, 127.0.0.1), gloo process group" in out
     unknown = shell.run("%%distribute --backend local -n 2 --dry-run --no-ui\ndef train(ctx):\n    return 1\n")
     assert unknown.error_in_exec is None
     assert "the model is not known before training (train() does not call ctx.prepare" in capsys.readouterr().out

@@ -10,11 +10,11 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from dtrain_magic.memory import estimate, table
 from dtrain_magic.parallel import pipeline_split as ps
 from dtrain_magic.parallel import tensor_parallel as tpl
 from dtrain_magic.parallel.hf_gpt2 import SplitQKV, plain_state_dict
 from dtrain_magic.parallel.mesh import ParallelDims
+from dtrain_magic.strategies.memory import estimate, table
 
 
 # -- the mesh ---------------------------------------------------------------------------------------------

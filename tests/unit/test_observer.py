@@ -1,7 +1,7 @@
 import io
 
 from dtrain_magic.config import RunConfig
-from dtrain_magic.observer import TextObserver, prefix_lines, progress_line
+from dtrain_magic.driver.observer import TextObserver, prefix_lines, progress_line
 
 
 def test_prefix_lines_keeps_partial_lines_pending():
@@ -32,7 +32,7 @@ def test_a_gpu_plan_says_when_gpu_metrics_will_be_missing(monkeypatch):
     import builtins
 
     from dtrain_magic.config import RunConfig
-    from dtrain_magic.observer import plan_with_backend
+    from dtrain_magic.driver.observer import plan_with_backend
 
     real_import = builtins.__import__
 
@@ -42,8 +42,8 @@ def test_a_gpu_plan_says_when_gpu_metrics_will_be_missing(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_pynvml)
-    gpu = plan_with_backend("2 local process(es) (GPU, gloo/nccl on 127.0.0.1)", RunConfig(use_gpu=True))
-    assert gpu == "2 local process(es) (GPU, nccl on 127.0.0.1) (GPU metrics are off: install nvidia-ml-py " \
-                  "to record GPU utilisation and memory)"
-    cpu = plan_with_backend("2 local process(es) (CPU, gloo/nccl on 127.0.0.1)", RunConfig(use_gpu=False))
-    assert cpu == "2 local process(es) (CPU, gloo on 127.0.0.1)"
+    gpu = plan_with_backend("2 local process(es) (GPU, 127.0.0.1)", RunConfig(use_gpu=True))
+    assert gpu == ("2 local process(es) (GPU, 127.0.0.1), nccl process group (GPU metrics are off: install "
+                   "nvidia-ml-py to record GPU utilisation and memory)")
+    cpu = plan_with_backend("2 local process(es) (CPU, 127.0.0.1)", RunConfig(use_gpu=False))
+    assert cpu == "2 local process(es) (CPU, 127.0.0.1), gloo process group"

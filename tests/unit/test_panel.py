@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dtrain_magic import flags
 from dtrain_magic.config import RunConfig
 from dtrain_magic.errors import ConfigError
+from dtrain_magic.notebook import flags
 
 pytest.importorskip("ipywidgets")
 from dtrain_magic.ui.panel import ConfigurePanel, PanelState  # noqa: E402
@@ -90,7 +90,7 @@ def test_checker_problems_are_shown():
 
 
 def test_memory_estimate_follows_the_choice():
-    pytest.importorskip("dtrain_magic.memory")
+    pytest.importorskip("dtrain_magic.strategies.memory")
     s = state(num_params=1_000_000).set(strategy="deepspeed", zero=0)
     zero0 = s.memory_line()
     s.set(zero=3)
@@ -145,7 +145,7 @@ def test_paths_with_spaces_survive_the_flag_line():
 
 
 def test_estimate_uses_the_cells_model_and_says_what_if_otherwise():
-    from dtrain_magic.memory import CellModel
+    from dtrain_magic.notebook.model_of_cell import CellModel
 
     model = CellModel(1153, "`Net()` from the cell, built on the meta device")
     s = state(model=model)
@@ -235,8 +235,7 @@ def test_panel_text_output_is_capped_and_kernel_written():
 
 
 def test_controls_labels_and_options_come_from_the_flag_table():
-    from dtrain_magic.config import BACKENDS, PRECISIONS, STRATEGIES, ZERO_STAGES
-    from dtrain_magic.flagtable import FLAGS
+    from dtrain_magic.flagtable import BACKENDS, FLAGS, PRECISIONS, STRATEGIES, ZERO_STAGES
     from dtrain_magic.ui.panel import CONTROLS
 
     rows = [row for row in FLAGS if row.panel is not None]

@@ -2,9 +2,9 @@
 
 import pytest
 
-from dtrain_magic import flags
 from dtrain_magic.config import RunConfig
 from dtrain_magic.errors import ConfigError
+from dtrain_magic.notebook import flags
 
 
 def parse(line: str) -> RunConfig:
@@ -39,7 +39,7 @@ def test_microbatches_default_to_twice_the_stages():
         ("-n 3 --tp 2", "--tp", "use -n 2 or 4"),
         ("-n 6 --tp 2 --pp 2", "--tp", "--tp 2 x --pp 2 (= 4 processes"),
         ("-n 1 --pp 2", "--pp", "use -n 2,"),
-        ("--zero 2 --pp 2", "--pp", "--pp 2 is not supported with --strategy deepspeed (ZeRO 2)"),
+        ("--zero 2 --pp 2", "--pp", "--pp 2 is not supported with deepspeed ZeRO-2"),
         ("--strategy deepspeed --tp 2", "--tp", "Use --strategy fsdp"),
         ("--microbatches 4", "--microbatches", "add --pp N"),
         ("--pp-schedule 1f1b", "--pp-schedule", "add --pp N"),

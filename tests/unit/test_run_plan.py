@@ -4,8 +4,9 @@ import sqlite3
 
 import pytest
 
-from dtrain_magic import runner
 from dtrain_magic.config import RunConfig
+from dtrain_magic.driver import plan as planning
+from dtrain_magic.driver import runner
 from dtrain_magic.errors import ConfigError
 from dtrain_magic.launchers.base import Launcher
 
@@ -38,7 +39,7 @@ class StubLauncher(Launcher):
 def stub(monkeypatch):
     launcher = StubLauncher()
     lookups = []
-    monkeypatch.setattr(runner, "get_launcher", lambda name: lookups.append(name) or launcher)
+    monkeypatch.setattr(planning, "get_launcher", lambda name: lookups.append(name) or launcher)
     launcher.lookups = lookups
     return launcher
 
@@ -46,7 +47,7 @@ def stub(monkeypatch):
 @pytest.fixture
 def preloads(monkeypatch):
     calls = []
-    monkeypatch.setattr(runner, "preload_mlflow", lambda: calls.append(1))  # no MLflow import in a unit test
+    monkeypatch.setattr(planning, "preload_mlflow", lambda: calls.append(1))  # no MLflow import in a unit test
     return calls
 
 
@@ -92,7 +93,7 @@ def test_a_deleted_experiment_is_refused_by_check(tmp_path, stub, preloads):
 
 
 def test_execute_refuses_a_plan_made_for_another_config(tmp_path, stub, preloads):
-    from dtrain_magic.capture import Payload
+    from dtrain_magic.payload import Payload
 
     plan = runner.check(RunConfig(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db"))
     with pytest.raises(ValueError, match="another config"):

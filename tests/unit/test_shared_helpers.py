@@ -7,13 +7,11 @@ import signal
 
 import pytest
 
-from dtrain_magic.batch_sizes import check_batch_arithmetic
-from dtrain_magic.config import RunConfig
-from dtrain_magic.errors import ConfigError
+from dtrain_magic.config import RunConfig, check_batch_arithmetic
+from dtrain_magic.errors import ConfigError, summary
 from dtrain_magic.launchers.base import describe_exit
 from dtrain_magic.launchers.spark import one_line_reason, torchrun_root_cause
 from dtrain_magic.strategies.deepspeed import build_config
-from dtrain_magic.tracebacks import summary
 
 
 def test_summary_is_the_type_and_the_first_line():

@@ -55,7 +55,7 @@ def test_importing_the_package_builds_no_state_and_registers_no_exit_hook():
         "        ours.append(repr(fn))\n"
         "    return real(fn, *args, **kwargs)\n"
         "atexit.register = spy\n"
-        "import dtrain_magic, dtrain_magic.magic, dtrain_magic.runner, dtrain_magic.launchers.local\n"
+        "import dtrain_magic, dtrain_magic.notebook.magic, dtrain_magic.driver.runner, dtrain_magic.launchers.local\n"
         "import dtrain_magic.launchers.ray, dtrain_magic.launchers.spark, dtrain_magic.state\n"
         "from dtrain_magic.launchers import get_launcher\n"
         "fresh = dtrain_magic.state._state is None\n"

@@ -196,15 +196,15 @@ def test_system_chart_has_one_line_per_gpu_per_node():
 
 
 def test_the_plan_names_the_backend_in_use_and_the_finished_button_is_not_a_red_done():
-    from dtrain_magic.observer import plan_with_backend
+    from dtrain_magic.driver.observer import plan_with_backend
 
-    plan = "2 local process(es) on this machine (CPU, gloo/nccl on 127.0.0.1)"
-    assert plan_with_backend(plan, RunConfig()) == "2 local process(es) on this machine (CPU, gloo on 127.0.0.1)"
-    assert "nccl on" in plan_with_backend(plan, RunConfig(use_gpu=True))
+    plan = "2 local process(es) on this machine (CPU, 127.0.0.1)"
+    assert plan_with_backend(plan, RunConfig()) == f"{plan}, gloo process group"
+    assert "nccl process group" in plan_with_backend(plan, RunConfig(use_gpu=True))
     obs, _ = make()
     obs.launched(obs.config, plan)
     obs._flush()
-    assert obs.widget.state == "running" and obs.widget.plan.endswith("(CPU, gloo on 127.0.0.1)")
+    assert obs.widget.state == "running" and obs.widget.plan.endswith("(CPU, 127.0.0.1), gloo process group")
     obs.finished(None, None)
     assert (obs.stop_button.description, obs.stop_button.button_style) == ("Finished", "success")
     failed, _ = make()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...tracebacks import summary
+from ...errors import summary
 from ..base import Failure
 
 

@@ -23,15 +23,14 @@ import os
 import threading
 import uuid
 import weakref
-from typing import Any
+from typing import Any, Mapping
 
 from ..._compat import ray as ray_compat
 from ...channel import StandbyJob
-from ...checkpoints import run_checkpoint_root, storage_path
 from ...config import RunConfig, redact_uri
-from ...errors import ConfigError, LaunchError, MissingDependencyError
-from ...tracebacks import summary
+from ...errors import ConfigError, LaunchError, MissingDependencyError, summary
 from ...worker import WorkerJob
+from ...worker.checkpoints import run_checkpoint_root, storage_path
 from ..base import Emit, Launcher, LaunchState, RunningJob
 from ..standby import Claim, Placement, Standby, StandbyLaunch, StandbySlot, default_keep_warm_s, keep_warm_s
 from .diagnostics import failures_from
@@ -127,6 +126,19 @@ class RayLauncher(Launcher):
     """Ray Train (``TorchTrainer``) on the connected, given or an embedded local Ray instance."""
 
     name = "ray"
+    own_fields = ("ray_address",)  # --ray-address
+    restarts_workers = True  # Ray Train's FailureConfig(max_failures)
+    keeps_workers_warm = True
+    storage_urls = True  # Ray Train's run storage: s3://, gs://
+
+    @classmethod
+    def in_use(cls, modules: Mapping[str, Any]) -> bool:
+        """Ray initialised in the notebook (by the user's ``ray.init()`` or an earlier run)."""
+        try:
+            return "ray" in modules and bool(modules["ray"].is_initialized())
+        except Exception as exc:
+            logging.getLogger(__name__).debug("--backend auto: whether Ray is initialised is unknown (%s)", exc)
+            return False
 
     def __init__(self) -> None:
         self.instance = RayInstance()  # the Ray this kernel started or joined, kept between runs
@@ -210,13 +222,14 @@ class RayLauncher(Launcher):
         return self.standbys.claim(self._placement(config))
 
     def keep_warm(self, config: RunConfig) -> str | None:
-        """Launch the next run's workers on the Ray this kernel is connected to (held by default only on the
-        local instance the magic started); nothing before Ray is up (a kernel's first run starts it after the
+        """Launch the next run's workers on the Ray this kernel is connected to (held by default on this machine's
+        own Ray: the local instance the magic started, or one the notebook's own ``ray.init()`` started; on a
+        cluster only with ``--keep-warm``); nothing before Ray is up (a kernel's first run starts it after the
         cell ran: the cell may call ray.init itself)."""
         how = self.instance.connected_for(config)
         if how is None:
             return None
-        keep = keep_warm_s(config, holds_by_default=how == "embedded")
+        keep = keep_warm_s(config, holds_by_default=how in ("embedded", "notebook"))
         placement = self._placement(config)
         standby = self.standbys.ensure(placement, keep, lambda: self._launch_standby(config, placement))
         return standby.describe() if standby is not None else None
@@ -237,6 +250,7 @@ class RayLauncher(Launcher):
 
         device = "GPU" if config.use_gpu else "CPU"
         on = ("the local Ray instance" if self.instance.temp_dir
+              else "this notebook's own Ray" if self.instance.connected_for(config) == "notebook"
               else f"the Ray cluster at {redact_uri(_current_address() or '?')}")
         root = run_checkpoint_root(config.storage, uuid.uuid4().hex)
         standby = Standby(placement, config.num_processes, self.channel_host(config), root,

@@ -13,9 +13,8 @@ from typing import Any
 
 from ..._compat import ray as ray_compat
 from ...config import RunConfig
-from ...errors import LaunchError
+from ...errors import LaunchError, summary
 from ...state import kernel_state
-from ...tracebacks import summary
 
 _INSTANCE_ENV = "DTRAIN_RAY_INSTANCE"  # set while the local instance starts: every process of it inherits it
 
@@ -36,12 +35,12 @@ class RayInstance:
         self.sweeper: Any = None  # the watchdog process that removes the instance if this kernel's process goes
 
     def connect(self, config: RunConfig) -> str:
-        """Make sure this kernel is connected to the right Ray; returns how ("running", "joined", "embedded")."""
+        """Make sure this kernel is connected to the right Ray; returns how (`_how`)."""
         with self.lock:
             return self._connect(config)
 
     def connected_for(self, config: RunConfig) -> str | None:
-        """How this kernel is connected to the Ray ``config`` asks for ("running", "joined", "embedded"), or None
+        """How this kernel is connected to the Ray ``config`` asks for (`_how`), or None
         when it is not connected to it now; connects, starts and stops nothing."""
         import sys
 
@@ -59,7 +58,7 @@ class RayInstance:
             if not address or address == "auto" or address == self.joined or (
                 current and _host_port(address) == _host_port(current)
             ):
-                return "embedded" if self.temp_dir else ("joined" if self.joined else "running")
+                return self._how()
             return None
 
     def _connect(self, config: RunConfig) -> str:
@@ -74,7 +73,7 @@ class RayInstance:
             if not address or address == "auto" or address == self.joined or (
                 current and _host_port(address) == _host_port(current)
             ):
-                return "embedded" if self.temp_dir else ("joined" if self.joined else "running")
+                return self._how()
             if self.joined:  # a cluster this launcher joined: leave it for the requested one
                 ray.shutdown()
             elif self.temp_dir is None:
@@ -95,6 +94,16 @@ class RayInstance:
             return "joined"
         self._start(max(4, config.num_processes + 1))
         return "embedded"
+
+    def _how(self) -> str:
+        """How this kernel is connected to the Ray it is on now: "embedded" (the local instance the magic
+        started), "joined" (a cluster the magic joined), "notebook" (a local Ray the notebook's own ``ray.init()``
+        started: this machine's, it ends with the notebook) or "running" (a Ray someone else started)."""
+        if self.temp_dir:
+            return "embedded"
+        if self.joined:
+            return "joined"
+        return "notebook" if ray_compat.started_by_this_process() else "running"
 
     def has_capacity(self, config: RunConfig) -> bool:
         """Does the cluster have (in total) the CPUs or GPUs a run with ``config`` asks for?"""
@@ -126,9 +135,8 @@ class RayInstance:
                 f"{have:g}, and growing it means restarting it under another run of this kernel: wait for that run "
                 "to end, or use fewer --num-workers"
             )
-        where = (
-            "the local Ray instance" if how == "embedded" else f"the Ray cluster at {self.joined or _current_address()}"
-        )
+        where = {"embedded": "the local Ray instance", "notebook": "the Ray your ray.init() started"}.get(
+            how, f"the Ray cluster at {self.joined or _current_address()}")
         raise LaunchError(
             f"{config.num_processes} workers need {config.num_processes} {resource}s; {where} has {have:g}. "
             f"Use fewer --num-workers{'' if config.use_gpu else ''}, or a larger cluster"
@@ -176,7 +184,7 @@ class RayInstance:
     def _start_once(self, num_cpus: int) -> None:
         import ray
 
-        from ... import watchdog
+        from .. import watchdog
 
         # short: unix sockets
         temp_dir = tempfile.mkdtemp(prefix="dtr_ray_", dir="/tmp" if os.path.isdir("/tmp") else None)

@@ -8,8 +8,7 @@ import re
 import shutil
 import subprocess
 
-from ...errors import MissingDependencyError
-from ...tracebacks import summary
+from ...errors import MissingDependencyError, summary
 from ..base import describe_exit
 
 MIN_JAVA = 17  # pyspark 4 runs on Java 17 and 21

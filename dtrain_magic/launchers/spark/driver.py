@@ -24,6 +24,7 @@ rank 0's).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import signal
 import socket
@@ -31,7 +32,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from ..._compat import spark as spark_compat
 from ...channel import AuthenticatedListener, RankDone, StandbyJob, decode
@@ -130,7 +131,7 @@ class SparkJob(StandbyLaunch):
         host = standby.address[0]
         return cls(launcher, spark, config, None, f"dtrain_magic-standby-{uuid.uuid4().hex}", host,
                    lambda watch: (_spark_standby_fn, (standby.address, watch, strategies, config.use_gpu,
-                                                      config.local_mode)))
+                                                      config.local_mode, config.process_group_backend)))
 
     def attach(self, job: WorkerJob, emit: Emit) -> None:
         self._config, self._emit = job.config, emit
@@ -325,6 +326,17 @@ class SparkLauncher(Launcher):
     """TorchDistributor on the active SparkSession, or on one started (once) by this launcher."""
 
     name = "spark"
+    own_fields = ("local_mode", "spark_master")  # --cluster, --spark-master
+    keeps_workers_warm = True  # TorchDistributor never restarts failed workers: no restarts_workers
+
+    @classmethod
+    def in_use(cls, modules: Mapping[str, Any]) -> bool:
+        """An active SparkSession in the notebook."""
+        try:
+            return "pyspark.sql" in modules and modules["pyspark.sql"].SparkSession.getActiveSession() is not None
+        except Exception as exc:  # a half-imported or broken pyspark: not in use
+            logging.getLogger(__name__).debug("--backend auto: pyspark's active session unknown (%s)", exc)
+            return False
 
     def __init__(self) -> None:
         self._session: Any = None  # a session this launcher started (and may stop)
@@ -458,7 +470,7 @@ class SparkLauncher(Launcher):
         sc = spark.sparkContext
         items: list[tuple[str, Any]] = [
             ("processes", config.num_processes), ("GPU", config.use_gpu),
-            ("mode", "local" if config.local_mode else "cluster"),
+            ("process group", config.process_group_backend), ("mode", "local" if config.local_mode else "cluster"),
             ("SparkSession", sc.applicationId), ("master", redact_uri(sc.master)),
         ]
         if config.local_mode:

@@ -30,7 +30,7 @@ def _spark_train_fn(job: WorkerJob, tracking_uri: str | None = None, watch: tupl
 
 
 def _spark_standby_fn(standby: tuple, watch: tuple, strategies: tuple[str, ...], use_gpu: bool,
-                      follows_notebook: bool) -> None:
+                      follows_notebook: bool, process_group_backend: str) -> None:
     """TorchDistributor's train function for a standby (`dtrain_magic.launchers.standby`): the watchdog, the
     imports every run needs, the process group joined, then wait for the run's job and run it as
     `_spark_train_fn` does; return at once when released. ``follows_notebook`` (local mode: the workers
@@ -44,7 +44,7 @@ def _spark_standby_fn(standby: tuple, watch: tuple, strategies: tuple[str, ...],
     finished = False
     try:
         preload(strategies)
-        join_process_group_ahead(use_gpu)
+        join_process_group_ahead(process_group_backend, use_gpu)
         order = wait_for_job(standby, rank)
         if order is None:  # released: nothing to run
             finished = True
@@ -113,10 +113,10 @@ def _ended_in_python(guard: Any) -> None:
 
 
 def _start_watchdog(watch: tuple, rank: int) -> Any:
-    """A watchdog process (`dtrain_magic.watchdog`, rank-watch mode) for this worker: it holds this rank's
+    """A watchdog process (`dtrain_magic.launchers.watchdog`, rank-watch mode) for this worker: it holds this rank's
     connection to the launcher's `_RankWatch` and SIGKILLs this process when the notebook closes it (run
     over, cancelled, notebook gone), whatever this process is doing, even blocked in native code."""
-    from ... import watchdog
+    from .. import watchdog
 
     host, port, authkey = watch
     return watchdog.start("rank-watch", host, str(port), str(rank), str(os.getpid()), secret=authkey)

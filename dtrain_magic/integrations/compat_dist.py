@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .errors import UnsupportedCodeError
+from ..errors import UnsupportedCodeError
 
 _KNOWN_BACKENDS = ("gloo", "nccl")
 
@@ -127,7 +127,7 @@ class _Adoption:
         def init_process_group(backend: Any = None, init_method: Any = None, timeout: Any = None,
                                world_size: int = -1, rank: int = -1, store: Any = None, group_name: str = "",
                                pg_options: Any = None, device_id: Any = None, **extra: Any) -> None:
-            """torch.distributed.init_process_group, adopting the run's group (see dtrain_magic.compat_dist)."""
+            """torch.distributed.init_process_group, adopting the run's group (see this module's docstring)."""
             if not dist.is_initialized():  # the user destroyed it for real (cannot happen here) or never had one
                 return self.real_init(
                     backend=backend, init_method=init_method, timeout=timeout, world_size=world_size, rank=rank,

@@ -10,7 +10,7 @@ Here:
 - the ops live in `extensions_dir()`, private to this Python environment (``<sys.prefix>/var/dtrain_magic/
   torch_extensions``, or a per-environment folder under ``~/.cache/dtrain_magic`` when the prefix is not
   writable), exported as ``TORCH_EXTENSIONS_DIR`` to the workers unless the user set it;
-- ``python -m dtrain_magic.extensions`` builds them ahead of time (``scripts/setup.sh`` does), so no cell
+- ``python -m dtrain_magic.strategies.extensions`` builds them ahead of time (``scripts/setup.sh`` does), so no cell
   compiles C++;
 - every load goes through `op_build_guard`: an ``flock`` (released by the kernel when its holder dies,
   however it dies) serialises builders, so a ``lock`` file found while holding it belongs to nobody and
@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-from ._compat import torch as torch_compat
+from .._compat import torch as torch_compat
 
 _WAIT_S = 900.0  # longest a rank waits for another process's build (a cold 2-core build is about a minute)
 _CPU_OPS = ("ShareMemCommBuilder",)
@@ -97,7 +97,7 @@ def op_build_guard(name: str, announce: bool = True, wait_s: float = _WAIT_S) ->
             if announce and not _built(build_dir, name):
                 print(
                     f"dtrain_magic: compiling DeepSpeed's {name} op once for this environment (about a minute on "
-                    f"2 cores; `python -m dtrain_magic.extensions` does it ahead of time) into {build_dir}",
+                    f"2 cores; `python -m dtrain_magic.strategies.extensions` does it ahead of time) into {build_dir}",
                     flush=True,
                 )
             yield
@@ -122,16 +122,16 @@ def load_deepspeed_cpu_ops(announce: bool = True) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dtrain_magic.extensions``: build DeepSpeed's CPU ops for this environment now."""
+    """``python -m dtrain_magic.strategies.extensions``: build DeepSpeed's CPU ops for this environment now."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     started = time.monotonic()
     try:
         names = load_deepspeed_cpu_ops(announce=False)
     except ImportError as exc:
-        print(f"dtrain_magic.extensions: DeepSpeed is not installed ({exc}); nothing to build")
+        print(f"dtrain_magic.strategies.extensions: DeepSpeed is not installed ({exc}); nothing to build")
         return 0
     where = extensions_dir()
-    print(f"dtrain_magic.extensions: {', '.join(names) or 'no ops'} ready in {where} "
+    print(f"dtrain_magic.strategies.extensions: {', '.join(names) or 'no ops'} ready in {where} "
           f"({time.monotonic() - started:.0f} s)")
     return 0
 

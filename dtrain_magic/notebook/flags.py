@@ -20,8 +20,8 @@ from IPython.core.magic_arguments import (
     parse_argstring,
 )
 
-from .config import RunConfig, cuda_available, detect_backend
-from .flagtable import FLAGS
+from ..config import RunConfig, resolve_config
+from ..flagtable import FLAGS
 
 USAGE_EXAMPLE = """\
 Run the cell's training function on several processes, GPUs or nodes.
@@ -61,7 +61,7 @@ def _declared(func: Callable[..., Any]) -> Callable[..., Any]:
 
 @_declared
 def distribute(line: str, cell: str | None = None) -> None:  # pragma: no cover - holder of the parser only
-    """Placeholder whose decorators define the flags; the real magic lives in dtrain_magic.magic."""
+    """Placeholder whose decorators define the flags; the real magic lives in dtrain_magic.notebook.magic."""
 
 
 HELP: str = distribute.__doc__ or ""
@@ -101,41 +101,12 @@ def _unknown_flag_hint(message: str) -> str:
     return f"{hint}; see %%distribute? for every flag"
 
 
-def config_from_args(
-    args: argparse.Namespace,
-    *,
-    gpu_available: Callable[[], bool] = cuda_available,
-    backend_detector: Callable[[], str] = detect_backend,
-    in_frontend: bool = False,
-    gpu_count: Callable[[], int] | None = None,
-) -> RunConfig:
-    """Resolve the defaults that depend on the environment and build the validated `RunConfig`.
-
-    Every row of the flag table with a `RunConfig` field passes its parsed value on; the rows whose
-    default is ``resolved`` (backend, strategy, processes, GPU, UI) are resolved here.
-    """
-    values: dict[str, Any] = {row.field: getattr(args, row.field) for row in FLAGS if row.field is not None}
-    if values["use_gpu"] is None:
-        values["use_gpu"] = gpu_available()
-    if values["strategy"] is None:
-        values["strategy"] = "deepspeed" if values["zero"] is not None else "ddp"
-    if values["num_processes"] is None:
-        count = (gpu_count or _cuda_device_count)() if values["use_gpu"] else 0
-        values["num_processes"] = count if count > 0 else 2
-    if values["backend"] == "auto":
-        values["backend"] = backend_detector()
-    if values["ui"] is None:
-        values["ui"] = in_frontend
-    return RunConfig(**values)
-
-
-def _cuda_device_count() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except Exception:
-        return 0
+def config_from_args(args: argparse.Namespace, **environment: Any) -> RunConfig:
+    """Parsed flags → the validated `RunConfig`: every row of the flag table with a `RunConfig` field passes its
+    parsed value on, and `config.resolve_config` resolves the defaults that depend on the environment
+    (``environment``: its keyword arguments, for tests)."""
+    return resolve_config({row.field: getattr(args, row.field) for row in FLAGS if row.field is not None},
+                          **environment)
 
 
 def config_from_line(line: str, **kwargs: Any) -> RunConfig:

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-from .channel import Message, Metric, Total
-from .config import RunConfig
-from .strategies.base import Strategy
+from ..channel import Message, Metric, Total
+from ..config import RunConfig
+from ..strategies.base import Strategy
 
 
 class _ShardedLoader(DataLoader):

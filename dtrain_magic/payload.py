@@ -1,22 +1,15 @@
-"""Capture the cell's training function and ship it by value.
+"""What travels to every worker: the training function pickled by value, with its arguments (`Payload`).
 
-The cell runs in the notebook first (so imports and helpers exist there), compiled under a file name
-IPython keeps in ``linecache`` and padded so line numbers are the cell's own (line 1 is the
-``%%distribute`` line). The chosen function is pickled by value with cloudpickle, together with what
-it uses from the notebook's namespace, and with the source of every notebook cell it refers to so a
-worker's traceback can show the cell's lines.
-
-The call form: a cell whose last statement calls the function to ship, ``train(1e-3, use_gpu=False)``,
-runs it with those arguments on every worker, as ``TorchDistributor.run(train, 1e-3, use_gpu=False)``
-would. That last statement is not run in the notebook; its arguments are evaluated there (after the
-rest of the cell), checked against the function's signature and pickled; the bare name ``ctx`` as an
-argument stands for the worker's `TrainContext`. It applies when the called name is the cell's last
-top-level ``def``, or the ``--fn`` name, or (in a cell with no ``def``) a function from earlier cells.
+The function is pickled with cloudpickle, together with what it uses from the notebook's namespace (or
+its own module, when that module is not installed on the workers), and with the source of every notebook
+cell it refers to, so a worker's traceback can show the cell's lines. Code objects keep their file name
+(cloudpickle writes ``<dynamic-code>``). The call form's arguments travel pickled beside it, the bare
+``ctx`` standing for the worker's `TrainContext` (`CTX`). Every entry point makes its payload here: the
+notebook's cell (`dtrain_magic.notebook.capture`), `dtrain_magic.run` and the command line.
 """
 
 from __future__ import annotations
 
-import ast
 import functools
 import inspect
 import io
@@ -30,7 +23,6 @@ import cloudpickle
 
 from ._compat import cloudpickle as cloudpickle_compat
 from .errors import CaptureError
-from .tracebacks import short_traceback, summary
 
 
 @dataclass(frozen=True)
@@ -45,6 +37,7 @@ class Payload:
     call_args: bytes | None = None  # the call form's pickled (args, kwargs), `CTX` standing for ctx
     call_text: str | None = None  # the call as written in the cell, e.g. "train(1e-3, use_gpu=False)"
     uses_ray_train: bool = False  # the function (or a notebook helper it calls) refers to ray.train
+    argv: tuple[str, ...] | None = None  # sys.argv on the workers while the function runs (the command line's)
 
     def load(self) -> Callable[..., Any]:
         """Unpickle the function (in the worker) and make the cells' source visible to tracebacks.
@@ -86,6 +79,21 @@ class BoundCall:
         return self.fn(*args, **kwargs)
 
 
+class ScriptMain:
+    """A whole script run as ``__main__`` on every worker (``python -m dtrain_magic run train.py -- ARGS``), the way
+    torchrun runs one: its source travels, so a worker on another host needs no copy of the file."""
+
+    def __init__(self, source: str, filename: str):
+        self.source, self.filename = source, filename
+        self.__name__ = filename
+
+    def __call__(self) -> None:
+        import builtins
+
+        code = compile(self.source, self.filename, "exec")
+        exec(code, {"__name__": "__main__", "__file__": self.filename, "__builtins__": builtins})
+
+
 def _rebuild_code(rebuild: Callable[..., types.CodeType], args: tuple, filename: str) -> types.CodeType:
     return rebuild(*args).replace(co_filename=filename)
 
@@ -110,65 +118,6 @@ def dumps(obj: Any) -> bytes:
     buffer = io.BytesIO()
     _pickler_class()(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
     return buffer.getvalue()
-
-
-def last_function_name(cell: str) -> str | None:
-    """Name of the last top-level ``def`` in the cell source, or None."""
-    try:
-        tree = ast.parse(cell)
-    except SyntaxError:
-        return None
-    names = [node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    return names[-1] if names else None
-
-
-def run_cell(cell: str, namespace: dict, shell: Any = None, drop_last: bool = False) -> str:
-    """Execute the cell body in ``namespace``, returning the file name its code was compiled under.
-
-    A blank first line stands for the ``%%distribute`` line so tracebacks use the cell's line numbers.
-    ``drop_last``: do not run the last statement (the call form's call, which runs on the workers).
-    """
-    source = "\n" + cell
-    if shell is not None and hasattr(shell, "compile"):
-        filename = shell.compile.cache(source, getattr(shell, "execution_count", 0))
-    else:
-        filename = f"<distribute-cell-{abs(hash(source)):x}>"
-        linecache.cache[filename] = (len(source), None, [ln + "\n" for ln in source.splitlines()], filename)
-    try:
-        tree = ast.parse(source, filename)
-        if drop_last and tree.body:
-            tree.body = tree.body[:-1]
-        code = compile(tree, filename, "exec")
-    except SyntaxError as exc:
-        raise CaptureError(f"the cell has a syntax error at line {exc.lineno}: {exc.msg}") from None
-    try:
-        exec(code, namespace)
-    except Exception as exc:
-        labels = cell_labels(shell)
-        raise CaptureError(
-            f"the cell raised while running in the notebook, before anything was launched: {summary(exc)}\n\n"
-            + short_traceback(exc, labels)
-        ) from None
-    return filename
-
-
-def select_function(cell: str, namespace: dict, fn_name: str | None) -> Callable[..., Any]:
-    """The function named by ``--fn``, else the last top-level ``def`` of the cell."""
-    name = fn_name or last_function_name(cell)
-    if name is None:
-        raise CaptureError(
-            "the cell defines no function to run. Define one, e.g. `def train(ctx): ...`, "
-            "or name a function from an earlier cell with --fn NAME"
-        )
-    if name not in namespace:
-        known = sorted(k for k, v in namespace.items() if inspect.isfunction(v) and not k.startswith("_"))
-        raise CaptureError(
-            f"--fn {name}: no function of that name in the notebook; functions defined: {', '.join(known) or 'none'}"
-        )
-    fn = namespace[name]
-    if not callable(fn):
-        raise CaptureError(f"--fn {name}: {name} is a {type(fn).__name__}, not a function")
-    return fn
 
 
 def takes_context(fn: Callable[..., Any]) -> bool:
@@ -216,25 +165,12 @@ def _is_cell_file(filename: str) -> bool:
     )
 
 
-def cell_labels(shell: Any) -> dict[str, str]:
-    """The ``Cell In[N]`` label IPython's own tracebacks show for each cell file it compiled (its public
-    ``CachingCompiler.format_code_name``); empty without a shell."""
-    format_code_name = getattr(getattr(shell, "compile", None), "format_code_name", None)
-    if format_code_name is None:
-        return {}
-    labels = {}
-    for name in list(linecache.cache):
-        label = format_code_name(name)
-        if label:
-            labels[name] = " ".join(label)
-    return labels
-
-
 def serialize(
     fn: Callable[..., Any],
     cell_files: tuple[str, ...] = (),
     labels: dict[str, str] | None = None,
     call: "CallForm | None" = None,
+    argv: tuple[str, ...] | None = None,
 ) -> Payload:
     """Pickle ``fn`` by value (and the call form's arguments); an object that cannot be pickled is named."""
     takes_ctx = takes_context(fn) if call is None else call.takes_ctx
@@ -258,6 +194,7 @@ def serialize(
     return Payload(
         data, getattr(fn, "__name__", "fn"), takes_ctx, _notebook_sources(fn, cell_files), labels or {},
         call_args=call_args, call_text=None if call is None else call.text, uses_ray_train=refers_to_ray_train(fn),
+        argv=argv,
     )
 
 
@@ -291,21 +228,6 @@ def _find_unpicklable_global(fn: Callable[..., Any]) -> tuple[str, Any] | None:
     return None
 
 
-def capture(cell: str, namespace: dict, fn_name: str | None = None, shell: Any = None) -> tuple[Payload, Callable]:
-    """Run the cell in the notebook, choose its function and serialize it (with the call form's
-    arguments when the cell ends with a call of it)."""
-    cloudpickle_compat.check()  # before the cell runs: a cloudpickle whose code reducer we know
-    call_node = call_statement(cell, namespace, fn_name)
-    filename = run_cell(cell, namespace, shell, drop_last=call_node is not None)
-    if call_node is None:
-        fn = select_function(cell, namespace, fn_name)
-        return serialize(fn, (filename,), cell_labels(shell)), fn
-    name = call_node.func.id  # type: ignore[attr-defined]
-    fn = select_function(cell, namespace, name)
-    call = evaluate_call(call_node, cell, fn, namespace)
-    return serialize(fn, (filename,), cell_labels(shell), call), fn
-
-
 # -- the call form ----------------------------------------------------------------------------------
 
 
@@ -317,70 +239,6 @@ class CallForm:
     args: tuple
     kwargs: dict
     takes_ctx: bool
-
-
-def call_statement(cell: str, namespace: dict, fn_name: str | None = None) -> ast.Call | None:
-    """The cell's last statement when it is the call form (see the module's docstring), else None."""
-    try:
-        tree = ast.parse(cell)
-    except SyntaxError:
-        return None  # run_cell reports it
-    if not tree.body:
-        return None
-    last = tree.body[-1]
-    if not (isinstance(last, ast.Expr) and isinstance(last.value, ast.Call) and isinstance(last.value.func, ast.Name)):
-        return None
-    name = last.value.func.id
-    defs = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    if fn_name is not None:
-        if name != fn_name:
-            return None
-    elif defs:
-        if name != defs[-1]:
-            return None
-    elif not inspect.isfunction(namespace.get(name)):
-        return None
-    return last.value
-
-
-def evaluate_call(node: ast.Call, cell: str, fn: Callable[..., Any], namespace: dict) -> CallForm:
-    """Evaluate the call's arguments in the notebook (``ctx`` stands for the worker's context) and check
-    them against ``fn``'s signature, so a wrong call fails before anything is launched."""
-    text = ast.get_source_segment(cell, node) or ast.unparse(node)
-    args: list[Any] = []
-    kwargs: dict[str, Any] = {}
-
-    def value(expr: ast.expr) -> Any:
-        if isinstance(expr, ast.Name) and expr.id == "ctx":
-            return CTX
-        source = ast.get_source_segment(cell, expr) or ast.unparse(expr)
-        try:
-            return eval(compile(ast.Expression(expr), "<distribute-call>", "eval"), namespace)
-        except Exception as exc:
-            hint = " (ctx can be passed only as a bare argument, `ctx`)" if "ctx" in source else ""
-            raise CaptureError(f"{text}: evaluating the argument `{source}` failed: {summary(exc)}{hint}") from None
-
-    for arg in node.args:
-        if isinstance(arg, ast.Starred):
-            args.extend(value(arg.value))
-        else:
-            args.append(value(arg))
-    for keyword in node.keywords:
-        if keyword.arg is None:
-            kwargs.update(value(keyword.value))
-        else:
-            kwargs[keyword.arg] = value(keyword.value)
-    try:
-        inspect.signature(fn).bind(*args, **kwargs)
-    except TypeError as exc:
-        raise CaptureError(
-            f"{text}: the arguments do not fit {getattr(fn, '__name__', 'fn')}{inspect.signature(fn)}: {exc}; "
-            "nothing was launched"
-        ) from None
-    except ValueError:  # no signature (a builtin): let the call decide
-        pass
-    takes_ctx = any(a is CTX for a in args) or any(v is CTX for v in kwargs.values())
-    return CallForm(text, tuple(args), kwargs, takes_ctx)
 
 
 def _pickle_arguments(call: CallForm) -> bytes:

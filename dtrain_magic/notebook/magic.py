@@ -1,4 +1,7 @@
-"""The ``%%distribute`` cell magic: flags → `RunConfig` → the cell's function → a run → `RunResult`."""
+"""The ``%%distribute`` cell magic: flags → `RunConfig` → the cell's function → a run → `RunResult`.
+
+The run goes the one way every entry point goes (`driver.runner.prepare`, then `PreparedRun.execute`); the
+magic parses the line (`flags`) and runs the cell in the notebook (`capture`)."""
 
 from __future__ import annotations
 
@@ -7,27 +10,17 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
-from . import flags, runner
+from ..api import make_observer
+from ..driver import runner
+from ..errors import MissingDependencyError
+from ..result import RunResult
+from . import flags
 from .capture import capture
-from .errors import MissingDependencyError
-from .observer import RunObserver, TextObserver
-from .result import RunResult
 
 
 def _in_frontend(shell: Any) -> bool:
     """True in a kernel that a notebook front-end (JupyterLab, VS Code, Databricks) talks to."""
     return type(shell).__name__ == "ZMQInteractiveShell"
-
-
-def make_observer(config: Any) -> RunObserver:
-    """The live panel when ``--ui`` and widgets are available, else plain text."""
-    if config.ui:
-        try:
-            from .ui.monitor import MonitorObserver
-        except ImportError:
-            return TextObserver()
-        return MonitorObserver(config)
-    return TextObserver()
 
 
 @magics_class
@@ -40,7 +33,7 @@ class DistributeMagics(Magics):
         config = flags.config_from_args(args, in_frontend=_in_frontend(self.shell))
         if args.configure:
             try:
-                from .ui.panel import show_panel
+                from ..ui.panel import show_panel
             except ImportError as exc:
                 raise MissingDependencyError(
                     f"--configure shows an ipywidgets panel, and the widget packages are missing ({exc}). "
@@ -48,20 +41,15 @@ class DistributeMagics(Magics):
                     "with flags only; nothing was launched"
                 ) from None
             return show_panel(config, cell, self.shell)
-        plan = runner.check(config)  # bad input: a clear error before the cell runs or anything launches
-        runner.keep_warm_ahead(plan)  # Spark/Ray: the run's workers start now, beside the cell's capture
-        payload, _ = capture(cell, self.shell.user_ns, config.fn, self.shell)
-        runner.check_payload(config, payload)  # e.g. a Ray Train loop off --backend ray: before --dry-run too
+        namespace = self.shell.user_ns
+        prepared = runner.prepare(config, lambda: capture(cell, namespace, config.fn, self.shell)[0], namespace)
         if config.dry_run:
-            from .memory import model_of_cell  # the cell ran: its helpers and globals are in the namespace
+            from .model_of_cell import model_of_cell  # the cell ran: its helpers and globals are in the namespace
 
-            print(runner.dry_run_text(plan, payload, model=model_of_cell(cell, self.shell.user_ns, payload.name)))
+            print(prepared.dry_run_text(model=model_of_cell(cell, namespace, prepared.payload.name)))
             return None
         observer = make_observer(config)
-        result = runner.execute(config, payload, observer, stop=getattr(observer, "stop_event", None), plan=plan)
-        if config.result:
-            self.shell.user_ns[config.result] = result
-        return result
+        return prepared.execute(observer, stop=getattr(observer, "stop_event", None))
 
     distribute.__doc__ = flags.HELP
 

@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from .config import RunConfig
+from ..config import RunConfig
 
 
 class RunObserver:
@@ -38,18 +38,13 @@ class RunObserver:
         """After `finished`: the next run's workers wait (Spark, Ray): ``text`` says what, where, until when."""
 
 
-def comm_backend(config: RunConfig) -> str:
-    """The torch.distributed backend a run's process group uses: nccl with ``--gpu``, else gloo."""
-    return "nccl" if config.use_gpu else "gloo"
-
-
 def plan_with_backend(plan: str, config: RunConfig) -> str:
-    """A launcher's one-line plan, naming the process-group backend in use where it names both, and saying
-    when a GPU run will have no GPU metrics (MLflow skips them silently without nvidia-ml-py)."""
-    from .tracking.system_metrics import gpu_metrics_note
+    """A launcher's one-line plan with the run's process-group backend (the strategy's choice, which launchers do
+    not know), saying when a GPU run will have no GPU metrics (MLflow skips them silently without nvidia-ml-py)."""
+    from ..tracking.system_metrics import gpu_metrics_note
 
     note = gpu_metrics_note(config.use_gpu)
-    return plan.replace("gloo/nccl", comm_backend(config)) + (f" ({note})" if note else "")
+    return f"{plan}, {config.process_group_backend} process group" + (f" ({note})" if note else "")
 
 
 def prefix_lines(rank: int | None, text: str, pending: str = "") -> tuple[str, str]:

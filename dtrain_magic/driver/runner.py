@@ -1,0 +1,239 @@
+"""The driver side of one run: prepare (check, workers ahead, capture), then execute (launch, pump, end).
+
+Every entry point goes through here: the ``%%distribute`` magic, the ``--configure`` panel's Run,
+`dtrain_magic.run` and the command line. `prepare` is the one sequence before launch (`plan.check`, the next
+run's workers launched ahead on Spark and Ray, the payload made and checked); `PreparedRun.execute` runs it.
+This is the only place that sees a launcher, the channel and the tracker together. The pump runs in the
+calling thread (the cell's), so worker output printed here lands in the cell as it happens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, MutableMapping
+
+from ..channel import Channel
+from ..config import RunConfig
+from ..errors import DistributeError, LaunchError, RunInterrupted
+from ..launchers import Launcher
+from ..payload import Payload
+from ..result import RunResult
+from ..tracking import RunOpening, RunTracker
+from ..worker import WorkerJob
+from ..worker.checkpoints import run_checkpoint_root
+from .observer import RunObserver, TextObserver
+from .plan import RunPlan, check, check_payload, dry_run_text
+from .pump import Pump
+
+# Workers started before the MLflow run: it opens once they are past their start (a metric, a result,
+# an error), or after this long; their metrics wait for it (the live charts get them at once), their
+# output does not.
+_EARLY_START_HOLD_S = 10.0
+# Where every entry point binds the last run's `RunResult` in a notebook (besides ``--result NAME``).
+LAST_RESULT_NAME = "_distribute_result"
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """A run checked and captured, ready to launch: what `prepare` returns."""
+
+    plan: RunPlan
+    payload: Payload
+    namespace: MutableMapping[str, Any] | None = None  # a notebook's: binds the result (`bind_result`)
+
+    @property
+    def config(self) -> RunConfig:
+        return self.plan.config
+
+    def execute(self, observer: RunObserver | None = None, stop: threading.Event | None = None) -> RunResult:
+        """Launch, pump and return the `RunResult` (bound in the notebook's namespace when there is one)."""
+        result = execute(self.config, self.payload, observer, stop=stop, plan=self.plan)
+        if self.namespace is not None:
+            bind_result(self.namespace, self.config, result)
+        return result
+
+    def dry_run_text(self, model: Any = None) -> str:
+        return dry_run_text(self.plan, self.payload, model=model)
+
+
+def prepare(config: RunConfig, make_payload: Callable[[], Payload],
+            namespace: MutableMapping[str, Any] | None = None) -> PreparedRun:
+    """Everything before launch, in the one order every entry point uses: check the config (a clear error
+    before anything runs), launch the run's workers ahead on Spark and Ray (their start overlaps the capture),
+    make the payload (``make_payload``: a notebook cell runs here, on the caller's thread), check it."""
+    plan = check(config)
+    keep_warm_ahead(plan)
+    payload = make_payload()
+    check_payload(config, payload)  # e.g. a Ray Train loop off --backend ray: before --dry-run too
+    return PreparedRun(plan, payload, namespace)
+
+
+def bind_result(namespace: MutableMapping[str, Any], config: RunConfig, result: RunResult) -> None:
+    """A notebook's names for the result: ``_distribute_result`` always, ``--result NAME`` when given."""
+    namespace[LAST_RESULT_NAME] = result
+    if config.result:
+        namespace[config.result] = result
+
+
+def execute(
+    config: RunConfig,
+    payload: Payload,
+    observer: RunObserver | None = None,
+    stop: threading.Event | None = None,
+    plan: RunPlan | None = None,
+) -> RunResult:
+    """Run ``payload`` under ``config`` and return its `RunResult`, or raise a short `DistributeError`.
+
+    ``plan``: what `check` returned for this config (`prepare` makes it); without one, `execute` checks first.
+    """
+    if plan is None:
+        plan = check(config)
+    elif plan.config != config:
+        raise ValueError("execute: the plan was made by check() for another config")
+    check_payload(config, payload)
+    return _Run(plan, payload, observer or TextObserver(), stop).execute()
+
+
+class _Run:
+    """One run's steps: claim or launch the workers, open the MLflow run beside them, pump, collect, end."""
+
+    def __init__(self, plan: RunPlan, payload: Payload, observer: RunObserver, stop: threading.Event | None):
+        self.plan, self.config, self.launcher = plan, plan.config, plan.launcher
+        self.payload, self.observer, self.stop = payload, observer, stop
+        # Workers launched ahead for this placement (a standby, docs/warm-reruns.md): this run takes them over.
+        self.claim = self.launcher.claim_standby(self.config)
+        self.root = self._checkpoint_root()
+        self.early = plan.starts_before_tracking
+        self.opening = RunOpening(self.config, tags={"dtrain_magic.checkpoint_root": self.root}, deferred=self.early)
+        self.started = time.monotonic()
+        self.status, self.reason = "FAILED", None
+        self.pump: Pump | None = None
+        self.running: Any = None
+        self.held: str | None = None
+
+    def _checkpoint_root(self) -> str:
+        """ctx.save_checkpoint() without a directory: one directory per run, the same on every backend (Ray
+        Train keeps its own checkpoints there); named before the MLflow run exists, recorded in a tag. A standby
+        named it at its launch (on Ray it is the TorchTrainer's run name, fixed there)."""
+        named = self.claim.checkpoint_root if self.claim is not None else None
+        return named or run_checkpoint_root(self.config.storage, uuid.uuid4().hex)
+
+    def execute(self) -> RunResult:
+        try:
+            self.launcher.warm_up(self.config)
+            with Channel(host=self.plan.channel_host) as channel:
+                tracker, values = self._launch_and_pump(channel)
+            result = self._result(tracker, values)
+            self.status = "FINISHED"
+            self.observer.finished(result, None)
+            return result
+        except (KeyboardInterrupt, RunInterrupted) as exc:
+            self.status, self.reason = "KILLED", "interrupted from the notebook"
+            error = (exc if isinstance(exc, RunInterrupted)
+                     else RunInterrupted("the run was interrupted; every worker was stopped"))
+            self.observer.finished(None, error)
+            raise error from None
+        except DistributeError as exc:
+            self.reason = str(exc).splitlines()[0]
+            self.observer.finished(None, exc)
+            raise
+        except Exception as exc:  # a backend's own exception: keep its message, drop its 40-line traceback
+            self.reason = f"{type(exc).__name__}: {exc}"
+            error = LaunchError(f"the {self.config.backend} backend failed: {self.reason}")
+            self.observer.finished(None, error)
+            raise error from None
+        finally:
+            self._close()
+
+    def _launch_and_pump(self, channel: Channel) -> tuple[RunTracker, list[Any]]:
+        """Start the workers (on the claimed standby, or fresh), pump until they end; the tracker and every
+        rank's value. The next run's workers are launched ahead whatever became of this one."""
+        job = WorkerJob(self.payload, self.config, channel.address, checkpoint_root=self.root)
+        tracker = None if self.early else self.opening.wait()
+        self.pump = Pump(self.config, channel, self.observer, self.started)
+        if tracker is not None:
+            job = dataclasses.replace(job, run_id=tracker.run_id)
+        start = self.claim.start if self.claim is not None else self.launcher.start
+        self.running = start(job, channel.put)
+        released = False
+        try:
+            described = self.launcher.describe(self.config) + (
+                "; its workers were launched ahead and waiting" if self.claim else "")
+            self.observer.launched(self.config, described)
+            if tracker is None:
+                tracker = self._open_run_beside_workers()
+            self.observer.started(self.config, tracker.run_id, tracker.ui_link(), described)
+            self.pump.attach(tracker)
+            released = self.pump.run(self.running, self.stop)
+        finally:
+            self.running.release() if released else self.running.cancel()
+            self.held = _keep_warm(self.launcher, self.config)
+        self.pump.drain()
+        return tracker, self.pump.collect()
+
+    def _open_run_beside_workers(self) -> RunTracker:
+        """Workers started before the MLflow run: hold until they are past their start, then open the run in
+        the background while their messages keep flowing."""
+        self.pump.hold(self.running, _EARLY_START_HOLD_S, self.stop)
+        self.opening.workers_started = True
+        return self.pump.pump_while_opening(self.opening, self.running, self.stop)
+
+    def _result(self, tracker: RunTracker, values: list[Any]) -> RunResult:
+        result = RunResult(
+            value=values[0], values=values, run_id=tracker.run_id, config=self.config,
+            wall_time_s=time.monotonic() - self.started, metrics=dict(tracker.last_metrics),
+            time_to_first_step_s=self.pump.first_metric_s, tracking_uri=tracker.tracking_uri,
+            checkpoint_root=self.root,
+        )
+        tracker.log_result(result.value)
+        return result
+
+    def _close(self) -> None:
+        """Whatever happened: a claimed standby not started goes back; the MLflow run ends with the metrics
+        that came while it was opening; the cell says what waits for the next run."""
+        if self.claim is not None and self.running is None:
+            self.claim.abandon()  # stopped before its launch: the standby waits for the next run
+        waiting = self.pump.waiting_metrics if self.pump is not None else []
+        self.opening.close(self.status, self.reason,
+                           {"dtrain_magic.wall_time_s": f"{time.monotonic() - self.started:.3f}"}, metrics=waiting)
+        if self.held:
+            self.observer.held(self.held)
+
+
+def _keep_warm(launcher: Launcher, config: RunConfig) -> str | None:
+    """`Launcher.keep_warm` after a run; a failure there is logged, never the run's."""
+    try:
+        return launcher.keep_warm(config)
+    except Exception:
+        logging.getLogger(__name__).warning("could not launch the next run's workers ahead", exc_info=True)
+        return None
+
+
+def keep_warm_ahead(plan: RunPlan) -> None:
+    """Before a run (`prepare` calls this once `check` passed, before the payload is made): launch the run's
+    workers now, so their start overlaps the capture; the run then claims them. Nothing for a dry run. Never
+    raises: the run launches them itself if this could not."""
+    if plan.config.dry_run:
+        return
+    _keep_warm(plan.launcher, plan.config)
+
+
+def release_standbys(reason: str = "released by %distribute_release") -> list[str]:
+    """Release every backend's waiting workers (``%distribute_release``); what was released."""
+    from ..state import kernel_state
+
+    released = []
+    for launcher in kernel_state().launchers().values():
+        what = launcher.release_standby(reason) if isinstance(launcher, Launcher) else None
+        if what:
+            released.append(what)
+    return released
+
+
+__all__ = ["LAST_RESULT_NAME", "PreparedRun", "RunPlan", "bind_result", "check", "check_payload", "execute",
+           "keep_warm_ahead", "prepare", "release_standbys"]

@@ -1,0 +1,258 @@
+"""Per-process memory estimate for parameters, gradients and optimizer states (the ZeRO paper's model).
+
+With Ψ parameters, N data-parallel processes and K bytes of optimizer state per parameter, the ZeRO
+paper (Rajbhandari et al., 2020, section 3 and figure 1) gives, for mixed-precision Adam (2-byte
+parameters and gradients, K = 12: fp32 master copy 4 + momentum 4 + variance 4):
+
+    DP (DDP, ZeRO-0)   (2 + 2 + K) Ψ
+    ZeRO-1             2Ψ + 2Ψ + KΨ/N
+    ZeRO-2             2Ψ + (2 + K)Ψ/N
+    ZeRO-3 (and FSDP)  (2 + 2 + K)Ψ/N
+
+The fp32 equivalents use 4-byte parameters and gradients. Plain fp32 Adam holds only its two moments
+(K = 8); DeepSpeed's ZeRO-1/2/3 optimizers also keep an fp32 copy of their partition as the "master"
+weights even in fp32, so under ``--strategy deepspeed --zero 1..3 --precision fp32`` K = 12 again.
+DDP and FSDP with ``--precision bf16/fp16`` use autocast, which keeps the stored parameters,
+gradients and optimizer states in fp32, so the fp32 numbers apply to them. FSDP (FULL_SHARD) shards
+like ZeRO-3. Activations, temporary buffers and the framework's own overhead are not included.
+
+Model parallelism (``--tp T``, ``--pp P``): each process holds 1/T of every layer and one of P stages, so its share
+of the model is Ψ/(T·P) (assuming every layer is tensor-parallel and the stages are even); the formulas above then
+apply to that share, with N = the data-parallel degree world/(T·P). Left out, beyond activations: layers a
+tensor-parallel plan keeps replicated (embeddings, norms, biases of row-wise layers), uneven stages, and the
+pipeline's in-flight micro-batches (a stage holds the activations of up to --microbatches of them, GPipe, or
+about P, 1F1B) and its idle time (bubbles), which costs time rather than memory.
+
+Everything here is pure arithmetic except :func:`device_memory_bytes`, :func:`optimizer_state_bytes` and
+:func:`model_of_cell` (which builds the cell's model on torch's meta device to count its parameters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .._compat import deepspeed as deepspeed_compat
+from ..errors import ConfigError
+from ..registry import STRATEGIES
+
+ADAM_MIXED_K = 12  # fp32 master weights + momentum + variance, bytes per parameter
+ADAM_MOMENTS_FP32 = 8  # momentum + variance in fp32
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """How a strategy stores one parameter (its `Strategy.memory_model`): which ZeRO stage its sharding is (0:
+    replicated, 1: optimizer states sharded, 2: and gradients, 3: and parameters) and the bytes per parameter of
+    the parameter, its gradient and the optimizer states (K), of which Adam's two moments."""
+
+    stage: int
+    param_bytes: int = 4
+    grad_bytes: int = 4
+    optimizer_bytes: int = ADAM_MOMENTS_FP32
+    moment_bytes: int = ADAM_MOMENTS_FP32
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Expected bytes per process for one strategy/stage/precision/world size."""
+
+    strategy: str
+    zero: int | None
+    precision: str
+    world_size: int
+    num_params: int
+    params: float
+    grads: float
+    optimizer: float
+    optimizer_moments: float  # the part of ``optimizer`` that is Adam's momentum + variance
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def label(self) -> str:
+        label = STRATEGIES.load(self.strategy).label(self.zero)
+        degrees = (("tp", self.tp), ("pp", self.pp))
+        return label + "".join(f" x {name} {degree}" for name, degree in degrees if degree > 1)
+
+    def line(self) -> str:
+        """One line for the cell's output."""
+        text = (
+            f"memory estimate ({self.label}, {self.precision}, {self.world_size} process"
+            f"{'es' if self.world_size != 1 else ''}, {self.num_params:,} parameters): "
+            f"params {format_bytes(self.params)} + grads {format_bytes(self.grads)} + optimizer "
+            f"{format_bytes(self.optimizer)} = {format_bytes(self.total)} per process"
+        )
+        if self.tp > 1 or self.pp > 1:
+            text += (" (an even 1/" + str(self.tp * self.pp) + " of the model each; not counted: activations, "
+                     "replicated layers" + (", the pipeline's in-flight micro-batches" if self.pp > 1 else "") + ")")
+        return text
+
+
+def memory_model(strategy: str, zero: int | None, precision: str) -> MemoryModel:
+    """The registered strategy's `MemoryModel` for ``zero`` and ``precision``."""
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"unknown precision {precision!r}")
+    try:
+        cls = STRATEGIES.load(strategy)
+    except ConfigError:
+        raise ValueError(f"unknown strategy {strategy!r}") from None
+    return cls.memory_model(zero, precision)
+
+
+def bytes_per_param(strategy: str, zero: int | None, precision: str) -> tuple[int, int, int, int]:
+    """(parameter bytes, gradient bytes, K optimizer bytes, of which Adam moments) per parameter."""
+    model = memory_model(strategy, zero, precision)
+    return model.param_bytes, model.grad_bytes, model.optimizer_bytes, model.moment_bytes
+
+
+def estimate(num_params: int, strategy: str = "ddp", zero: int | None = None, precision: str = "fp32",
+             world_size: int = 1, k: int | None = None, tp: int = 1, pp: int = 1) -> MemoryEstimate:
+    """Per-process bytes for parameters, gradients and optimizer states; ``k`` overrides K. With ``tp``/``pp``
+    each process holds an even 1/(tp x pp) of the model, sharded further over the world/(tp x pp) replicas."""
+    if world_size < 1:
+        raise ValueError("world_size must be >= 1")
+    if tp < 1 or pp < 1 or world_size % (tp * pp):
+        raise ValueError(f"world_size {world_size} is not a multiple of tp {tp} x pp {pp}")
+    psi, n = float(num_params) / (tp * pp), float(world_size // (tp * pp))
+    model = memory_model(strategy, zero, precision)
+    p, g, kk, moments, stage = (model.param_bytes, model.grad_bytes, model.optimizer_bytes, model.moment_bytes,
+                                model.stage)
+    if k is not None:
+        kk = k
+        moments = min(moments, k)
+    params = p * psi / (n if stage >= 3 else 1)
+    grads = g * psi / (n if stage >= 2 else 1)
+    optimizer = kk * psi / (n if stage >= 1 else 1)
+    optimizer_moments = moments * psi / (n if stage >= 1 else 1)
+    owns_zero = "zero" in STRATEGIES.load(strategy).own_fields  # ZeRO's stage, as DeepSpeed numbers it
+    return MemoryEstimate(strategy, (zero or 0) if owns_zero else None, precision, world_size,
+                          int(num_params), params, grads, optimizer, optimizer_moments, tp, pp)
+
+
+def table(num_params: int, precision: str = "fp32", world_size: int = 2, tp: int = 1, pp: int = 1) -> str:
+    """A text table of the estimate for every strategy and stage (for the dry run or the docs); with ``tp``/``pp``,
+    the strategies that support them (ddp, fsdp)."""
+    rows = [estimate(num_params, "ddp", None, precision, world_size, tp=tp, pp=pp),
+            estimate(num_params, "fsdp", None, precision, world_size, tp=tp, pp=pp)]
+    if tp == 1 and pp == 1:
+        rows += [estimate(num_params, "deepspeed", s, precision, world_size) for s in (0, 1, 2, 3)]
+    header = f"{'strategy':<22}{'params':>12}{'grads':>12}{'optimizer':>12}{'total':>12}"
+    lines = [f"memory per process: {num_params:,} parameters, {precision}, {world_size} processes", header]
+    for r in rows:
+        lines.append(f"{r.label:<22}{format_bytes(r.params):>12}{format_bytes(r.grads):>12}"
+                     f"{format_bytes(r.optimizer):>12}{format_bytes(r.total):>12}")
+    return "\n".join(lines)
+
+
+def format_bytes(value: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"  # pragma: no cover
+
+
+def device_memory_bytes(device: Any = None, processes_per_device: int = 1) -> int | None:
+    """Memory one process may use: the GPU's total memory, or the host's RAM shared by its processes."""
+    try:
+        import torch
+
+        if device is not None and getattr(device, "type", str(device)) == "cuda" and torch.cuda.is_available():
+            index = getattr(device, "index", None) or 0
+            return int(torch.cuda.get_device_properties(index).total_memory)
+    except Exception:
+        pass
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total // max(1, processes_per_device))
+    except Exception:
+        return None
+
+
+def check_fits(est: MemoryEstimate, available: int | None) -> str | None:
+    """A warning line when the estimate exceeds ``available`` bytes, else None."""
+    if available is None or est.total <= available:
+        return None
+    return (
+        f"warning: the estimate ({format_bytes(est.total)} per process for parameters, gradients and optimizer "
+        f"states alone) exceeds the device's memory ({format_bytes(available)}); consider a higher --zero stage, "
+        f"--strategy fsdp, --precision bf16, more processes, or --tp/--pp"
+    )
+
+
+def count_parameters(model: Any) -> int:
+    """Number of parameters of a plain (not yet sharded) module, counting shared tensors once."""
+    seen, total = set(), 0
+    for param in model.parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        shape = deepspeed_compat.full_shape(param)  # a ZeRO-3 partitioned parameter
+        if shape is not None:
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+        else:
+            total += param.numel()
+    return total
+
+
+def report(model: Any, strategy: str, zero: int | None, precision: str, world_size: int,
+           device: Any = None, processes_per_device: int = 1, tp: int = 1, pp: int = 1) -> str:
+    """The estimate line for ``model`` (and the warning when it does not fit), as printed by wrap()."""
+    est = estimate(count_parameters(model), strategy, zero, precision, world_size, tp=tp, pp=pp)
+    warning = check_fits(est, device_memory_bytes(device, processes_per_device))
+    return est.line() + (f"\n{warning}" if warning else "")
+
+
+def _inner_optimizers(optimizer: Any):
+    """The torch optimizers inside a wrapper (DeepSpeed's ZeRO/BF16 optimizers keep theirs in ``.optimizer``)."""
+    import torch
+
+    seen, current = set(), optimizer
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, torch.optim.Optimizer) and not hasattr(current, "optimizer"):
+            yield current
+            return
+        inner = getattr(current, "optimizer", None)
+        if inner is None:
+            if isinstance(current, torch.optim.Optimizer):
+                yield current
+            return
+        current = inner
+
+
+def optimizer_state_bytes(optimizer: Any) -> int:
+    """Bytes this process holds in the optimizer's state tensors (Adam's moments), local shards only."""
+    total = 0
+    for opt in _inner_optimizers(optimizer):
+        for state in opt.state.values():
+            for value in state.values():
+                total += _local_bytes(value)
+    return total
+
+
+def _local_bytes(value: Any) -> int:
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        return 0
+    local = getattr(value, "to_local", None)  # DTensor (FSDP2): count this rank's shard
+    if callable(local):
+        value = local()
+    if value.dim() == 0:
+        return 0  # Adam's step counter
+    return value.numel() * value.element_size()
+
+
+# -- the cell's own model, without training ------------------------------------------------------------
+
+# Calls on a model that return the same module (or a copy of it) with the same parameters.

@@ -1,0 +1,41 @@
+"""What one run's workers are handed (`WorkerJob`) and which rank each one is (`RankInfo`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from ..channel import ChannelAddress
+from ..config import RunConfig
+from ..payload import Payload
+
+
+@dataclass(frozen=True)
+class WorkerJob:
+    """Everything one run's workers need; pickled once and handed to every worker by the launcher."""
+
+    payload: Payload
+    config: RunConfig
+    channel: ChannelAddress
+    run_id: str | None = None
+    checkpoint_root: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int = 1
+
+
+def rank_from_env() -> RankInfo:
+    """Ranks as set by torchrun, TorchDistributor or the local launcher."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return RankInfo(
+        rank=int(os.environ.get("RANK", "0")),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        world_size=world,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))),
+    )

@@ -1,0 +1,218 @@
+"""`run_worker`: one rank of a run, in named steps — connect, join, build ``ctx``, call, report, leave.
+
+Whichever backend started the process, every worker runs this: it connects to the notebook's channel and
+sends its Python-level output there line by line, joins (or adopts) the torch.distributed process group,
+builds the strategy and the `TrainContext`, calls the user's function and sends back its result or its
+error (with a traceback trimmed to the user's frames and labelled with the notebook's cell numbers).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+
+from .. import integrations
+from ..channel import Error, Hello, Result, Status, WorkerLink
+from ..errors import short_traceback, summary
+from .job import RankInfo, WorkerJob, rank_from_env
+from .process_group import barrier, device_for, ensure_process_group
+from .streams import ChannelStream
+
+
+@dataclass
+class _Rank:
+    """What one rank's run holds while it runs, for `_teardown` whatever happened."""
+
+    job: WorkerJob
+    ranks: RankInfo
+    link: WorkerLink
+    streams: tuple[Any, Any]
+    owns_group: bool = False
+    strategy: Any = None
+
+
+def run_worker(job: WorkerJob, ranks: RankInfo | None = None, checkpoints: Any = None) -> Any:
+    """Run the user's function on this rank; returns its value, raises its exception after reporting it.
+
+    ``checkpoints``: a backend's own checkpoint store for ``ctx`` (Ray Train's); default: plain files
+    under ``job.checkpoint_root``.
+    """
+    rank = _connect(job, ranks or rank_from_env())
+    try:
+        device = _join(rank)
+        if job.config.seed is not None:
+            seed_everything(job.config.seed)
+        ctx = _build_context(rank, device, checkpoints)
+        value = _call(rank, ctx)
+        _send_result(rank, value)
+        if rank.owns_group:
+            # Leave together: a rank that finished its last collective first (a broadcast's sender) must
+            # not close its connections while a peer is still reading from them. A peer that failed makes
+            # the notebook stop this worker; its result is already sent.
+            try:
+                barrier(device)
+            except Exception:
+                pass
+        return value
+    except BaseException as exc:
+        _report_failure(rank, exc)
+        raise
+    finally:
+        _teardown(rank)
+
+
+def _connect(job: WorkerJob, ranks: RankInfo) -> _Rank:
+    """Say hello to the notebook and send this process's Python-level output there from now on."""
+    for key, value in job.env.items():
+        os.environ.setdefault(key, value)
+    link = WorkerLink(job.channel, ranks.rank)
+    link.send(Hello(ranks.rank, os.getpid(), socket.gethostname()))
+    rank = _Rank(job, ranks, link, (sys.stdout, sys.stderr))
+    sys.stdout = ChannelStream(link, ranks.rank, "stdout")
+    sys.stderr = ChannelStream(link, ranks.rank, "stderr")
+    return rank
+
+
+def _join(rank: _Rank) -> Any:
+    """Join the process group (unless the backend did) and return this rank's device."""
+    config = rank.job.config
+    rank.owns_group = ensure_process_group(config.process_group_backend, rank.ranks, config.timeout)
+    device = device_for(config.use_gpu, rank.ranks.local_rank)
+    if rank.owns_group:
+        # init_process_group has no barrier of its own: without one, a rank whose function needs no
+        # collective could finish and exit while a slower peer is still connecting to it.
+        barrier(device)
+    return device
+
+
+def _build_context(rank: _Rank, device: Any, checkpoints: Any) -> Any:
+    """The strategy and the `TrainContext` the user's function gets; integrations installed around it."""
+    from ..strategies import get_strategy
+    from .checkpoints import checkpoint_store
+    from .context import TrainContext
+
+    job, ranks = rank.job, rank.ranks
+    rank.strategy = get_strategy(job.config.strategy)(job.config, ranks.rank, ranks.local_rank, ranks.world_size,
+                                                      device)
+    ctx = TrainContext(
+        job.config, rank.strategy, ranks.rank, ranks.local_rank, ranks.world_size, device,
+        send=rank.link.send,
+        checkpoint_store=checkpoints if checkpoints is not None else checkpoint_store(job.checkpoint_root),
+    )
+    # Existing code runs unchanged: its own init/destroy_process_group adopt the run's group, and
+    # Hugging Face / Ray Train metrics reach the run (dtrain_magic/integrations). Before the load:
+    # names the cell imported (init_process_group, ray.train.report) resolve to the adapted ones.
+    integrations.install(job.config, ctx, job.config.backend)
+    return ctx
+
+
+def _call(rank: _Rank, ctx: Any) -> Any:
+    """Load the user's function and call it: ``fn(ctx)`` or ``fn()``."""
+    payload = rank.job.payload
+    fn = payload.load()
+    if payload.argv is not None:  # the command line's arguments after --, as torchrun gives a script its own
+        sys.argv = list(payload.argv)
+    rank.link.send(Status(rank.ranks.rank, "running", ""))
+    value = fn(ctx) if payload.takes_ctx else fn()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return value
+
+
+def _send_result(rank: _Rank, value: Any) -> None:
+    try:
+        data = cloudpickle.dumps(value)
+    except Exception as exc:
+        raise TypeError(
+            f"the function's return value ({type(value).__name__}) cannot be pickled to send it back: {exc}. "
+            "Return plain Python data (lists, dicts, numbers) or tensors"
+        ) from None
+    rank.link.send(Result(rank.ranks.rank, data))
+    rank.link.send(Status(rank.ranks.rank, "done", ""))
+
+
+def _report_failure(rank: _Rank, exc: BaseException) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    number = rank.ranks.rank
+    rank.link.send(Error(number, summary(exc), short_traceback(exc, rank.job.payload.labels), time.time()))
+    rank.link.send(Status(number, "failed", summary(exc)))
+
+
+def _teardown(rank: _Rank) -> None:
+    """Whatever happened: the process's own streams back, integrations out, the strategy and the group we
+    joined torn down, the channel closed."""
+    import torch.distributed as dist
+
+    sys.stdout, sys.stderr = rank.streams
+    integrations.uninstall()  # torch's own destroy_process_group again, for the teardown below
+    if rank.strategy is not None:
+        try:
+            rank.strategy.teardown()
+        except Exception:
+            pass
+    if rank.owns_group and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    rank.link.close()
+
+
+def seed_everything(seed: int) -> None:
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy
+
+        numpy.random.seed(seed)
+    except ImportError:
+        pass
+
+
+def preload(strategies: tuple[str, ...] = ("ddp",)) -> None:
+    """Import what a worker needs before its job comes, so the job does not pay it: torch, torch.distributed,
+    this package's worker side, DDP's first-use imports (torch._dynamo, sympy: about 1 s on 2 cores) and the
+    modules of ``strategies``. Imports only: no tensor op (a fork server forks after this: OpenMP's thread pool
+    must not exist yet), no process group. Not DeepSpeed itself: imported inside the run, its logger writes to
+    the run's channel (imported before, it would write to the process's own stdout)."""
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
+
+    from .._compat import torch as torch_compat
+    from ..strategies import get_strategy
+    from . import context  # noqa: F401
+
+    torch_compat.preload_compiler()
+    for name in strategies:
+        try:
+            get_strategy(name)
+        except Exception:  # an optional speed-up only: the job imports it and reports what goes wrong
+            pass
+
+
+def run_job_file(path: str) -> int:
+    """Run the pickled `WorkerJob` at ``path`` on this process's rank (from the environment); the exit code.
+
+    What a local worker runs (forked by the local launcher's fork server, which then leaves with
+    ``os._exit``: no interpreter teardown that could hang on a peer that is gone)."""
+    with open(path, "rb") as handle:
+        job: WorkerJob = cloudpickle.load(handle)
+    try:
+        run_worker(job)
+    except BaseException:
+        return 1
+    return 0
