@@ -46,10 +46,19 @@ def load_ipython_extension(ipython: Any) -> None:
 
 
 def __getattr__(name: str) -> Any:
-    if name == "TrainContext":  # imports torch: only when asked for
+    # Imported when first asked for: `import dtrain_magic` (``%load_ext``) stays cheap.
+    if name == "TrainContext":  # imports torch
         from .worker.context import TrainContext
 
         return TrainContext
+    if name == "run":
+        from .api import run
+
+        return run
+    if name == "CTX":
+        from .payload import CTX
+
+        return CTX
     raise AttributeError(name)
 
 

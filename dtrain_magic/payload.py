@@ -177,7 +177,8 @@ def serialize(
     call_args = None if call is None else _pickle_arguments(call)
     module = getattr(fn, "__module__", None)
     registered = None
-    if module and module not in ("__main__", "builtins") and inspect.getmodule(fn) is not None:
+    ours = module == __package__ or (module or "").startswith(__package__ + ".")  # every worker imports these
+    if module and module not in ("__main__", "builtins") and not ours and inspect.getmodule(fn) is not None:
         # A function from an importable module would be pickled by reference and fail on workers
         # that lack the module: ship that module by value too.
         mod = inspect.getmodule(fn)
