@@ -22,7 +22,7 @@ from typing import Any, Callable
 import cloudpickle
 
 from ._compat import cloudpickle as cloudpickle_compat
-from .errors import CaptureError
+from .errors import CaptureError, log_dropped
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,8 @@ def _find_unpicklable_global(fn: Callable[..., Any]) -> tuple[str, Any] | None:
     for name, obj in {**closure.globals, **closure.nonlocals}.items():
         try:
             cloudpickle.dumps(obj)
-        except Exception:
+        except Exception as exc:
+            log_dropped(__name__, "_find_unpicklable_global", exc)
             return name, obj
     return None
 
@@ -245,8 +246,8 @@ class CallForm:
 def _pickle_arguments(call: CallForm) -> bytes:
     try:
         return dumps((call.args, call.kwargs))
-    except Exception:
-        pass
+    except Exception as exc:
+        log_dropped(__name__, "_pickle_arguments", exc)
     named = [(f"argument {i + 1}", a) for i, a in enumerate(call.args)] + [(k, v) for k, v in call.kwargs.items()]
     for label, obj in named:
         try:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._compat import deepspeed as deepspeed_compat
-from ..errors import ConfigError
+from ..errors import ConfigError, log_dropped
 from ..registry import STRATEGIES
 
 ADAM_MIXED_K = 12  # fp32 master weights + momentum + variance, bytes per parameter
@@ -165,13 +165,14 @@ def device_memory_bytes(device: Any = None, processes_per_device: int = 1) -> in
         if device is not None and getattr(device, "type", str(device)) == "cuda" and torch.cuda.is_available():
             index = getattr(device, "index", None) or 0
             return int(torch.cuda.get_device_properties(index).total_memory)
-    except Exception:
-        pass
+    except Exception as exc:
+        log_dropped(__name__, "device_memory_bytes", exc)
     try:
         import psutil
 
         return int(psutil.virtual_memory().total // max(1, processes_per_device))
-    except Exception:
+    except Exception as exc:
+        log_dropped(__name__, "device_memory_bytes", exc)
         return None
 
 

@@ -31,7 +31,7 @@ import anywidget
 import traitlets
 
 from ..config import RunConfig, cuda_available
-from ..errors import ConfigError, DistributeError
+from ..errors import ConfigError, DistributeError, log_dropped
 from ..flagtable import CHECKBOX, DROPDOWN, INT_BOX, TEXT, Flag, panel_rows
 from ..notebook.model_of_cell import CellModel
 from ..registry import STRATEGIES
@@ -195,6 +195,7 @@ class PanelState:
                 line += "\n" + warning
             return line
         except Exception as exc:  # a half-written estimate module must not break the panel
+            log_dropped(__name__, "memory_line", exc)
             return f"memory estimate unavailable: {type(exc).__name__}: {exc}"
 
     def cell_text(self, body: str) -> str | None:
@@ -459,8 +460,8 @@ class _OutputWriter:
             self._dirty.clear()
             try:
                 self.flush()
-            except Exception:
-                pass
+            except Exception as exc:
+                log_dropped(__name__, "_loop", exc)
             self._closed.wait(self._every_s)
 
 
