@@ -41,6 +41,19 @@ ADAM_MOMENTS_FP32 = 8  # momentum + variance in fp32
 
 
 @dataclass(frozen=True)
+class CellModel:
+    """The parameter count of the model a cell's training function prepares, when it can be known
+    without training (``num_params``), and where it came from or why it is unknown (``description``)."""
+
+    num_params: int | None
+    description: str
+
+    @property
+    def found(self) -> bool:
+        return self.num_params is not None
+
+
+@dataclass(frozen=True)
 class MemoryModel:
     """How a strategy stores one parameter (its `Strategy.memory_model`): which ZeRO stage its sharding is (0:
     replicated, 1: optimizer states sharded, 2: and gradients, 3: and parameters) and the bytes per parameter of
