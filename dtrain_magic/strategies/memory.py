@@ -81,6 +81,7 @@ class MemoryEstimate:
     optimizer_moments: float  # the part of ``optimizer`` that is Adam's momentum + variance
     tp: int = 1
     pp: int = 1
+    strategy_label: str = ""  # as the strategy names itself (``deepspeed ZeRO-2``)
 
     @property
     def total(self) -> float:
@@ -88,7 +89,7 @@ class MemoryEstimate:
 
     @property
     def label(self) -> str:
-        label = STRATEGIES.load(self.strategy).label(self.zero)
+        label = self.strategy_label or self.strategy
         degrees = (("tp", self.tp), ("pp", self.pp))
         return label + "".join(f" x {name} {degree}" for name, degree in degrees if degree > 1)
 
@@ -106,15 +107,21 @@ class MemoryEstimate:
         return text
 
 
-def memory_model(strategy: str, zero: int | None, precision: str) -> MemoryModel:
-    """The registered strategy's `MemoryModel` for ``zero`` and ``precision``."""
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise ValueError(f"unknown precision {precision!r}")
+def strategy_class(strategy: str | type) -> Any:
+    """A `Strategy` class, or the one registered under that name (`ValueError` when none is)."""
+    if isinstance(strategy, type):
+        return strategy
     try:
-        cls = STRATEGIES.load(strategy)
+        return STRATEGIES.load(strategy)
     except ConfigError:
         raise ValueError(f"unknown strategy {strategy!r}") from None
-    return cls.memory_model(zero, precision)
+
+
+def memory_model(strategy: str | type, zero: int | None, precision: str) -> MemoryModel:
+    """The strategy's `MemoryModel` for ``zero`` and ``precision`` (``strategy``: its class or registered name)."""
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"unknown precision {precision!r}")
+    return strategy_class(strategy).memory_model(zero, precision)
 
 
 def bytes_per_param(strategy: str, zero: int | None, precision: str) -> tuple[int, int, int, int]:
@@ -123,7 +130,7 @@ def bytes_per_param(strategy: str, zero: int | None, precision: str) -> tuple[in
     return model.param_bytes, model.grad_bytes, model.optimizer_bytes, model.moment_bytes
 
 
-def estimate(num_params: int, strategy: str = "ddp", zero: int | None = None, precision: str = "fp32",
+def estimate(num_params: int, strategy: str | type = "ddp", zero: int | None = None, precision: str = "fp32",
              world_size: int = 1, k: int | None = None, tp: int = 1, pp: int = 1) -> MemoryEstimate:
     """Per-process bytes for parameters, gradients and optimizer states; ``k`` overrides K. With ``tp``/``pp``
     each process holds an even 1/(tp x pp) of the model, sharded further over the world/(tp x pp) replicas."""
@@ -142,9 +149,10 @@ def estimate(num_params: int, strategy: str = "ddp", zero: int | None = None, pr
     grads = g * psi / (n if stage >= 2 else 1)
     optimizer = kk * psi / (n if stage >= 1 else 1)
     optimizer_moments = moments * psi / (n if stage >= 1 else 1)
-    owns_zero = "zero" in STRATEGIES.load(strategy).own_fields  # ZeRO's stage, as DeepSpeed numbers it
-    return MemoryEstimate(strategy, (zero or 0) if owns_zero else None, precision, world_size,
-                          int(num_params), params, grads, optimizer, optimizer_moments, tp, pp)
+    cls = strategy_class(strategy)
+    zero = (zero or 0) if "zero" in cls.own_fields else None  # ZeRO's stage, as DeepSpeed numbers it
+    return MemoryEstimate(cls.name, zero, precision, world_size, int(num_params), params, grads, optimizer,
+                          optimizer_moments, tp, pp, cls.label(zero))
 
 
 def table(num_params: int, precision: str = "fp32", world_size: int = 2, tp: int = 1, pp: int = 1) -> str:
@@ -218,7 +226,7 @@ def count_parameters(model: Any) -> int:
     return total
 
 
-def report(model: Any, strategy: str, zero: int | None, precision: str, world_size: int,
+def report(model: Any, strategy: str | type, zero: int | None, precision: str, world_size: int,
            device: Any = None, processes_per_device: int = 1, tp: int = 1, pp: int = 1) -> str:
     """The estimate line for ``model`` (and the warning when it does not fit), as printed by wrap()."""
     est = estimate(count_parameters(model), strategy, zero, precision, world_size, tp=tp, pp=pp)

@@ -83,7 +83,8 @@ def _connect(job: WorkerJob, ranks: RankInfo) -> _Rank:
 def _join(rank: _Rank) -> Any:
     """Join the process group (unless the backend did) and return this rank's device."""
     config = rank.job.config
-    rank.owns_group = ensure_process_group(config.process_group_backend, rank.ranks, config.timeout)
+    backend = rank.job.strategy_class().process_group_backend(config.use_gpu)
+    rank.owns_group = ensure_process_group(backend, rank.ranks, config.timeout)
     device = device_for(config.use_gpu, rank.ranks.local_rank)
     if rank.owns_group:
         # init_process_group has no barrier of its own: without one, a rank whose function needs no
@@ -94,13 +95,11 @@ def _join(rank: _Rank) -> Any:
 
 def _build_context(rank: _Rank, device: Any, checkpoints: Any) -> Any:
     """The strategy and the `TrainContext` the user's function gets; integrations installed around it."""
-    from ..strategies import get_strategy
     from .checkpoints import checkpoint_store
     from .context import TrainContext
 
     job, ranks = rank.job, rank.ranks
-    rank.strategy = get_strategy(job.config.strategy)(job.config, ranks.rank, ranks.local_rank, ranks.world_size,
-                                                      device)
+    rank.strategy = job.strategy_class()(job.config, ranks.rank, ranks.local_rank, ranks.world_size, device)
     ctx = TrainContext(
         job.config, rank.strategy, ranks.rank, ranks.local_rank, ranks.world_size, device,
         send=rank.link.send,
