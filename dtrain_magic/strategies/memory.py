@@ -34,6 +34,7 @@ from typing import Any
 
 from .._compat import deepspeed as deepspeed_compat
 from ..errors import ConfigError, log_dropped
+from ..flagtable import BY_FIELD
 from ..registry import STRATEGIES
 
 ADAM_MIXED_K = 12  # fp32 master weights + momentum + variance, bytes per parameter
@@ -158,10 +159,12 @@ def estimate(num_params: int, strategy: str | type = "ddp", zero: int | None = N
 def table(num_params: int, precision: str = "fp32", world_size: int = 2, tp: int = 1, pp: int = 1) -> str:
     """A text table of the estimate for every strategy and stage (for the dry run or the docs); with ``tp``/``pp``,
     the strategies that support them (ddp, fsdp)."""
-    rows = [estimate(num_params, "ddp", None, precision, world_size, tp=tp, pp=pp),
-            estimate(num_params, "fsdp", None, precision, world_size, tp=tp, pp=pp)]
-    if tp == 1 and pp == 1:
-        rows += [estimate(num_params, "deepspeed", s, precision, world_size) for s in (0, 1, 2, 3)]
+    rows = []
+    for cls in STRATEGIES.classes().values():  # every registered strategy; each ZeRO stage of the one that owns --zero
+        if (tp > 1 or pp > 1) and cls.model_parallel_refusal:
+            continue
+        stages = BY_FIELD["zero"].choices if "zero" in cls.own_fields else (None,)
+        rows += [estimate(num_params, cls, stage, precision, world_size, tp=tp, pp=pp) for stage in stages]
     header = f"{'strategy':<22}{'params':>12}{'grads':>12}{'optimizer':>12}{'total':>12}"
     lines = [f"memory per process: {num_params:,} parameters, {precision}, {world_size} processes", header]
     for r in rows:
