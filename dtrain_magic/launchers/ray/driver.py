@@ -35,7 +35,7 @@ from ..base import Emit, Launcher, LaunchState, RunningJob
 from ..standby import Claim, Placement, Standby, StandbyLaunch, StandbySlot, default_keep_warm_s, keep_warm_s
 from .diagnostics import failures_from
 from .instance import RayInstance, _current_address, _host_port
-from .worker import _standby_loop, _train_loop
+from .worker import _standby_loop, _train_loop, dump_stacks_here
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -90,6 +90,33 @@ class RayJob(StandbyLaunch):
 
     def running(self) -> bool:
         return self._thread.is_alive()
+
+    def dump_stacks(self, workers: Any, timeout: float) -> dict[int, tuple[str, str]]:
+        """The stacks of workers on other machines, by a task on each one's node (Ray's node affinity); those on
+        this machine are left to the notebook, which signals them itself."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        refs = {}
+        for rank, worker in workers.items():
+            if worker.here or not worker.node or not worker.stack_file:
+                continue
+            task = ray.remote(num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+                worker.node, soft=False))(dump_stacks_here)
+            refs[rank] = task.remote(worker.pid, worker.stack_file, timeout)
+        if not refs:
+            return {}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout + 2.0)
+        answers = {}
+        for rank, ref in refs.items():
+            if ref in ready:
+                try:
+                    answers[rank] = tuple(ray.get(ref))
+                except Exception:
+                    pass
+            else:
+                ray.cancel(ref, force=True)
+        return answers
 
     def _fit(self) -> None:
         try:

@@ -35,7 +35,16 @@ import uuid
 from typing import Any, Callable, Mapping
 
 from ..._compat import spark as spark_compat
-from ...channel import AuthenticatedListener, RankDone, StandbyJob, decode
+from ...channel import (
+    AuthenticatedListener,
+    RankDied,
+    RankDone,
+    RankStarted,
+    StackReply,
+    StackRequest,
+    StandbyJob,
+    decode,
+)
 from ...config import RunConfig, redact_uri
 from ...errors import ConfigError, LaunchError, MissingDependencyError
 from ...state import kernel_state
@@ -64,24 +73,69 @@ _DIED = "the process died without reporting an error (killed by a signal, or cra
 class _RankWatch:
     """One connection per worker, from its watchdog (`channel.RankStarted`, then `channel.RankDone` when the
     worker ended in Python): a worker whose connection drops before `RankDone` was killed or crashed (seen at
-    once, before torchrun's report); closing the watch makes every remaining worker's watchdog kill it."""
+    once, before torchrun's report; `channel.RankDied` first says what its host knows); closing the watch makes
+    every remaining worker's watchdog kill it. `dump_stacks` asks the watchdogs for their workers' stacks."""
 
     def __init__(self, host: str):
         self.dead: dict[int, str] = {}
+        self.evidence: dict[int, str] = {}  # rank → what its watchdog found when it died (`RankDied`)
+        self.died_at: float | None = None
         self._listener = AuthenticatedListener(host, self._read, "dtrain-spark-watch")
         self.authkey = self._listener.authkey
         self.address = (host, self._listener.port, self.authkey)
+        self._lock = threading.Lock()
+        self._conns: dict[int, Any] = {}
+        self._serial = 0
+        self._replies: dict[tuple[int, int], StackReply] = {}
+        self._replied = threading.Condition(self._lock)
 
     def _read(self, conn: Any, serial: int) -> None:
         rank, done = None, False
         try:
             while True:
                 message = decode(conn.recv())
-                rank, done = message.rank, done or isinstance(message, RankDone)
+                if isinstance(message, RankStarted):
+                    rank = message.rank
+                    with self._lock:
+                        self._conns[rank] = conn
+                elif isinstance(message, StackReply):
+                    with self._lock:
+                        self._replies[(message.rank, message.serial)] = message
+                        self._replied.notify_all()
+                elif isinstance(message, RankDied):
+                    self.evidence[message.rank] = message.evidence
+                done = done or isinstance(message, RankDone)
         except Exception:  # the connection closed (or sent what no watchdog sends)
             pass
+        if rank is not None:
+            with self._lock:
+                if self._conns.get(rank) is conn:
+                    del self._conns[rank]
         if rank is not None and not done and not self._listener.closed.is_set():
+            if self.died_at is None:
+                self.died_at = time.monotonic()
             self.dead.setdefault(rank, _DIED)
+
+    def dump_stacks(self, ranks: Any, timeout: float) -> dict[int, tuple[str, str]]:
+        """rank → (state, dump) from each connected worker's watchdog (on the worker's own host)."""
+        with self._lock:
+            self._serial += 1
+            serial = self._serial
+            targets = {rank: conn for rank, conn in self._conns.items() if rank in ranks}
+        for rank, conn in list(targets.items()):
+            try:
+                conn.send(StackRequest(serial).wire())
+            except Exception:
+                del targets[rank]
+        deadline = time.monotonic() + timeout + 1.0  # the watchdog's own wait, plus the round trip
+        with self._lock:
+            while not all((rank, serial) in self._replies for rank in targets):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._replied.wait(left)
+            replies = {rank: self._replies.pop((rank, serial)) for rank in targets if (rank, serial) in self._replies}
+        return {rank: (reply.state, reply.text) for rank, reply in replies.items()}
 
     def close(self) -> None:
         self._listener.close()
@@ -96,6 +150,7 @@ class SparkJob(StandbyLaunch):
 
     early_release = True
     _RELEASE_GRACE_S = 5.0
+    _SIGNAL_WAIT_S = 3.0  # after a worker died: how long torchrun may take to end and name the exit signal
 
     def __init__(self, launcher: "SparkLauncher", spark: Any, config: RunConfig, emit: Emit | None, group: str,
                  watch_host: str, call: Callable[[tuple], tuple[Callable, tuple]]):
@@ -145,20 +200,35 @@ class SparkJob(StandbyLaunch):
         finally:
             spark_compat.clear_job_group(self._sc)
 
+    def dump_stacks(self, workers: Any, timeout: float) -> dict[int, tuple[str, str]]:
+        """Every worker's stacks through its watchdog, on whichever host it runs."""
+        return self._watch.dump_stacks(set(workers), timeout)
+
     def poll(self) -> LaunchState:
         # In the order the deaths were seen, not by rank: the first is the cause (torchrun then SIGTERMs
         # the survivors, whose connections drop a moment later).
-        died = [Failure(rank, reason) for rank, reason in list(self._watch.dead.items())]
+        died = [self._died(rank, reason) for rank, reason in list(self._watch.dead.items())]
         if self._thread.is_alive():
+            if died and time.monotonic() - (self._watch.died_at or 0) < self._SIGNAL_WAIT_S:
+                return LaunchState(False, [])  # torchrun reports the exit signal within moments: wait for it
             return LaunchState(False, died)
         failures = []
         if self._error is not None and not self._cancelled:
             cause = torchrun_root_cause(str(self._error))
             if cause is not None:  # a worker died below Python (killed, crashed): name its rank and signal
-                failures.append(Failure(cause[0], cause[1]))
+                failures.append(self._died(cause[0], cause[1]))
             elif not died:
                 failures.append(Failure(None, one_line_reason(self._error)))
         return LaunchState(True, failures or died)
+
+    def _died(self, rank: int, reason: str) -> Failure:
+        """A dead worker's failure: torchrun's exit signal (or the watch's guess), with what its watchdog found on
+        its host (an out-of-memory kill, where Python saw a fatal signal)."""
+        evidence = self._watch.evidence.get(rank, "")
+        headline, _, dump = evidence.partition("\n")
+        if headline and headline not in reason:
+            reason = headline if reason == _DIED else f"{reason}: {headline}"
+        return Failure(rank, reason, dump)
 
     def active_jobs(self) -> list[int]:
         """Ids of this run's Spark jobs that are still running."""
