@@ -168,13 +168,17 @@ def _place(frame: Frame, labels: dict[str, str]) -> str:
 
 
 def _trimmed(frames: list[Frame], labels: dict[str, str]) -> list[Frame]:
-    """From the outermost frame of the user's code inwards (dtrain_magic's harness and the backend's frames
-    above it left out), as a worker's traceback is."""
-    outermost_user = None
-    for index, frame in enumerate(frames):  # innermost first: the last match is the outermost
-        if frame.file in labels or not is_library(frame.file):
-            outermost_user = index
-    return frames if outermost_user is None else frames[: outermost_user + 1]
+    """The user's call tree: the frames inside the worker's call of the function (``run.py``'s `_call`), as a
+    worker's traceback shows (dtrain_magic's harness and the backend's frames above it left out); without that
+    frame, from the outermost notebook cell frame."""
+    for index, frame in enumerate(frames):  # innermost first
+        if frame.function == _HARNESS_CALL and frame.file.replace("\\", "/").endswith(_HARNESS_FILE):
+            return frames[:index] or frames
+    cells = [index for index, frame in enumerate(frames) if frame.file in labels]
+    return frames[: cells[-1] + 1] if cells else frames
+
+
+_HARNESS_FILE, _HARNESS_CALL = "dtrain_magic/worker/run.py", "_call"  # where run_worker calls the user's function
 
 
 def _frame_lines(frames: list[Frame], labels: dict[str, str], indent: str) -> list[str]:

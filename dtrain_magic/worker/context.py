@@ -176,7 +176,7 @@ class TrainContext:
         few times a second; a loop logging a metric more than 100 times a second keeps every value for the first
         500, then 100 a second, evenly spread (the last one always; ``$DTRAIN_MAGIC_METRIC_RATE``).
         A ``tokens`` value (the tokens this rank went through since its last ``ctx.log``) gives the run's tokens/s
-        and, with the model's parameters, model FLOP/s and MFU (docs/reliability.md#throughput).
+        and, with the model's parameters, model FLOP/s and MFU (docs/ui.md#throughput-and-stragglers).
         """
         values = dict(metrics or {}, **more)
         if step is None:

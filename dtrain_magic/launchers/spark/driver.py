@@ -23,6 +23,7 @@ rank 0's).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -32,7 +33,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from ..._compat import spark as spark_compat
 from ...channel import (
@@ -65,6 +66,30 @@ from .worker import _spark_standby_fn, _spark_train_fn
 
 _CANCEL_GRACE_S = 3.0
 _EXECUTOR_WAIT_S = 60.0
+_CANCEL_SWEEP_WAIT_S = 20.0
+
+
+class _Cancels:
+    """The cancels in progress on this launcher (`running`), which a new launch waits for (`wait_idle`)."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._idle = threading.Condition()
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        with self._idle:
+            self._count += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._count -= 1
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout: float) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: self._count == 0, timeout)
 
 
 _DIED = "the process died without reporting an error (killed by a signal, or crashed below Python)"
@@ -167,6 +192,7 @@ class SparkJob(StandbyLaunch):
         self._started_at = time.time()
         self._known_children = _child_pids()
         self._distributor = launcher._distributor(config)
+        self._cancels = launcher.cancels
         self._watch = _RankWatch(watch_host)  # where the run's channel listens: reachable by every worker
         fn, args = call(self._watch.address)
         self._thread = threading.Thread(target=self._run, args=(fn, args), name="dtrain-spark-run", daemon=True)
@@ -192,6 +218,9 @@ class SparkJob(StandbyLaunch):
         self._config, self._emit = job.config, emit
 
     def _run(self, fn: Callable, args: tuple) -> None:
+        # A stopped run's clean-up goes on in the background and sweeps this machine's new torchrun trees: this
+        # launch starts its own only once that sweep is over (a second or two), or it would be swept too.
+        self._cancels.wait_idle(_CANCEL_SWEEP_WAIT_S)
         try:
             self._sc.setJobGroup(self.group, "dtrain_magic %%distribute run", interruptOnCancel=True)
             self._distributor.run(fn, *args)
@@ -279,6 +308,10 @@ class SparkJob(StandbyLaunch):
             time.sleep(0.1)
 
     def cancel(self) -> None:
+        with self._cancels.running():
+            self._cancel()
+
+    def _cancel(self) -> None:
         if not self._claim_stop():
             return
         deadline = time.monotonic() + 10.0
@@ -414,6 +447,7 @@ class SparkLauncher(Launcher):
         self.session_start_s: float | None = None  # how long this launcher's last session start took
         self.session_starts = 0  # how many sessions this launcher started (a warm run starts none)
         self.standbys = StandbySlot()  # the next run's workers, launched ahead (docs/warm-reruns.md)
+        self.cancels = _Cancels()  # stopped runs still cleaning up (in the background)
 
     # -- the session ---------------------------------------------------------------------------------
     @staticmethod
