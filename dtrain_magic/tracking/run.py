@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import threading
@@ -177,6 +178,7 @@ class RunOpening:
             tracker.log_metrics(step, values, stamp)
         tracker.log_texts(artifacts)
         tracker.finish(status, reason, tags)  # the caller gave up waiting (an interrupt): end the run it asked for
+        atexit.unregister(self._finish_at_exit)
 
     def begin(self) -> None:
         """Start opening a deferred run now, in the background (`wait` also does)."""
@@ -218,6 +220,11 @@ class RunOpening:
             tracker.finish(status, reason, tags)
         elif timeout:
             self._thread.join(timeout)  # it ends the run itself if it opens after this
+        elif self._thread.is_alive():  # not waited for now: at the latest when the process exits (a script)
+            atexit.register(self._finish_at_exit)
+
+    def _finish_at_exit(self) -> None:
+        self._thread.join(30.0)
 
 
 

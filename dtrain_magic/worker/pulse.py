@@ -39,15 +39,16 @@ class Thinning:
     steps that logged a metric since the last call, as many as the bucket holds, evenly spread, the last always."""
 
     def __init__(self, burst: int = BURST, rate: float = RATE):
-        self.burst, self.rate = burst, rate
+        # the bucket holds at least two flushes' worth at ``rate``: a higher rate is never capped by the burst
+        self.burst, self.rate = max(float(burst), 2 * METRICS_EVERY_S * rate), rate
         self._tokens: dict[str, float] = {}
         self._at: dict[str, float] = {}
 
     def select(self, key: str, count: int, now: float) -> range | list[int]:
         """Indices (0 .. count-1) of the values of ``key`` to send."""
-        tokens = self._tokens.get(key, float(self.burst))
+        tokens = self._tokens.get(key, self.burst)
         if key in self._at:
-            tokens = min(float(self.burst), tokens + (now - self._at[key]) * self.rate)
+            tokens = min(self.burst, tokens + (now - self._at[key]) * self.rate)
         self._at[key] = now
         if count <= tokens:
             self._tokens[key] = tokens - count

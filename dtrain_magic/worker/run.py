@@ -93,7 +93,7 @@ def _node_id() -> str:
     if ray is None:
         return ""
     try:
-        return ray.get_runtime_context().get_node_id() or ""
+        return (ray.get_runtime_context().get_node_id() or "") if ray.is_initialized() else ""
     except Exception:
         return ""
 

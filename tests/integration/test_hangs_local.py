@@ -116,3 +116,34 @@ def test_per_rank_output_throughput_and_a_straggler_reach_the_result_and_mlflow(
     assert "perf/mfu" not in metrics  # CPU: no peak to compare with
     assert "loss" in metrics
     assert kernel.run("print(sorted(straggled.metrics))").text.strip() == "['loss', 'tokens']"  # the function's own
+
+
+GPU_DECODER_CELL = """%%distribute --backend local -n 1 --gpu --precision bf16 --no-ui --result on_gpu
+import time, torch
+def train(ctx):
+    model = torch.nn.Sequential(torch.nn.Embedding(1000, 256), torch.nn.Linear(256, 1000))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, opt = ctx.prepare(model, opt)
+    ids = torch.randint(0, 1000, (8, 128), device=ctx.device)  # token ids: 6 x parameters per token
+    started = time.monotonic()
+    while time.monotonic() - started < 8:
+        with ctx.autocast():
+            loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1).float(), ids.flatten())
+        ctx.backward(loss)
+        ctx.step()
+        ctx.log(loss=loss.item())
+    return torch.cuda.get_device_name()
+"""
+
+
+@pytest.mark.gpu
+def test_mfu_against_the_gpus_peak(kernel):
+    """On a GPU: model FLOP/s from 6 x parameters x tokens/s, and MFU against the GPU's bf16 peak (its data
+    sheet's, or $DTRAIN_MAGIC_PEAK_FLOPS); never run on this project's CPU machines."""
+    run = kernel.run(GPU_DECODER_CELL, timeout=180)
+    assert run.error is None, run.error
+    run_id = kernel.run("print(on_gpu.run_id)").text.strip()
+    metrics = kernel.mlflow.get_run(run_id).data.metrics
+    parameters = 1000 * 256 + 256 * 1000 + 1000
+    assert metrics["perf/model_flops_per_s"] == pytest.approx(6 * parameters * metrics["perf/tokens_per_s"], rel=0.2)
+    assert 0 < metrics["perf/mfu"] < 1, metrics

@@ -303,3 +303,22 @@ def test_the_stacks_button_shows_a_note_when_no_run_is_in_progress():
     obs.stacks_button.click()
     obs._stacks_thread.join(5)
     assert obs.widget.stacks.startswith("the run is not in progress")
+
+
+@pytest.mark.parametrize("line", [
+    "6,1234,5678,-;Out of memory: Killed process 12345 (python) total-vm:1000kB, anon-rss:900kB",
+    "6,1234,5678,-;Memory cgroup out of memory: Killed process 12345 (python) total-vm:1000kB",
+    "6,1234,5678,-;oom-kill:constraint=CONSTRAINT_MEMCG,nodemask=(null),cpuset=/,mems_allowed=0,task=python,pid=12345,uid=0",
+])
+def test_the_kernel_logs_oom_kill_lines_name_the_pid(line):
+    assert [int(m.group(1)) for m in procfacts._KMSG_KILLED.finditer(line)] == [12345]
+
+
+def test_a_process_state_and_its_signal_handlers_are_read_from_proc():
+    import os
+    import signal
+
+    assert procfacts.process_state(os.getpid()) == "running"
+    assert procfacts.process_state(2 ** 22 + 7) == "gone"
+    assert procfacts.catches(os.getpid(), signal.SIGINT) is True  # Python's own KeyboardInterrupt handler
+    assert procfacts.start_time(os.getpid()) == procfacts.start_time(os.getpid()) is not None
