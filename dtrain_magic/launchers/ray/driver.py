@@ -91,6 +91,14 @@ class RayJob(StandbyLaunch):
     def running(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def aborting(self) -> bool:
+        """Cancelled, and Ray Train's abort still going on (in the background of a stopped run)."""
+        return self._cancelled and self._thread.is_alive()
+
+    def wait_stopped(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
     def dump_stacks(self, workers: Any, timeout: float) -> dict[int, tuple[str, str]]:
         """The stacks of workers on other machines, by a task on each one's node (Ray's node affinity); those on
         this machine are left to the notebook, which signals them itself."""
@@ -222,6 +230,9 @@ class RayLauncher(Launcher):
     def start(self, job: WorkerJob, emit: Emit) -> RunningJob:
         how = self._connect(job.config)
         self.standbys.make_way(self._placement(job.config))  # another placement's workers go first
+        if not self.instance.has_capacity(job.config):  # the instance must grow: a stopped run's abort ends first
+            for aborting in [other for other in list(self._jobs) if other.aborting]:
+                aborting.wait_stopped(aborting.abort_wait_s + 2)
         self.instance.ensure_capacity(job.config, how, in_use=self._in_use())
         try:
             running = RayJob.for_job(job, emit)
