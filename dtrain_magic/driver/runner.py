@@ -28,9 +28,9 @@ from typing import Any, Callable, MutableMapping
 from .. import procfacts
 from ..channel import Channel
 from ..config import RunConfig
-from ..errors import DistributeError, LaunchError, RunInterrupted
+from ..errors import DistributeError, LaunchError, RunInterrupted, log_dropped
 from ..launchers import Launcher
-from ..payload import Payload
+from ..payload import Payload, dumps_by_value
 from ..result import RunResult
 from ..tracking import RunOpening, RunTracker
 from ..worker import WorkerJob
@@ -181,7 +181,8 @@ class _Run:
     def _launch_and_pump(self, channel: Channel) -> tuple[RunTracker, list[Any]]:
         """Start the workers (on the claimed standby, or fresh), pump until they end; the tracker and every
         rank's value. The next run's workers are launched ahead whatever became of this one."""
-        job = WorkerJob(self.payload, self.config, channel.address, checkpoint_root=self.root)
+        job = WorkerJob(self.payload, self.config, channel.address, checkpoint_root=self.root,
+                        strategy=dumps_by_value(self.plan.strategy))
         tracker = None if self.early else self.opening.wait()
         self.pump = Pump(self.config, channel, self.observer, self.started, labels=self.payload.labels)
         if tracker is not None:
@@ -308,7 +309,8 @@ def _kill_tree(pid: int) -> None:
         import psutil
 
         children = psutil.Process(pid).children(recursive=True)
-    except Exception:
+    except Exception as exc:  # gone meanwhile, or no psutil: the process itself is still killed
+        log_dropped(__name__, "_kill_tree", exc)
         children = []
     for target in [pid, *(child.pid for child in children)]:
         try:

@@ -27,6 +27,7 @@ from typing import Callable
 
 from .. import procfacts
 from ..channel import Hello
+from ..errors import log_dropped
 
 DUMP_TIMEOUT_S = 1.5
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+) \(most recent call first\):\s*$")
@@ -241,8 +242,8 @@ class StackCollector:
             if self.remote is not None and wanted:
                 try:
                     answers.update(self.remote(wanted, timeout))
-                except Exception:  # a launcher's way failing leaves the direct one
-                    pass
+                except Exception as exc:  # a launcher's way failing leaves the direct one
+                    log_dropped(__name__, "StackCollector.collect", exc)
             direct = {rank: (worker.pid, worker.stack_file) for rank, worker in wanted.items()
                       if rank not in answers and worker.here and self._same_process(worker)}
             for rank, (state, text) in procfacts.dump_stacks(direct, timeout).items():

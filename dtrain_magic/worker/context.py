@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from ..channel import Message, Metric, ModelFacts, Total
 from ..config import RunConfig
+from ..errors import log_dropped
 from ..strategies.base import Strategy
 from . import flops
 from .pulse import Pulse
@@ -229,8 +230,8 @@ class TrainContext:
             if torch.is_grad_enabled():
                 try:
                     pulse.batch(*flops.batch_size_and_tokens(args, kwargs))
-                except Exception:  # counting must never break a forward
-                    pass
+                except Exception as exc:  # counting must never break a forward
+                    log_dropped(__name__, "count", exc)
 
         model.register_forward_pre_hook(count, with_kwargs=True)
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..errors import log_dropped
+
 # Dense (no sparsity) peak TFLOP/s per device, from the vendors' data sheets: (bf16/fp16 tensor, tf32 tensor,
 # fp32 without tensor cores). Matched against torch.cuda.get_device_name() by substring, first match wins.
 PEAK_TFLOPS: tuple[tuple[str, tuple[float, float, float]], ...] = (
@@ -42,7 +44,8 @@ def count_parameters(model: Any) -> int:
     parameters count whole)."""
     try:
         return int(sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters()))
-    except Exception:
+    except Exception as exc:
+        log_dropped(__name__, "count_parameters", exc)
         return 0
 
 

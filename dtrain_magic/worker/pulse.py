@@ -27,6 +27,7 @@ from typing import Any, Callable
 from .. import procfacts
 from ..channel import Message, Metrics, ModelFacts
 from ..channel import Pulse as PulseMessage
+from ..errors import log_dropped
 
 METRICS_EVERY_S = 0.25
 PULSE_EVERY_S = 0.5
@@ -148,8 +149,8 @@ class Pulse:
                 if now >= next_pulse:
                     self._send(self.message())
                     next_pulse = now + PULSE_EVERY_S
-            except Exception:  # the notebook went away: WorkerLink already stops sending
-                pass
+            except Exception as exc:  # the notebook went away: WorkerLink already stops sending
+                log_dropped(__name__, "Pulse._loop", exc)
 
     def message(self) -> PulseMessage:
         steps = self.steps or self.log_calls

@@ -28,7 +28,7 @@ from typing import Any, Mapping
 from ..._compat import ray as ray_compat
 from ...channel import StandbyJob
 from ...config import RunConfig, redact_uri
-from ...errors import ConfigError, LaunchError, MissingDependencyError, summary
+from ...errors import ConfigError, LaunchError, MissingDependencyError, log_dropped, summary
 from ...worker import WorkerJob
 from ...worker.checkpoints import run_checkpoint_root, storage_path
 from ..base import Emit, Launcher, LaunchState, RunningJob
@@ -120,8 +120,8 @@ class RayJob(StandbyLaunch):
             if ref in ready:
                 try:
                     answers[rank] = tuple(ray.get(ref))
-                except Exception:
-                    pass
+                except Exception as exc:
+                    log_dropped(__name__, "RayJob.dump_stacks", exc)
             else:
                 ray.cancel(ref, force=True)
         return answers
