@@ -95,7 +95,7 @@ def catches(pid: int, signum: int) -> bool | None:
     return None
 
 
-def dump_stacks(targets: dict, timeout: float = 1.5, signum: int = STACK_SIGNAL) -> dict:
+def dump_stacks(targets: dict, timeout: float = 1.2, signum: int = STACK_SIGNAL) -> dict:
     """Dump the stacks of several processes at once. ``targets``: key → (pid, stack file). Returns key → (state,
     text): ``dumped`` with the new part of the file, or ``stopped``, ``gone``, ``no handler`` (the process never
     registered one: not signalled), ``no answer`` (nothing within ``timeout``: blocked with signals masked)."""

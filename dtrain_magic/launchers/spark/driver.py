@@ -152,7 +152,7 @@ class _RankWatch:
                 conn.send(StackRequest(serial).wire())
             except Exception:
                 del targets[rank]
-        deadline = time.monotonic() + timeout + 1.0  # the watchdog's own wait, plus the round trip
+        deadline = time.monotonic() + timeout + 0.4  # the watchdog's own wait, plus the round trip
         with self._lock:
             while not all((rank, serial) in self._replies for rank in targets):
                 left = deadline - time.monotonic()
