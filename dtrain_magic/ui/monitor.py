@@ -46,7 +46,7 @@ from . import _kernel
 from .charts import preload_plotly
 
 LOG_TAIL = 200
-RANK_LOG_TAIL = 200  # lines kept per rank for the rank tabs
+RANK_LOG_TAIL = 40  # lines kept per rank for the rank tabs (what the front-end shows: js/monitor.js LOG_LINES)
 
 
 def esm_source() -> str:
