@@ -114,6 +114,7 @@ class Pump:
                 break  # `run` sees it again and ends the run
             _raise_if_stopped(stop)
             self._raise_if_timed_out()
+            self._tick(time.monotonic())
 
     def pump_while_opening(self, opening: RunOpening, running: Any, stop: threading.Event | None) -> RunTracker:
         """Open the MLflow run in the background and keep handling messages meanwhile (a kernel's first run
@@ -130,6 +131,7 @@ class Pump:
                 self._forget_attempt(keep_last=False)
             _raise_if_stopped(stop)
             self._raise_if_timed_out()
+            self._tick(time.monotonic())
         return opening.wait()
 
     def attach(self, tracker: RunTracker) -> None:
