@@ -57,28 +57,39 @@ def inner(backend: str, counts: list[int], steps: int, repeats: int) -> dict:
     shell.user_ns.update(STEPS=steps, WARMUP=WARMUP)
     out: dict = {}
 
-    def once(n: int, log: bool) -> float:
+    def once(n: int, log: bool) -> tuple[float, float]:
+        """(rank 0's steady steps/s, the notebook process's CPU share of one core during the run)."""
         shell.user_ns["LOG"] = log
         cell = f"%%distribute --backend {backend} -n {n} --cpu --no-ui --experiment bench_log\n" + LOOP
+        cpu0, wall0 = _own_cpu(), time.monotonic()
         with capture_output():
             result = shell.run_cell(cell, store_history=False)
         if result.error_in_exec is not None:
             raise result.error_in_exec
-        return float(result.result.value)
+        return float(result.result.value), (_own_cpu() - cpu0) / (time.monotonic() - wall0)
 
     for n in counts:
         once(n, True)  # warm: the backend up, its next workers waiting, MLflow imported
-        samples: dict[str, list[float]] = {"log": [], "nolog": []}
+        samples: dict[str, list[float]] = {"log": [], "nolog": [], "notebook_cpu_log": [], "notebook_cpu_nolog": []}
         for i in range(repeats):
             for log in ((True, False) if i % 2 == 0 else (False, True)):
-                samples["log" if log else "nolog"].append(once(n, log))
+                rate, cpu = once(n, log)
+                samples["log" if log else "nolog"].append(rate)
+                samples["notebook_cpu_log" if log else "notebook_cpu_nolog"].append(cpu)
         out[str(n)] = samples
     return out
+
+
+def _own_cpu() -> float:
+    """This process's CPU seconds (its threads; not its children: the workers)."""
+    times = os.times()
+    return times.user + times.system
 
 
 def summarize(samples: dict[str, list[float]]) -> dict:
     med = {k: statistics.median(v) for k, v in samples.items()}
     return {"samples": samples, "median_log": med["log"], "median_nolog": med["nolog"],
+            "notebook_cpu_log": med.get("notebook_cpu_log"), "notebook_cpu_nolog": med.get("notebook_cpu_nolog"),
             "min_nolog": min(samples["nolog"]), "max_nolog": max(samples["nolog"]),
             "min_log": min(samples["log"]), "max_log": max(samples["log"]),
             "cost": 1 - med["log"] / med["nolog"]}
@@ -115,7 +126,9 @@ def main() -> None:
             print(f"{backend} -n {n}: without ctx.log {data['median_nolog']:.0f} steps/s "
                   f"({data['min_nolog']:.0f}-{data['max_nolog']:.0f}), with {data['median_log']:.0f} "
                   f"({data['min_log']:.0f}-{data['max_log']:.0f}): ctx.log every step costs "
-                  f"{100 * data['cost']:.1f} % (target <= 2 % at >= 1500 steps/s)", flush=True)
+                  f"{100 * data['cost']:.1f} % (target <= 2 % at >= 1500 steps/s); the notebook process used "
+                  f"{100 * (data['notebook_cpu_log'] or 0):.0f} % of a core with, "
+                  f"{100 * (data['notebook_cpu_nolog'] or 0):.0f} % without", flush=True)
     report["seconds"] = time.monotonic() - began
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -31,8 +31,9 @@ from ..errors import log_dropped
 
 METRICS_EVERY_S = 0.25
 PULSE_EVERY_S = 0.5
-BURST = 500  # values per metric sent as they come before thinning starts (short runs keep every step)
-RATE = 100.0  # values per metric per second after the burst (env DTRAIN_MAGIC_METRIC_RATE)
+BURST = 200  # values per metric sent as they come before thinning starts (short runs keep every step)
+RATE = 20.0  # values per metric per second after the burst (env DTRAIN_MAGIC_METRIC_RATE): each costs
+# the notebook about 0.3 ms (MLflow's SQLite write), CPU the workers would miss on a small machine
 
 
 class Thinning:
