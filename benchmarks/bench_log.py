@@ -6,7 +6,7 @@ show). The same loop is run with and without ``ctx.log(loss=...)`` every step, a
 backend (its workers warm, as a user's re-runs are); each sample is the steady-state steps/s of rank 0 after a
 warm-up. Cost = 1 - median(with ctx.log) / median(without). Target: at most 2 % (run_all.py's report).
 
-    .venv/bin/python benchmarks/bench_log.py                         # local, spark, ray; -n 1 and -n 2; 3 pairs each
+    .venv/bin/python benchmarks/bench_log.py                         # local, spark, ray; -n 1 and -n 2; 5 pairs each
     .venv/bin/python benchmarks/bench_log.py --backends local --repeats 5 --json benchmarks/results/ctx_log.json
 """
 
@@ -42,8 +42,8 @@ def train(ctx):
         if log:
             ctx.log(loss=value)
         if step == WARMUP:
-            started = time.perf_counter()
-    return (steps - WARMUP - 1) / (time.perf_counter() - started)
+            started, cpu = time.perf_counter(), time.process_time()
+    return (steps - WARMUP - 1) / (time.perf_counter() - started), (time.process_time() - cpu) / (steps - WARMUP - 1)
 '''
 
 
@@ -57,8 +57,9 @@ def inner(backend: str, counts: list[int], steps: int, repeats: int) -> dict:
     shell.user_ns.update(STEPS=steps, WARMUP=WARMUP)
     out: dict = {}
 
-    def once(n: int, log: bool) -> tuple[float, float]:
-        """(rank 0's steady steps/s, the notebook process's CPU share of one core during the run)."""
+    def once(n: int, log: bool) -> tuple[float, float, float]:
+        """(rank 0's steady steps/s, its process's CPU seconds per step (training and reporter threads), the
+        notebook process's CPU share of one core during the run)."""
         shell.user_ns["LOG"] = log
         cell = f"%%distribute --backend {backend} -n {n} --cpu --no-ui --experiment bench_log\n" + LOOP
         cpu0, wall0 = _own_cpu(), time.monotonic()
@@ -66,16 +67,21 @@ def inner(backend: str, counts: list[int], steps: int, repeats: int) -> dict:
             result = shell.run_cell(cell, store_history=False)
         if result.error_in_exec is not None:
             raise result.error_in_exec
-        return float(result.result.value), (_own_cpu() - cpu0) / (time.monotonic() - wall0)
+        rate, cpu_per_step = result.result.value
+        return float(rate), float(cpu_per_step), (_own_cpu() - cpu0) / (time.monotonic() - wall0)
 
     for n in counts:
         once(n, True)  # warm: the backend up, its next workers waiting, MLflow imported
-        samples: dict[str, list[float]] = {"log": [], "nolog": [], "notebook_cpu_log": [], "notebook_cpu_nolog": []}
+        samples: dict[str, list[float]] = {key: [] for key in ("log", "nolog", "worker_cpu_us_log",
+                                                               "worker_cpu_us_nolog", "notebook_cpu_log",
+                                                               "notebook_cpu_nolog")}
         for i in range(repeats):
             for log in ((True, False) if i % 2 == 0 else (False, True)):
-                rate, cpu = once(n, log)
-                samples["log" if log else "nolog"].append(rate)
-                samples["notebook_cpu_log" if log else "notebook_cpu_nolog"].append(cpu)
+                rate, cpu_per_step, notebook = once(n, log)
+                which = "log" if log else "nolog"
+                samples[which].append(rate)
+                samples[f"worker_cpu_us_{which}"].append(1e6 * cpu_per_step)
+                samples[f"notebook_cpu_{which}"].append(notebook)
         out[str(n)] = samples
     return out
 
@@ -90,6 +96,7 @@ def summarize(samples: dict[str, list[float]]) -> dict:
     med = {k: statistics.median(v) for k, v in samples.items()}
     return {"samples": samples, "median_log": med["log"], "median_nolog": med["nolog"],
             "notebook_cpu_log": med.get("notebook_cpu_log"), "notebook_cpu_nolog": med.get("notebook_cpu_nolog"),
+            "worker_cpu_us_log": med.get("worker_cpu_us_log"), "worker_cpu_us_nolog": med.get("worker_cpu_us_nolog"),
             "min_nolog": min(samples["nolog"]), "max_nolog": max(samples["nolog"]),
             "min_log": min(samples["log"]), "max_log": max(samples["log"]),
             "cost": 1 - med["log"] / med["nolog"]}
@@ -100,7 +107,7 @@ def main() -> None:
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--counts", default="1,2", help="process counts (default 1,2)")
     parser.add_argument("--steps", type=int, default=6000, help="steps per run (default 6000: 2-4 s at this rate)")
-    parser.add_argument("--repeats", type=int, default=3, help="pairs (with, without ctx.log) per count (default 3)")
+    parser.add_argument("--repeats", type=int, default=5, help="pairs (with, without ctx.log) per count (default 5)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--inner", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -126,9 +133,10 @@ def main() -> None:
             print(f"{backend} -n {n}: without ctx.log {data['median_nolog']:.0f} steps/s "
                   f"({data['min_nolog']:.0f}-{data['max_nolog']:.0f}), with {data['median_log']:.0f} "
                   f"({data['min_log']:.0f}-{data['max_log']:.0f}): ctx.log every step costs "
-                  f"{100 * data['cost']:.1f} % (target <= 2 % at >= 1500 steps/s); the notebook process used "
-                  f"{100 * (data['notebook_cpu_log'] or 0):.0f} % of a core with, "
-                  f"{100 * (data['notebook_cpu_nolog'] or 0):.0f} % without", flush=True)
+                  f"{100 * data['cost']:.1f} % (target <= 2 % at >= 1500 steps/s); rank 0's CPU per step "
+                  f"{data['worker_cpu_us_log']:.0f} us with, {data['worker_cpu_us_nolog']:.0f} us without; the "
+                  f"notebook process used {100 * data['notebook_cpu_log']:.1f} % of a core with, "
+                  f"{100 * data['notebook_cpu_nolog']:.1f} % without", flush=True)
     report["seconds"] = time.monotonic() - began
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -65,8 +65,8 @@ def benchmarks(args: argparse.Namespace) -> dict[str, tuple[str, list[str], floa
                        ["-n", str(n), *small["strategies"]],
                        30 if args.quick else 80),
         # per backend: its start, then for -n 1 and -n N a warm run and r pairs of ~4 s runs (with, without ctx.log)
-        "ctx_log": ("bench_log.py", ["--repeats", str(r), "--counts", f"1,{n}", *small["log"]],
-                    (20 + 30 + 60) + 3 * 2 * (1 + 2 * r) * 5),
+        "ctx_log": ("bench_log.py", ["--repeats", str(r + 2), "--counts", f"1,{n}", *small["log"]],
+                    (20 + 30 + 60) + 3 * 2 * (1 + 2 * (r + 2)) * 5),
     }
 
 
@@ -339,12 +339,17 @@ def targets(results: dict, n: int) -> list[dict]:
             if not row["met"]:
                 row["missed_by"] = (f"{100 * (cost - LOG_COST_LIMIT):.1f} %" if cost > LOG_COST_LIMIT
                                     else f"the loop ran {rate:.0f} steps/s, under {LOG_COST_RATE:.0f}")
+                cpu = (f"; rank 0's own CPU per step {stat['worker_cpu_us_log']:.0f} µs with, "
+                       f"{stat['worker_cpu_us_nolog']:.0f} µs without; the notebook process used "
+                       f"{100 * stat['notebook_cpu_log']:.1f} % of a core with, "
+                       f"{100 * stat['notebook_cpu_nolog']:.1f} % without" if stat.get("worker_cpu_us_log") is not None
+                       else "")
                 row["reason"] = (f"with ctx.log {stat['median_log']:.0f} steps/s ({stat['min_log']:.0f}-"
                                  f"{stat['max_log']:.0f}), without {rate:.0f} ({stat['min_nolog']:.0f}-"
-                                 f"{stat['max_nolog']:.0f})" + ("; the min-max ranges overlap, so the gap is within "
-                                 "this machine's noise" if _overlap((stat["min_log"], stat["max_log"]),
-                                                                   (stat["min_nolog"], stat["max_nolog"])) else "")
-                                 + ".")
+                                 f"{stat['max_nolog']:.0f}){cpu}" + ("; the min-max ranges overlap, so the gap is "
+                                 "within this machine's noise" if _overlap((stat["min_log"], stat["max_log"]),
+                                                                          (stat["min_nolog"], stat["max_nolog"]))
+                                                                   else "") + ".")
             rows.append(row)
     lags = _data(results, "chart_lag") or {}
     for key, which in (("chart_lag", "a kernel's first run"), ("chart_lag_later", "later runs")):
