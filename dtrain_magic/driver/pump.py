@@ -93,8 +93,8 @@ class Pump:
         self._perf_at = self._perf_metrics_at = 0.0
 
     def watch_job(self, running: Any) -> None:
-        """The launched job: its own way to reach the workers' stacks (`RunningJob.dump_stacks`), if it has one."""
-        self.collector.remote = getattr(running, "dump_stacks", None)
+        """The launched job: its own way to reach the workers' stacks (`RunningJob.dump_stacks`)."""
+        self.collector.remote = running.dump_stacks
 
     def hold(self, running: Any, limit_s: float, stop: threading.Event | None) -> None:
         """Before the MLflow run may open: handle the workers' messages (output streams, metrics reach the

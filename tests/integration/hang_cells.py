@@ -15,10 +15,10 @@ import time
 from kernels import Kernel
 from leftovers import kill_tagged, new_tag, tagged_processes
 
-# How many interrupts each backend's module sends through the kernel: five on local (about 2 s each), three on
-# Spark and two on Ray, whose next run's workers take 6-8 s (Spark) and 12-25 s (Ray) to come up after each
-# stopped run: the suite's time budget.
-INTERRUPTS = {"local": 5, "spark": 3, "ray": 2}
+# How many interrupts each backend's module sends through the kernel: five on local (under a second each), two on
+# Spark and on Ray, whose next run's workers take 7-9 s (Spark) and 12-25 s (Ray) to come up after each stopped
+# run: the suite's time budget.
+INTERRUPTS = {"local": 5, "spark": 2, "ray": 2}
 
 # Defined in the kernel once (`module_kernel`); the cells' functions take it along (a global of the notebook).
 RECORD_PIDS = '''

@@ -175,7 +175,7 @@ class SparkJob(StandbyLaunch):
 
     early_release = True
     _RELEASE_GRACE_S = 5.0
-    _SIGNAL_WAIT_S = 3.0  # after a worker died: how long torchrun may take to end and name the exit signal
+    _SIGNAL_WAIT_S = 5.0  # after a worker died: how long torchrun may take to end and name the exit signal
 
     def __init__(self, launcher: "SparkLauncher", spark: Any, config: RunConfig, emit: Emit | None, group: str,
                  watch_host: str, call: Callable[[tuple], tuple[Callable, tuple]]):
@@ -238,7 +238,8 @@ class SparkJob(StandbyLaunch):
         # the survivors, whose connections drop a moment later).
         died = [self._died(rank, reason) for rank, reason in list(self._watch.dead.items())]
         if self._thread.is_alive():
-            if died and time.monotonic() - (self._watch.died_at or 0) < self._SIGNAL_WAIT_S:
+            unnamed = [f for f in died if "killed by" not in f.reason]  # no signal from the watchdog's evidence
+            if unnamed and time.monotonic() - (self._watch.died_at or 0) < self._SIGNAL_WAIT_S:
                 return LaunchState(False, [])  # torchrun reports the exit signal within moments: wait for it
             return LaunchState(False, died)
         failures = []
@@ -255,8 +256,10 @@ class SparkJob(StandbyLaunch):
         its host (an out-of-memory kill, where Python saw a fatal signal)."""
         evidence = self._watch.evidence.get(rank, "")
         headline, _, dump = evidence.partition("\n")
-        if headline and headline not in reason:
-            reason = headline if reason == _DIED else f"{reason}: {headline}"
+        if headline.startswith("killed by") and reason == _DIED:
+            reason = f"process was {headline}"  # as torchrun's report says it
+        elif headline and headline not in reason:
+            reason = f"{reason.split(' (', 1)[0]}: {headline}"
         return Failure(rank, reason, dump)
 
     def active_jobs(self) -> list[int]:
