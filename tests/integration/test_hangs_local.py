@@ -54,6 +54,28 @@ def test_a_rank_frozen_by_sigstop_is_named_and_its_peers_stack_shown(kernel):
     assert "rank 1 is stopped (SIGSTOP" in run.error[1] and "rank 0 waits in all_reduce at Cell In[" in run.error[1]
     assert "--stall-timeout 3" in run.error[1]
     assert_dead_within(pids_of(kernel.cwd, 2), 10)  # a stopped process takes SIGKILL (after SIGTERM's grace)
+    stacks = [a.path for a in kernel.mlflow.list_artifacts(last_run(kernel).info.run_id, "stacks")]
+    assert len(stacks) == 1 and stacks[0].startswith("stacks/stall_"), stacks
+
+
+QUIET_CELL = """%%distribute --backend local -n 2 --no-ui --stall-timeout 2
+import time
+def train(ctx):
+    ctx.log(loss=1.0)
+    time.sleep(4)  # quiet: no step, metric or output
+    return ctx.rank
+"""
+
+
+def test_a_stall_shows_every_ranks_stack_and_the_run_goes_on(kernel):
+    run = kernel.run(QUIET_CELL, timeout=90)
+    assert run.error is None, run.error
+    assert "dtrain_magic: no step, metric or output from any rank for 2 s (--stall-timeout 2)" in run.text, run.text
+    assert run.text.count(" is at Cell In[") >= 2 and "the run goes on" in run.text, run.text
+    mlflow_run = last_run(kernel)
+    assert mlflow_run.info.status == "FINISHED"
+    assert [a.path.split("_")[0] for a in kernel.mlflow.list_artifacts(mlflow_run.info.run_id, "stacks")] == [
+        "stacks/stall"]
 
 
 def test_distribute_stacks_and_interrupts_through_the_kernel(kernel):
