@@ -10,6 +10,7 @@ its own run's workers wrote down.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -70,7 +71,8 @@ def train(ctx):
 def test_a_stall_shows_every_ranks_stack_and_the_run_goes_on(kernel):
     run = kernel.run(QUIET_CELL, timeout=90)
     assert run.error is None, run.error
-    assert "dtrain_magic: no step, metric or output from any rank for 2 s (--stall-timeout 2)" in run.text, run.text
+    assert re.search(r"dtrain_magic: no step, metric or output from any rank for \d+ s \(--stall-timeout 2\)",
+                     run.text), run.text
     assert run.text.count(" is at Cell In[") >= 2 and "the run goes on" in run.text, run.text
     mlflow_run = last_run(kernel)
     assert mlflow_run.info.status == "FINISHED"
