@@ -42,9 +42,11 @@ class Watch:
         self.ranks[rank] = _Rank(now, now, now)
 
     def activity(self, rank: int | None, now: float) -> None:
-        """Output or metrics from ``rank`` (None: the launcher's own note, no rank's activity)."""
+        """Output or metrics from ``rank`` (None: the launcher's own note, no rank's activity). A rank that ended
+        still sends its last words (its "done" status, a flushed line): they are not activity, or they would start
+        a new stall for the ranks that still run, which have been quiet all along."""
         state = self.ranks.get(rank) if rank is not None else None
-        if state is not None:
+        if state is not None and state.ended is None:
             state.last_activity = state.last_progress = now
             self.stall_reported = False
 

@@ -76,8 +76,8 @@ def test_a_stall_shows_every_ranks_stack_and_the_run_goes_on(kernel):
     assert run.text.count(" is at Cell In[") >= 2 and "the run goes on" in run.text, run.text
     mlflow_run = last_run(kernel)
     assert mlflow_run.info.status == "FINISHED"
-    assert [a.path.split("_")[0] for a in kernel.mlflow.list_artifacts(mlflow_run.info.run_id, "stacks")] == [
-        "stacks/stall"]
+    kept = [a.path for a in kernel.mlflow.list_artifacts(mlflow_run.info.run_id, "stacks")]
+    assert [path.split("_")[0] for path in kept] == ["stacks/stall"], (kept, run.text)
 
 
 def test_distribute_stacks_and_interrupts_through_the_kernel(kernel):

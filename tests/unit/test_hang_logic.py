@@ -70,6 +70,18 @@ def test_cpu_use_is_progress_for_the_hang_rule_but_not_activity_for_the_stall_ru
     assert watch.stalled(now=t + 8)
 
 
+def test_the_last_words_of_a_rank_that_ended_do_not_start_a_new_stall():
+    watch = Watch(hang_timeout=None, stall_timeout=2)
+    watch.hello(0, now=0)
+    watch.hello(1, now=0)
+    assert watch.stalled(now=2)  # both quiet
+    watch.ended(0, "returned", now=4)
+    watch.activity(0, now=4)  # rank 0's "done" status, after its result
+    assert not watch.stalled(now=4.1)  # rank 1 is in the same stall, already reported
+    watch.activity(1, now=5)
+    assert watch.stalled(now=7)  # a new silence of a rank that runs: a new stall
+
+
 def test_no_hang_while_every_rank_runs_and_none_when_turned_off():
     watch = Watch(hang_timeout=5, stall_timeout=None)
     watch.hello(0, now=0)
