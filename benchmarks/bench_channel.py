@@ -1,10 +1,12 @@
 """The cost of ``ctx.log`` on the channel: a worker process logging metrics as fast as it can, the notebook
-side receiving and handling them (the runner's message pump, MLflow not attached: metrics wait for it).
+side receiving and handling them (the message pump, MLflow not attached: metrics wait for it).
 
-One sender process (``TrainContext.log`` over a real `WorkerLink`, as in a worker) and this process (a real
-`Channel`, its reader thread, ``_Pump.handle``). Per message: the sender's CPU time, the receiver's CPU time
-(reader thread and pump together), and the wall time from the first send to the last message handled.
-Medians over ``--repeats``. No MLflow, no torch.distributed: only the channel path every ``ctx.log`` takes.
+One sender process (``TrainContext.log`` with the rank's `Pulse`, over a real `WorkerLink`, as in a worker: the
+values are batched, four `Metrics` messages a second; thinning off here, so every value arrives) and this process
+(a real `Channel`, its reader thread, ``Pump.handle``). Per logged value: the sender's CPU time (its training
+thread and reporter thread together), the receiver's CPU time (reader thread and pump together), and the wall
+time from the first send to the last value handled. Medians over ``--repeats``. No MLflow, no
+torch.distributed: only the channel path every ``ctx.log`` takes.
 
     .venv/bin/python benchmarks/bench_channel.py                 # 20000 metrics, 5 repeats
     .venv/bin/python benchmarks/bench_channel.py --messages 50000 --repeats 3 --json out.json
@@ -20,18 +22,22 @@ import sys
 import time
 
 _SENDER = r"""
-import sys, time
+import os, sys, time
+os.environ["DTRAIN_MAGIC_METRIC_RATE"] = "1e12"  # no thinning: every value crosses
 import torch
 from dtrain_magic.channel import ChannelAddress, WorkerLink
 from dtrain_magic.config import RunConfig
 from dtrain_magic.worker.context import TrainContext
+from dtrain_magic.worker.pulse import Pulse
 
 host, port, key, n = sys.stdin.readline().split()
 link = WorkerLink(ChannelAddress(host, int(port), bytes.fromhex(key)), rank=0)
-ctx = TrainContext(RunConfig(num_processes=1), None, 0, 0, 1, torch.device("cpu"), send=link.send)
+pulse = Pulse(0, link.send)
+ctx = TrainContext(RunConfig(num_processes=1), None, 0, 0, 1, torch.device("cpu"), send=link.send, pulse=pulse)
 cpu = time.process_time()
 for step in range(int(n)):
     ctx.log(loss=0.5 + step * 1e-6, lr=1e-3, epoch=step // 1000)
+pulse.close()
 cpu = time.process_time() - cpu
 link.close()
 print(cpu, flush=True)
@@ -42,10 +48,10 @@ def one_sample(messages: int) -> dict:
     from dtrain_magic.channel import Channel
     from dtrain_magic.config import RunConfig
     from dtrain_magic.driver.observer import RunObserver
-    from dtrain_magic.driver.runner import _Pump
+    from dtrain_magic.driver.pump import Pump
 
     with Channel() as channel:
-        pump = _Pump(RunConfig(num_processes=1), channel, RunObserver(), time.monotonic())
+        pump = Pump(RunConfig(num_processes=1), channel, RunObserver(), time.monotonic())
         sender = subprocess.Popen(
             [sys.executable, "-c", _SENDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )

@@ -31,7 +31,8 @@ RESULTS = os.path.join(HERE, "results")
 sys.path.insert(0, HERE)
 from workload import PART_LABELS, SUB_PARTS  # noqa: E402
 
-ORDER = ("local_n2", "local_n1", "spark", "ray", "chart_lag", "strategies")
+ORDER = ("local_n2", "local_n1", "spark", "ray", "chart_lag", "strategies", "ctx_log")
+LOG_COST_LIMIT, LOG_COST_RATE = 0.02, 1500.0  # issue 25: ctx.log every step costs <= 2 % at >= 1500 steps/s
 
 
 def benchmarks(args: argparse.Namespace) -> dict[str, tuple[str, list[str], float]]:
@@ -41,11 +42,11 @@ def benchmarks(args: argparse.Namespace) -> dict[str, tuple[str, list[str], floa
     spark_cold, ray_cold = args.spark_cold_runs, args.ray_cold_runs
     # -n 1 runs about 3500 steps/s on a core: 3000 steps give it as long a steady-state window as -n 2's 1000.
     local_steps = {n: [], 1: ["--steps", "3000"]}
-    small = {"local": [], "backend": [], "chart": [], "strategies": []}
+    small = {"local": [], "backend": [], "chart": [], "strategies": [], "log": []}
     if args.quick:  # does everything run? (the numbers mean nothing)
         local_steps = {n: ["--steps", "200"], 1: ["--steps", "200"]}
         small = {"local": [], "backend": ["--steps", "50"], "chart": ["--steps", "40"],
-                 "strategies": ["--only", "ddp,zero3", "--width", "256", "--steps", "4"]}
+                 "strategies": ["--only", "ddp,zero3", "--width", "256", "--steps", "4"], "log": ["--steps", "1500"]}
     return {
         # setup (tracking DB, imports alone) + cold pairs (two fresh interpreters) + 3 kinds of warm calls
         f"local_n{n}": ("bench_local.py", ["-n", str(n), "--repeats", str(r), *local_steps[n], *gpu],
@@ -63,6 +64,9 @@ def benchmarks(args: argparse.Namespace) -> dict[str, tuple[str, list[str], floa
         "strategies": (("bench_strategies_gpu.py" if args.gpu else "bench_strategies.py"),
                        ["-n", str(n), *small["strategies"]],
                        30 if args.quick else 80),
+        # per backend: its start, then for -n 1 and -n N a warm run and r pairs of ~4 s runs (with, without ctx.log)
+        "ctx_log": ("bench_log.py", ["--repeats", str(r + 2), "--counts", f"1,{n}", *small["log"]],
+                    (20 + 30 + 60) + 3 * 2 * (1 + 2 * (r + 2)) * 5),
     }
 
 
@@ -322,6 +326,31 @@ def targets(results: dict, n: int) -> list[dict]:
     log_cost = (local or {}).get("log_cost")
     add("local: cost of ctx.log every step", "≤ 2 %", 100 * log_cost if log_cost is not None else None, 2.0, False,
         " %", lambda: log_reason(local), "{:.1f}")
+    log = _data(results, "ctx_log") or {}
+    for backend, counts in (log.get("backends") or {}).items():
+        for count, stat in counts.items():
+            rate, cost = stat["median_nolog"], stat["cost"]
+            wanted = f"≤ {100 * LOG_COST_LIMIT:.0f} % at ≥ {LOG_COST_RATE:.0f} steps/s"
+            row = {"target": f"{backend} -n {count}: cost of ctx.log every step in a fast loop (without it "
+                             f"{rate:.0f} steps/s)", "wanted": wanted, "measured": 100 * cost,
+                   "limit": 100 * LOG_COST_LIMIT,
+                   "measured_text": f"{100 * cost:.1f} %", "met": cost <= LOG_COST_LIMIT and rate >= LOG_COST_RATE,
+                   "missed_by": None, "reason": None}
+            if not row["met"]:
+                row["missed_by"] = (f"{100 * (cost - LOG_COST_LIMIT):.1f} %" if cost > LOG_COST_LIMIT
+                                    else f"the loop ran {rate:.0f} steps/s, under {LOG_COST_RATE:.0f}")
+                cpu = (f"; rank 0's own CPU per step {stat['worker_cpu_us_log']:.0f} µs with, "
+                       f"{stat['worker_cpu_us_nolog']:.0f} µs without; the notebook process used "
+                       f"{100 * stat['notebook_cpu_log']:.1f} % of a core with, "
+                       f"{100 * stat['notebook_cpu_nolog']:.1f} % without" if stat.get("worker_cpu_us_log") is not None
+                       else "")
+                row["reason"] = (f"with ctx.log {stat['median_log']:.0f} steps/s ({stat['min_log']:.0f}-"
+                                 f"{stat['max_log']:.0f}), without {rate:.0f} ({stat['min_nolog']:.0f}-"
+                                 f"{stat['max_nolog']:.0f}){cpu}" + ("; the min-max ranges overlap, so the gap is "
+                                 "within this machine's noise" if _overlap((stat["min_log"], stat["max_log"]),
+                                                                          (stat["min_nolog"], stat["max_nolog"]))
+                                                                   else "") + ".")
+            rows.append(row)
     lags = _data(results, "chart_lag") or {}
     for key, which in (("chart_lag", "a kernel's first run"), ("chart_lag_later", "later runs")):
         lag = lags.get(key, {})

@@ -22,7 +22,9 @@ from .errors import (
     DistributeError,
     LaunchError,
     MissingDependencyError,
+    RunHung,
     RunInterrupted,
+    RunStalled,
     RunTimeout,
     UnsupportedCodeError,
     UnsupportedVersionError,
@@ -64,7 +66,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CTX", "CaptureError", "ConfigError", "DistributeError", "LaunchError", "MissingDependencyError", "RunConfig",
-    "RunInterrupted", "RunResult", "RunTimeout", "TrainContext", "UnsupportedCodeError", "UnsupportedVersionError",
+    "RunHung", "RunInterrupted", "RunResult", "RunStalled", "RunTimeout", "TrainContext", "UnsupportedCodeError",
+    "UnsupportedVersionError",
     "WorkerError",
     "load_ipython_extension", "run",
 ]

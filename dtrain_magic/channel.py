@@ -8,9 +8,12 @@ talk to it. It listens on 127.0.0.1 unless a launcher asks for a cluster-reachab
 The protocol: every message is one small frozen class below, a subclass of `Message`. A worker sends, in
 order: `Hello` once it is connected; `Output` lines as its Python code writes them (a launcher also emits
 `Output` for what it reads from a process's own pipes, with ``rank=None`` for its own notes); `Status`
-(running, done, failed); rank 0's `Metric` for each ``ctx.log`` and `Total` for ``ctx.set_total``; then
-`Result` (its cloudpickled return value) or `Error`. A second `Hello` from a rank means the backend
-restarted the workers. The driver's message pump dispatches on the class.
+(running, done, failed); rank 0's ``ctx.log`` values in `Metrics` batches (a few a second: the worker
+gathers them, `dtrain_magic.worker.pulse`) and `Total` for ``ctx.set_total``; every rank's `Pulse` twice a
+second (its progress counters and CPU time: hang and stall detection, per-rank step rates, throughput) and
+rank 0's `ModelFacts` once its model is prepared; then `Result` (its cloudpickled return value) or `Error`.
+A second `Hello` from a rank means the backend restarted the workers. The driver's message pump dispatches
+on the class.
 
 The Spark launcher's rank watch speaks the same protocol on a listener of its own: each worker's watchdog
 process sends `RankStarted`, then `RankDone` once the worker ended in Python; a connection that closes
@@ -57,12 +60,17 @@ class Message:
 
 @dataclass(frozen=True, slots=True)
 class Hello(Message):
-    """A worker connected (sent first). A second one from the same rank: the backend restarted the workers."""
+    """A worker connected (sent first). A second one from the same rank: the backend restarted the workers.
+
+    ``stack_file``: where the worker's Python stacks go when it gets `procfacts.STACK_SIGNAL` (empty: none);
+    ``node``: the backend's id of its machine (Ray's node id; empty elsewhere): how to reach it from afar."""
 
     KIND: ClassVar[str] = "hello"
     rank: int
     pid: int
     host: str
+    stack_file: str = ""
+    node: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +92,52 @@ class Metric(Message):
     step: int
     metrics: dict[str, float]
     timestamp_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Metrics(Message):
+    """Rank 0's ``ctx.log`` values gathered in the worker: ``entries`` are ``(step, metrics, timestamp_ms)`` in
+    the order they were logged; ``thinned`` values were left out (a loop logging faster than MLflow can take,
+    `dtrain_magic.worker.pulse.Thinning`)."""
+
+    KIND: ClassVar[str] = "metrics"
+    rank: int
+    entries: tuple[tuple[int, dict[str, float], int], ...]
+    thinned: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Pulse(Message):
+    """A rank's progress, twice a second, from a thread of its own: how many steps (``ctx.step``/``train_step``
+    calls, else ``ctx.log`` calls), samples and tokens its training thread has gone through, how many of those
+    counts were bumped at all (``calls``: any progress), its process's CPU seconds and when (unix time). A rank
+    whose counters and CPU stand still is not progressing; one that sends nothing at all is blocked even for
+    Python."""
+
+    KIND: ClassVar[str] = "pulse"
+    rank: int
+    steps: int
+    samples: int
+    tokens: int
+    calls: int
+    cpu_s: float
+    unix_time: float
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts(Message):
+    """Rank 0's model, once prepared, for model FLOP/s and MFU: its ``parameters``, the FLOPs per sample or per
+    token when given or derived (0: unknown), the device's name and peak FLOP/s for the run's precision (0:
+    none known) and a ``note`` saying why not."""
+
+    KIND: ClassVar[str] = "model"
+    rank: int
+    parameters: int
+    flops_per_sample: float
+    flops_per_token: float
+    device: str
+    peak_flops: float
+    note: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +198,36 @@ class RankDone(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class RankDied(Message):
+    """Rank watch: ``rank``'s worker ended without `RankDone`; ``evidence`` is what its watchdog found on its host
+    (a fatal signal Python reported, an out-of-memory kill in the kernel log or cgroup), empty when nothing."""
+
+    KIND: ClassVar[str] = "died"
+    rank: int
+    evidence: str
+
+
+@dataclass(frozen=True, slots=True)
+class StackRequest(Message):
+    """Rank watch, notebook → watchdog: dump the worker's Python stacks and answer with a `StackReply`."""
+
+    KIND: ClassVar[str] = "stacks?"
+    serial: int
+
+
+@dataclass(frozen=True, slots=True)
+class StackReply(Message):
+    """Rank watch, watchdog → notebook: ``rank``'s stacks for request ``serial`` (``text``: the dump, empty when
+    none came) and the process's ``state`` (``dumped``, ``stopped``, ``no answer``, ``gone``, ``no handler``)."""
+
+    KIND: ClassVar[str] = "stacks"
+    rank: int
+    serial: int
+    state: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class StandbyReady(Message):
     """A standby's worker is ready for a job (torch imported, process group joined): its rank, pid and host."""
 
@@ -190,8 +274,8 @@ def _protocol(*classes: type[Message]) -> dict[str, type[Message]]:
     return kinds
 
 
-_BY_KIND = _protocol(Hello, Output, Metric, Status, Total, Result, Error, RankStarted, RankDone, StandbyReady,
-                     StandbyJob, StandbyRelease)
+_BY_KIND = _protocol(Hello, Output, Metric, Metrics, Pulse, ModelFacts, Status, Total, Result, Error, RankStarted,
+                     RankDone, RankDied, StackRequest, StackReply, StandbyReady, StandbyJob, StandbyRelease)
 
 
 class ProtocolError(ValueError):

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 from .errors import ConfigError, log_dropped
-from .flagtable import BY_FIELD, DEFAULT_EXPERIMENT, FLAGS, SWITCH
+from .flagtable import BY_FIELD, DEFAULT_EXPERIMENT, DEFAULT_HANG_TIMEOUT_S, FLAGS, SWITCH
 from .registry import BACKENDS, STRATEGIES
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -74,6 +74,10 @@ class RunConfig:
     dry_run: bool = False
     seed: int | None = None
     timeout: float | None = None
+    # Hangs and stalls (docs/reliability.md): a rank ended and the others stand still; no rank shows activity
+    hang_timeout: float = DEFAULT_HANG_TIMEOUT_S
+    stall_timeout: float | None = None
+    on_stall: str = "report"
     # Spark (TorchDistributor)
     local_mode: bool = True
     spark_master: str | None = None
@@ -112,6 +116,16 @@ class RunConfig:
             raise ConfigError("--experiment", f"got {self.experiment!r}; must be a non-empty name")
         if self.timeout is not None and (isinstance(self.timeout, bool) or not self.timeout > 0):
             raise ConfigError("--timeout", f"got {self.timeout!r}; must be a number of seconds > 0")
+        if isinstance(self.hang_timeout, bool) or not isinstance(self.hang_timeout, (int, float)) or not (
+                self.hang_timeout >= 0):
+            raise ConfigError("--hang-timeout",
+                              f"got {self.hang_timeout!r}; must be a number of seconds >= 0 (0: never)")
+        if self.stall_timeout is not None and (isinstance(self.stall_timeout, bool)
+                                               or not isinstance(self.stall_timeout, (int, float))
+                                               or not self.stall_timeout > 0):
+            raise ConfigError("--stall-timeout", f"got {self.stall_timeout!r}; must be a number of seconds > 0")
+        if self.on_stall == "fail" and self.stall_timeout is None:
+            raise ConfigError("--on-stall", "fail applies only with --stall-timeout S: add it, or drop --on-stall")
         if self.keep_warm is not None and (isinstance(self.keep_warm, bool)
                                            or not isinstance(self.keep_warm, (int, float))
                                            or not self.keep_warm >= 0):

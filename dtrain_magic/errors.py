@@ -85,6 +85,24 @@ class RunTimeout(DistributeError):
     title = "RunTimeout"
 
 
+class RunHung(DistributeError):
+    """A rank ended and the others made no progress for ``--hang-timeout`` seconds (a collective only some ranks
+    called, a peer that left): the message says where each rank is; every worker was stopped. ``stacks``: the
+    rendered stack of each rank."""
+
+    title = "RunHung"
+
+    def __init__(self, message: str, stacks: str = ""):
+        self.stacks = stacks
+        super().__init__(message + (f"\n\n{stacks}" if stacks else ""))
+
+
+class RunStalled(RunHung):
+    """No rank showed any activity for ``--stall-timeout`` seconds and ``--on-stall fail`` was given."""
+
+    title = "RunStalled"
+
+
 class UnsupportedCodeError(DistributeError, RuntimeError):
     """The user's function does something that cannot work in this run (raised in the worker, e.g.
     ``init_process_group("nccl")`` on CPU, or ``ray.train`` outside ``--backend ray``), or the cell's

@@ -43,6 +43,8 @@ from .registry import BACKENDS, STRATEGIES
 PRECISIONS = ("fp32", "fp16", "bf16")
 ZERO_STAGES = (0, 1, 2, 3)
 PP_SCHEDULES = ("gpipe", "1f1b")
+ON_STALL = ("report", "fail")
+DEFAULT_HANG_TIMEOUT_S = 15.0
 DEFAULT_EXPERIMENT = "dtrain_magic"
 
 # How a flag takes its value.
@@ -210,6 +212,20 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--timeout",), "timeout", WHERE, cheatsheet=True, type=seconds, default=None, placeholder="S",
          help="fail the run (and stop every worker) after this many seconds",
          doc="stop every worker and fail the run after S seconds"),
+    Flag(("--hang-timeout",), "hang_timeout", WHERE, type=seconds, default=DEFAULT_HANG_TIMEOUT_S, placeholder="S",
+         help="once a rank has ended, fail the run when every other rank made no progress (no step, output or CPU "
+              "use) for S seconds, saying where each one is blocked (0: never)",
+         doc="once a rank has returned or failed, fail the run when every other rank made no progress for S "
+             "seconds (no step, metric, output or CPU use), with each rank's stack and the cell's line; 0: never "
+             "(see [hangs](reliability.md#hangs-stalls-and-stacks))"),
+    Flag(("--stall-timeout",), "stall_timeout", WHERE, type=seconds, default=None, placeholder="S",
+         help="no step, metric or output from any rank for S seconds: show every rank's stack in the cell and "
+              "the MLflow run (the run goes on; see --on-stall)",
+         doc="no step, metric or output from any rank for S seconds: every rank's stack in the cell and as an "
+             "MLflow artifact; the run goes on unless `--on-stall fail`", default_doc="off"),
+    Flag(("--on-stall",), "on_stall", WHERE, choices=ON_STALL, default="report",
+         help="what a stall (--stall-timeout) does: report the stacks and go on, or fail the run",
+         doc="`report`: show the stacks, go on; `fail`: stop every worker and fail the run"),
     Flag(("--keep-warm",), "keep_warm", WHERE, type=seconds, default=None, placeholder="S",
          help="spark, ray: keep the next run's workers waiting S seconds for it (0: hold nothing; None means 600 s "
               "on what the magic or the notebook's own ray.init() started, or what runs on this machine; 0 on a "

@@ -17,7 +17,9 @@ class RunResult:
     run. ``config``: the `RunConfig` used. ``wall_time_s``: launch to last result. ``metrics``: last
     value of each metric rank 0 logged. ``time_to_first_step_s``: launch to the first ``ctx.log``.
     ``checkpoint_root``: where ``ctx.save_checkpoint()`` without a directory saved (also the MLflow
-    run's ``dtrain_magic.checkpoint_root`` tag).
+    run's ``dtrain_magic.checkpoint_root`` tag). ``outputs``: each rank's output (stdout and stderr as they
+    came, the last 4 M characters), by rank: `output` gives one rank's; the MLflow run has each as
+    ``logs/rank_N.txt``.
     """
 
     value: Any
@@ -29,6 +31,13 @@ class RunResult:
     time_to_first_step_s: float | None = None
     tracking_uri: str | None = None
     checkpoint_root: str | None = None
+    outputs: dict[int, str] = field(default_factory=dict, repr=False)
+
+    def output(self, rank: int = 0) -> str:
+        """What ``rank`` printed during the run (its stdout and stderr, in order), without the ``[rank N]`` prefix."""
+        if not 0 <= rank < self.config.num_processes:
+            raise ValueError(f"rank {rank}: this run had ranks 0 to {self.config.num_processes - 1}")
+        return self.outputs.get(rank, "")
 
     def __repr__(self) -> str:
         short = reprlib.Repr()

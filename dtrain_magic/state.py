@@ -31,6 +31,21 @@ class KernelState:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._launchers: dict[str, KeptLauncher] = {}  # in the order they were created
+        self._live: list = []  # the runs in progress (`driver.runner`): what %distribute_stacks and Stacks reach
+
+    def run_started(self, run: object) -> None:
+        with self._lock:
+            self._live.append(run)
+
+    def run_ended(self, run: object) -> None:
+        with self._lock:
+            if run in self._live:
+                self._live.remove(run)
+
+    def live_runs(self) -> list:
+        """The runs in progress in this kernel, oldest first."""
+        with self._lock:
+            return list(self._live)
 
     def launcher(self, name: str, cls: type[L]) -> L:
         """The kernel's launcher for the backend ``name``, created the first time (again if its class

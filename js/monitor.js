@@ -3,7 +3,10 @@
 //   state ("starting" | "running" | "finished" | "failed" | "stopped"), plan, run_id, link,
 //   ranks (list of {rank, state, detail}), step, total (0 = unknown), rate (steps/s), eta (s, -1 = unknown),
 //   elapsed (s), metrics ({name: value}), log (list of recent output lines), message (error or note),
-//   held (after the run: the next run's workers waiting, where and until when; Spark and Ray).
+//   held (after the run: the next run's workers waiting, where and until when; Spark and Ray),
+//   rank_logs ({rank: its recent lines}: the log tabs "all" / "rank 0" / ...), perf (throughput line),
+//   stacks (where every rank is: a title line, then each rank's stack; the Stacks button or a stall).
+// Each row of ranks may also carry rate (steps/s), cpu (cores) and straggler (bool).
 // The pure helpers are exported for the unit tests (js/monitor.test.js, `node --test js/`).
 
 export const RANK_STATES = ["starting", "running", "done", "failed"];
@@ -53,7 +56,24 @@ export function statusRows(ranks) {
       rank: String(r.rank),
       state: RANK_STATES.includes(r.state) ? r.state : String(r.state || "unknown"),
       detail: r.detail || "",
+      rate: typeof r.rate === "number" ? `${Number(r.rate.toPrecision(3))}` : "",
+      cpu: typeof r.cpu === "number" ? `${r.cpu.toFixed(2)}` : "",
+      straggler: !!r.straggler,
     }));
+}
+
+// The log's tabs: every output line ("all"), then one per rank that has a row or has written something.
+export function rankTabs(ranks, rankLogs) {
+  const seen = new Set([...(ranks || []).map((r) => String(r.rank)), ...Object.keys(rankLogs || {})]);
+  const numbers = [...seen].sort((a, b) => Number(a) - Number(b));
+  return [{ key: "all", label: "all" }, ...numbers.map((n) => ({ key: n, label: `rank ${n}` }))];
+}
+
+// The lines a tab shows: all ranks' (prefixed) or one rank's own.
+export function tabLines(log, rankLogs, selected) {
+  if (!selected || selected === "all") return Array.isArray(log) ? log : [];
+  const lines = (rankLogs || {})[selected];
+  return Array.isArray(lines) ? lines : [];
 }
 
 export function runSummary(model) {
@@ -83,6 +103,13 @@ const STYLE = `
   background: #f6f8fa; padding: 4px; margin-top: 4px; }
 .dtm-link, .dtm-message { margin-top: 2px; } .dtm-message { color: #cf222e; white-space: pre-wrap; }
 .dtm-held { margin-top: 2px; color: #57606a; }
+.dtm-perf { color: #57606a; }
+.dtm-straggler td { background: #fff8c5; } .dtm-straggler-flag { color: #9a6700; font-weight: 600; }
+.dtm-tabs { margin-top: 4px; } .dtm-tab { font-size: 11px; margin-right: 2px; padding: 1px 6px; cursor: pointer;
+  border: 1px solid #ccc; background: #f6f8fa; border-radius: 3px; }
+.dtm-tab-active { background: #0969da; color: #fff; border-color: #0969da; }
+.dtm-stacks-pane { font-family: var(--jp-code-font-family, monospace); white-space: pre; max-height: 320px;
+  overflow: auto; background: #fff8f0; border: 1px solid #f0d8b8; padding: 4px; margin-top: 4px; }
 `;
 
 export const LOG_LINES = 40;
@@ -123,11 +150,18 @@ function render({ model, el }) {
   const metrics = h(doc, "div", "dtm-metrics");
   const message = h(doc, "div", "dtm-message");
   const held = h(doc, "div", "dtm-held");
+  const perf = h(doc, "div", "dtm-perf");
+  const tabs = h(doc, "div", "dtm-tabs");
   const log = h(doc, "div", "dtm-log");
-  for (const node of [style, header, plan, link, table, bar, progress, metrics, message, held, log]) root.appendChild(node);
+  const stacks = h(doc, "div", "dtm-stacks-pane");
+  for (const node of [style, header, plan, link, table, bar, progress, perf, metrics, message, held, tabs, log, stacks]) {
+    root.appendChild(node);
+  }
   el.appendChild(root);
 
   let lastLog = null;
+  let selected = "all"; // the log tab: "all" or a rank's number (front-end state only)
+  let lastTabs = "";
   const update = () => {
     const state = model.get("state") || "starting";
     header.textContent = `dtrain_magic · ${runSummary(model)}`;
@@ -138,13 +172,18 @@ function render({ model, el }) {
 
     table.textContent = "";
     const head = h(doc, "tr");
-    for (const t of ["rank", "status", ""]) head.appendChild(h(doc, "th", "", t));
+    for (const t of ["rank", "status", "steps/s", "CPU", ""]) head.appendChild(h(doc, "th", "", t));
     table.appendChild(head);
     for (const row of statusRows(model.get("ranks"))) {
-      const tr = h(doc, "tr", `dtm-rank-${row.state}`);
+      const tr = h(doc, "tr", `dtm-rank-${row.state}${row.straggler ? " dtm-straggler" : ""}`);
       tr.appendChild(h(doc, "td", "", row.rank));
       tr.appendChild(h(doc, "td", "dtm-rank-state", row.state));
-      tr.appendChild(h(doc, "td", "", row.detail));
+      tr.appendChild(h(doc, "td", "dtm-rank-rate", row.rate));
+      tr.appendChild(h(doc, "td", "dtm-rank-cpu", row.cpu));
+      const detail = h(doc, "td", "");
+      if (row.straggler) detail.appendChild(h(doc, "span", "dtm-straggler-flag", "straggler "));
+      detail.appendChild(h(doc, "span", "", row.detail));
+      tr.appendChild(detail);
       table.appendChild(tr);
     }
 
@@ -159,8 +198,33 @@ function render({ model, el }) {
     message.textContent = model.get("message") || "";
     held.textContent = model.get("held") || "";
     held.style.display = model.get("held") ? "block" : "none";
+    perf.textContent = model.get("perf") || "";
+    perf.style.display = model.get("perf") ? "block" : "none";
+    const stackText = model.get("stacks") || "";
+    if (stacks.textContent !== stackText) stacks.textContent = stackText;
+    stacks.style.display = stackText ? "block" : "none";
 
-    const lines = tail(model.get("log"), LOG_LINES);
+    const rankLogs = model.get("rank_logs") || {};
+    const tabList = rankTabs(model.get("ranks"), rankLogs);
+    if (!tabList.some((t) => t.key === selected)) selected = "all";
+    const tabKey = tabList.map((t) => t.key).join(",") + "|" + selected;
+    if (tabKey !== lastTabs) {
+      lastTabs = tabKey;
+      tabs.textContent = "";
+      for (const t of tabList) {
+        const button = h(doc, "button", `dtm-tab${t.key === selected ? " dtm-tab-active" : ""}`, t.label);
+        button.setAttribute("data-rank", t.key);
+        button.addEventListener("click", () => {
+          selected = t.key;
+          lastLog = null;
+          update();
+        });
+        tabs.appendChild(button);
+      }
+    }
+    tabs.style.display = tabList.length > 2 ? "block" : "none";
+
+    const lines = tail(tabLines(model.get("log"), rankLogs, selected), LOG_LINES);
     const atBottom = log.scrollHeight - log.scrollTop - log.clientHeight < 20;
     const text = lines.join("\n");
     if (text !== lastLog) log.textContent = lastLog = text;
@@ -178,7 +242,8 @@ function render({ model, el }) {
       update();
     });
   };
-  const traits = ["state", "plan", "run_id", "link", "ranks", "step", "total", "rate", "eta", "elapsed", "metrics", "log", "message", "held"];
+  const traits = ["state", "plan", "run_id", "link", "ranks", "step", "total", "rate", "eta", "elapsed", "metrics", "log",
+    "message", "held", "rank_logs", "perf", "stacks"];
   for (const t of traits) model.on(`change:${t}`, schedule);
   update();
   return () => {

@@ -5,7 +5,9 @@ import { readFileSync } from "node:fs";
 import { fileURLToPath } from "node:url";
 import path from "node:path";
 
-import monitor, { isWebLink, formatSeconds, progressFraction, progressText, metricsText, tail, statusRows, LOG_LINES } from "./monitor.js";
+import monitor, {
+  isWebLink, formatSeconds, progressFraction, progressText, metricsText, tail, statusRows, rankTabs, tabLines, LOG_LINES,
+} from "./monitor.js";
 
 const { render } = monitor;
 const tick = () => new Promise((resolve) => setTimeout(resolve, 0));
@@ -22,6 +24,8 @@ class FakeNode {
     this.scrollTop = 0; this.scrollHeight = 0; this.clientHeight = 0;
   }
   appendChild(child) { this.children.push(child); return child; }
+  addEventListener(event, callback) { ((this.listeners ||= {})[event] ||= []).push(callback); }
+  click() { for (const callback of (this.listeners || {}).click || []) callback(); }
   setAttribute(k, v) { this.attributes[k] = String(v); }
   getAttribute(k) { return this.attributes[k]; }
   set textContent(v) { this.children = []; this._text = String(v); }
@@ -79,9 +83,48 @@ test("tail keeps the last n lines without mutating its input", () => {
 test("statusRows orders ranks and keeps known states", () => {
   const rows = statusRows([{ rank: 1, state: "failed", detail: "ValueError: x" }, { rank: 0, state: "done" }]);
   assert.deepEqual(rows, [
-    { rank: "0", state: "done", detail: "" },
-    { rank: "1", state: "failed", detail: "ValueError: x" },
+    { rank: "0", state: "done", detail: "", rate: "", cpu: "", straggler: false },
+    { rank: "1", state: "failed", detail: "ValueError: x", rate: "", cpu: "", straggler: false },
   ]);
+  const [row] = statusRows([{ rank: 0, state: "running", rate: 12.3456, cpu: 0.987, straggler: true }]);
+  assert.deepEqual([row.rate, row.cpu, row.straggler], ["12.3", "0.99", true]);
+});
+
+test("the log has a tab per rank, and each shows that rank's own lines", async () => {
+  assert.deepEqual(rankTabs([{ rank: 1 }, { rank: 0 }], { 2: ["x"] }).map((t) => t.key), ["all", "0", "1", "2"]);
+  assert.deepEqual(tabLines(["[rank 0] a"], { 0: ["a"] }, "1"), []);
+  const { el, model } = mount({
+    state: "running", ranks: [{ rank: 0, state: "running" }, { rank: 1, state: "running" }],
+    log: ["[rank 0] zero says", "[rank 1] one says"], rank_logs: { 0: ["zero says"], 1: ["one says"] },
+  });
+  const tabs = el.byClass("dtm-tab");
+  assert.deepEqual(tabs.map((t) => t.textContent), ["all", "rank 0", "rank 1"]);
+  assert.equal(el.byClass("dtm-tab-active")[0].textContent, "all");
+  assert.equal(el.byClass("dtm-log")[0].textContent, "[rank 0] zero says\n[rank 1] one says");
+  tabs[2].click();
+  assert.equal(el.byClass("dtm-log")[0].textContent, "one says");
+  assert.equal(el.byClass("dtm-tab-active")[0].textContent, "rank 1");
+  model.set("rank_logs", { 0: ["zero says"], 1: ["one says", "one again"] });  // the chosen tab stays chosen
+  await tick();
+  assert.equal(el.byClass("dtm-log")[0].textContent, "one says\none again");
+});
+
+test("a straggler is flagged in its row; throughput and stacks show when there are some", async () => {
+  const { el, model } = mount({
+    state: "running", ranks: [{ rank: 0, state: "running", rate: 20, cpu: 0.4 },
+                              { rank: 1, state: "running", rate: 5, cpu: 1.0, straggler: true }],
+  });
+  assert.equal(el.byClass("dtm-straggler").length, 1);
+  assert.equal(el.byClass("dtm-straggler-flag")[0].textContent, "straggler ");
+  assert.deepEqual(el.byClass("dtm-rank-rate").map((n) => n.textContent), ["20", "5"]);
+  assert.equal(el.byClass("dtm-perf")[0].style.display, "none");
+  assert.equal(el.byClass("dtm-stacks-pane")[0].style.display, "none");
+  model.set("perf", "1.2 k samples/s · MFU 31.0 %");
+  model.set("stacks", "rank 0 waits in all_reduce at Cell In[3], line 4\n\n  Traceback (most recent call last):");
+  await tick();
+  assert.equal(el.byClass("dtm-perf")[0].textContent, "1.2 k samples/s · MFU 31.0 %");
+  assert.equal(el.byClass("dtm-stacks-pane")[0].style.display, "block");
+  assert.match(el.byClass("dtm-stacks-pane")[0].textContent, /all_reduce at Cell In\[3\], line 4/);
 });
 
 test("render draws the status table, progress bar and log tail, and follows model changes", async () => {
@@ -94,6 +137,7 @@ test("render draws the status table, progress bar and log tail, and follows mode
   assert.equal(root.getAttribute("data-state"), "running");
   assert.match(el.byClass("dtm-header")[0].textContent, /running · MLflow run abc123/);
   assert.equal(el.findAll((n) => n.tagName === "TR").length, 3); // header + 2 ranks
+  assert.equal(el.byClass("dtm-tabs")[0].style.display, "block"); // all, rank 0, rank 1
   assert.equal(el.byClass("dtm-bar-fill")[0].style.width, "25%");
   assert.match(el.byClass("dtm-progress")[0].textContent, /step 25\/100 \(25%\) · 10.0 steps\/s · ETA 7.5 s/);
   assert.equal(el.byClass("dtm-log")[0].textContent, "[rank 0] hello");

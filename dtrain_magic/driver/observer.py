@@ -15,8 +15,8 @@ class RunObserver:
 
     Order: `launched` once the workers are being started (the MLflow run may not exist yet), then
     `output`/`status`/`total`/`metric` as they come, `started` once the MLflow run is open (with a SQLite
-    store the workers start first, so metrics and output may come before it), `finished` at the end, then
-    `held` when the next run's workers wait for it (Spark, Ray).
+    store the workers start first, so metrics and output may come before it), `perf` every few seconds and
+    `stacks` on a stall, `finished` at the end, then `held` when the next run's workers wait for it (Spark, Ray).
     """
 
     def launched(self, config: RunConfig, plan: str) -> None: ...
@@ -36,6 +36,13 @@ class RunObserver:
 
     def held(self, text: str) -> None:
         """After `finished`: the next run's workers wait (Spark, Ray): ``text`` says what, where, until when."""
+
+    def perf(self, snapshot: Any) -> None:
+        """Every few seconds: steps/s and CPU use per rank, stragglers, samples/s, tokens/s, model FLOP/s, MFU
+        (`driver.perf.Snapshot`)."""
+
+    def stacks(self, title: str, text: str) -> None:
+        """Every rank's stack (a stall, or asked for): ``title`` says where each rank is in one line."""
 
 
 def plan_with_backend(plan: str, config: RunConfig) -> str:
@@ -68,6 +75,8 @@ class TextObserver(RunObserver):
         self._total: int | None = None
         self._t0 = time.monotonic()
         self._steps_seen = 0
+        self._perf = ""
+        self._stragglers: set[int] = set()
 
     @property
     def out(self) -> TextIO:
@@ -100,7 +109,19 @@ class TextObserver(RunObserver):
         if now - self._last_progress < self._every_s:
             return
         self._last_progress = now
-        print(progress_line(self._steps_seen, self._total, now - self._t0, metrics), file=self.out)
+        line = progress_line(self._steps_seen, self._total, now - self._t0, metrics)
+        print(f"{line} · {self._perf}" if self._perf else line, file=self.out)
+
+    def perf(self, snapshot: Any) -> None:
+        self._perf = snapshot.line()
+        for rank in snapshot.stragglers:
+            if rank not in self._stragglers:
+                self._stragglers.add(rank)
+                rates = ", ".join(f"rank {r} {v:.3g}" for r, v in snapshot.steps_per_s.items())
+                print(f"dtrain_magic: rank {rank} is a straggler (steps/s: {rates})", file=self.out)
+
+    def stacks(self, title: str, text: str) -> None:
+        print(f"dtrain_magic: {title}\n{text}", file=self.out, flush=True)
 
     def finished(self, result: Any, error: BaseException | None) -> None:
         for (rank, stream), rest in list(self._pending.items()):

@@ -5,21 +5,30 @@ Every entry point goes through here: the ``%%distribute`` magic, the ``--configu
 run's workers launched ahead on Spark and Ray, the payload made and checked); `PreparedRun.execute` runs it.
 This is the only place that sees a launcher, the channel and the tracker together. The pump runs in the
 calling thread (the cell's), so worker output printed here lands in the cell as it happens.
+
+A run that ends by an exception (an interrupt, Stop, ``--timeout``, a hang or a stall) gives the cell back at
+once: the backend's clean-up (`RunningJob.cancel`: Ray Train's abort, Spark's job group) goes on in the
+background, and `reap_later` SIGKILLs whatever of the run's processes on this machine is still alive after
+`REAP_AFTER_S`. A run in progress is listed on the kernel's state (`live_runs`), for ``%distribute_stacks``
+and the monitor's Stacks button (`stacks_of_live_runs`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import signal
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, MutableMapping
 
+from .. import procfacts
 from ..channel import Channel
 from ..config import RunConfig
-from ..errors import DistributeError, LaunchError, RunInterrupted
+from ..errors import DistributeError, LaunchError, RunInterrupted, log_dropped
 from ..launchers import Launcher
 from ..payload import Payload, dumps_by_value
 from ..result import RunResult
@@ -36,6 +45,10 @@ from .pump import Pump
 _EARLY_START_HOLD_S = 10.0
 # Where every entry point binds the last run's `RunResult` in a notebook (besides ``--result NAME``).
 LAST_RESULT_NAME = "_distribute_result"
+# A run stopped by an exception: how long the cell waits for the backend's clean-up before it goes on in the
+# background, and when what is left of the run's processes on this machine is killed.
+STOP_WAIT_S = 1.0
+REAP_AFTER_S = 6.0
 
 
 @dataclass(frozen=True)
@@ -115,6 +128,7 @@ class _Run:
         self.pump: Pump | None = None
         self.running: Any = None
         self.held: str | None = None
+        self.stopped_early = False
 
     def _checkpoint_root(self) -> str:
         """ctx.save_checkpoint() without a directory: one directory per run, the same on every backend (Ray
@@ -124,6 +138,20 @@ class _Run:
         return named or run_checkpoint_root(self.config.storage, uuid.uuid4().hex)
 
     def execute(self) -> RunResult:
+        from ..state import kernel_state
+
+        kernel_state().run_started(self)
+        try:
+            return self._execute()
+        finally:
+            kernel_state().run_ended(self)
+
+    def stacks_now(self) -> tuple[str, str] | None:
+        """Where every rank of this run is now (`Pump.stacks_now`); None before its workers started."""
+        pump = self.pump
+        return pump.stacks_now() if pump is not None else None
+
+    def _execute(self) -> RunResult:
         try:
             self.launcher.warm_up(self.config)
             with Channel(host=self.plan.channel_host) as channel:
@@ -156,12 +184,13 @@ class _Run:
         job = WorkerJob(self.payload, self.config, channel.address, checkpoint_root=self.root,
                         strategy=dumps_by_value(self.plan.strategy))
         tracker = None if self.early else self.opening.wait()
-        self.pump = Pump(self.config, channel, self.observer, self.started)
+        self.pump = Pump(self.config, channel, self.observer, self.started, labels=self.payload.labels)
         if tracker is not None:
             job = dataclasses.replace(job, run_id=tracker.run_id)
         start = self.claim.start if self.claim is not None else self.launcher.start
         self.running = start(job, channel.put)
-        released = False
+        self.pump.watch_job(self.running)
+        released = ended = False
         try:
             described = self.launcher.describe(self.config) + (
                 "; its workers were launched ahead and waiting" if self.claim else "")
@@ -171,8 +200,15 @@ class _Run:
             self.observer.started(self.config, tracker.run_id, tracker.ui_link(), described)
             self.pump.attach(tracker)
             released = self.pump.run(self.running, self.stop)
+            ended = True
         finally:
-            self.running.release() if released else self.running.cancel()
+            if released:
+                self.running.release()
+            elif ended:
+                self.running.cancel()
+            else:  # interrupted, stopped, timed out, hung: the cell goes on, the clean-up in the background
+                self.stopped_early = True
+                stop_soon(self.running, self.pump.collector.workers)
             self.held = _keep_warm(self.launcher, self.config)
         self.pump.drain()
         return tracker, self.pump.collect()
@@ -189,7 +225,7 @@ class _Run:
             value=values[0], values=values, run_id=tracker.run_id, config=self.config,
             wall_time_s=time.monotonic() - self.started, metrics=dict(tracker.last_metrics),
             time_to_first_step_s=self.pump.first_metric_s, tracking_uri=tracker.tracking_uri,
-            checkpoint_root=self.root,
+            checkpoint_root=self.root, outputs=self.pump.outputs.by_rank(),
         )
         tracker.log_result(result.value)
         return result
@@ -199,11 +235,103 @@ class _Run:
         that came while it was opening; the cell says what waits for the next run."""
         if self.claim is not None and self.running is None:
             self.claim.abandon()  # stopped before its launch: the standby waits for the next run
-        waiting = self.pump.waiting_metrics if self.pump is not None else []
-        self.opening.close(self.status, self.reason,
-                           {"dtrain_magic.wall_time_s": f"{time.monotonic() - self.started:.3f}"}, metrics=waiting)
+        pump = self.pump
+        waiting = pump.waiting_metrics if pump is not None else []
+        tags = {"dtrain_magic.wall_time_s": f"{time.monotonic() - self.started:.3f}"}
+        artifacts = {}
+        if pump is not None:
+            artifacts = {**pump.artifacts, **{f"logs/rank_{rank}.txt": text for rank, text in
+                                              pump.outputs.by_rank().items()}}
+            if None in pump.outputs.chunks:
+                artifacts["logs/launcher.txt"] = pump.outputs.text(None)
+            if pump.thinned:
+                tags["dtrain_magic.metrics_thinned"] = (f"{pump.thinned} values left out (logged faster than "
+                                                        "$DTRAIN_MAGIC_METRIC_RATE a second after a burst)")
+            if pump.perf.flagged:
+                tags["dtrain_magic.stragglers"] = "; ".join(pump.perf.flagged.values())
+            pump.collector.cleanup()
+        # A stopped run does not wait for MLflow still opening (it ends the run itself once open).
+        self.opening.close(self.status, self.reason, tags, metrics=waiting, artifacts=artifacts,
+                           timeout=0 if self.stopped_early else 30.0)
         if self.held:
             self.observer.held(self.held)
+
+
+def stop_soon(running: Any, workers: dict) -> None:
+    """Cancel ``running`` in the background, waiting `STOP_WAIT_S` for it (the usual case: it is quick); then
+    make sure none of ``workers`` (rank → `stacks.Worker`) on this machine outlives `REAP_AFTER_S`."""
+    done = threading.Event()
+
+    def cancel() -> None:
+        try:
+            running.cancel()
+        except Exception:
+            logging.getLogger(__name__).warning("stopping the run's workers failed", exc_info=True)
+        finally:
+            done.set()
+
+    threading.Thread(target=cancel, name="dtrain-stop", daemon=True).start()
+    done.wait(STOP_WAIT_S)
+    reap_later(list(workers.values()))
+
+
+def reap_later(workers: list, after_s: float = REAP_AFTER_S) -> threading.Thread | None:
+    """SIGKILL each of ``workers`` (`stacks.Worker`) on this machine that is still alive ``after_s`` seconds from now,
+    and its children: the backstop for a backend whose own stop leaves a process (a Ray worker still in its
+    graceful shutdown, a worker a torchrun sweep missed). Returns at once; the watching thread, if any."""
+    here = [w for w in workers if w.here and w.start is not None]
+    if not here:
+        return None
+
+    def reap() -> None:
+        deadline = time.monotonic() + after_s
+        while any(_alive(w) for w in here):
+            if time.monotonic() >= deadline:
+                for worker in here:
+                    if _alive(worker):
+                        logging.getLogger(__name__).warning("rank %d's process %d outlived the run's stop by %.0f "
+                                                            "s: killed", worker.rank, worker.pid, after_s)
+                        _kill_tree(worker.pid)
+                return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=reap, name="dtrain-reap", daemon=True)
+    thread.start()
+    return thread
+
+
+def _alive(worker: Any) -> bool:
+    return procfacts.start_time(worker.pid) == worker.start and procfacts.process_state(worker.pid) != "zombie"
+
+
+def _kill_tree(pid: int) -> None:
+    try:
+        import psutil
+
+        children = psutil.Process(pid).children(recursive=True)
+    except Exception as exc:  # gone meanwhile, or no psutil: the process itself is still killed
+        log_dropped(__name__, "_kill_tree", exc)
+        children = []
+    for target in [pid, *(child.pid for child in children)]:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def stacks_of_live_runs(observer: Any = None) -> list[tuple[str, str]]:
+    """(title, stacks) of every run in progress in this kernel (only the one whose observer is ``observer``, when
+    given): ``%distribute_stacks`` and the monitor's Stacks button."""
+    from ..state import kernel_state
+
+    found = []
+    for run in kernel_state().live_runs():
+        if observer is not None and getattr(run, "observer", None) is not observer:
+            continue
+        stacks = run.stacks_now()
+        if stacks is not None:
+            found.append(stacks)
+    return found
 
 
 def _keep_warm(launcher: Launcher, config: RunConfig) -> str | None:
@@ -237,4 +365,4 @@ def release_standbys(reason: str = "released by %distribute_release") -> list[st
 
 
 __all__ = ["LAST_RESULT_NAME", "PreparedRun", "RunPlan", "bind_result", "check", "check_payload", "execute",
-           "keep_warm_ahead", "prepare", "release_standbys"]
+           "keep_warm_ahead", "prepare", "release_standbys", "stacks_of_live_runs"]

@@ -101,6 +101,12 @@ class RunningJob(ABC):
     def cancel(self) -> None:
         """Stop every worker now and release what the run holds (processes, jobs, ports). Idempotent."""
 
+    def dump_stacks(self, workers: Mapping[int, Any], timeout: float) -> dict[int, tuple[str, str]]:
+        """The Python stacks of ``workers`` (rank → `driver.stacks.Worker`) that this backend reaches its own way,
+        rank → (state, dump), within about ``timeout``: the ranks the notebook cannot signal itself (another
+        machine). Default: none (the notebook signals the ranks on its own machine)."""
+        return {}
+
 
 class StandbyClaim(Protocol):
     """Workers launched ahead, reserved for one run (`standby.Claim` is the one implementation)."""

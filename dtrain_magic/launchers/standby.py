@@ -264,6 +264,9 @@ class ClaimedRun(RunningJob):
         finally:
             self.standby.close()
 
+    def dump_stacks(self, workers: Any, timeout: float) -> dict[int, tuple[str, str]]:
+        return self.launch.dump_stacks(workers, timeout)
+
 
 class Claim:
     """A standby reserved for one run (`StandbySlot.claim`). The runner names the run after it

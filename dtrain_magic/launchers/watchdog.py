@@ -6,13 +6,16 @@ again. This module runs as its own interpreter (``python -S -I watchdog.py ...``
 only, no site packages, so it starts in a few milliseconds and never imports torch), so it acts
 whatever the watched process is doing. Two modes:
 
-``rank-watch HOST PORT RANK PID`` (authkey as hex on the first stdin line)
+``rank-watch HOST PORT RANK PID [STACK_FILE]`` (authkey as hex on the first stdin line)
     For a worker on any host (Spark's torchrun processes, local or on executors): connect to the
     notebook's rank watch (authenticated ``multiprocessing.connection``) and send `rank_started`. The
     worker writes ``done`` to our stdin when it ended in Python (result or reported error): we send
     `rank_done`; its exit closes our stdin. If the notebook's side closes (run over, cancelled, notebook
-    process gone), the worker PID is SIGKILLed. If the worker dies first, our connection closes without
-    `rank_done`, which tells the notebook that the worker died without reporting.
+    process gone), the worker PID is SIGKILLed. If the worker dies first, we send `rank_died` with what its
+    host says (a fatal signal Python caught, an out-of-memory kill: `procfacts`), and our connection closes
+    without `rank_done`, which tells the notebook that the worker died without reporting. The notebook may
+    ask for the worker's stacks (`stack_request`): we signal it and answer `stack_reply` with its dump, so
+    the stacks of a worker on another host reach the notebook through us.
 
 ``sweep KEY=VALUE [--rmtree DIR]``
     For a backend instance the magic started on this machine (its local Ray): when our stdin closes
@@ -46,6 +49,29 @@ def rank_done(rank: int) -> tuple:
     return ("done", rank)
 
 
+def rank_died(rank: int, evidence: str) -> tuple:
+    return ("died", rank, evidence)
+
+
+def stack_request(serial: int) -> tuple:
+    return ("stacks?", serial)
+
+
+def stack_reply(rank: int, serial: int, state: str, text: str) -> tuple:
+    return ("stacks", rank, serial, state, text)
+
+
+def procfacts():
+    """``dtrain_magic/procfacts.py`` (standard library only), loaded by path: this process has no package."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(HERE)), "procfacts.py")
+    spec = importlib.util.spec_from_file_location("dtrain_magic_procfacts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def command(*args: str) -> list[str]:
     """The command line that runs this watchdog with ``args``."""
     return [sys.executable, "-S", "-I", HERE, *args]
@@ -71,7 +97,7 @@ def _kill(pid: int) -> None:
         pass
 
 
-def _rank_watch(host: str, port: int, rank: int, pid: int) -> None:
+def _rank_watch(host: str, port: int, rank: int, pid: int, stack_file: str) -> None:
     from multiprocessing.connection import Client
 
     stdin = sys.stdin.buffer
@@ -82,24 +108,68 @@ def _rank_watch(host: str, port: int, rank: int, pid: int) -> None:
     except Exception:
         _kill(pid)  # the notebook is not there (any more): nothing this worker does can reach it
         return
+    facts = procfacts()
+    oom_kills_before = facts.cgroup_oom_kills()
     fd = stdin.fileno()
-    while True:
-        readable, _, _ = select.select([conn.fileno(), fd], [], [])
-        if conn.fileno() in readable:
+    done = False
+    try:
+        while True:
+            readable, _, _ = select.select([conn.fileno(), fd], [], [])
+            if conn.fileno() in readable:
+                try:
+                    request = conn.recv()
+                except Exception:  # the notebook's side closed: the run is over, or the notebook is gone
+                    _kill(pid)
+                    return
+                if isinstance(request, tuple) and request[:1] == ("stacks?",):
+                    _answer_stacks(conn, facts, rank, request[1], pid, stack_file)
+                continue
+            data = os.read(fd, 256)
+            if not data:  # the worker exited: our connection closes (without rank_done if it died)
+                if not done:
+                    _report_death(conn, facts, rank, pid, stack_file, oom_kills_before)
+                return
+            if b"done" in data:
+                done = True
+                try:
+                    conn.send(rank_done(rank))
+                except Exception:
+                    pass
+    finally:
+        if stack_file:
             try:
-                conn.recv()  # the notebook never sends: readable means its side closed
-            except Exception:
+                os.unlink(stack_file)
+            except OSError:
                 pass
-            _kill(pid)
-            return
-        data = os.read(fd, 256)
-        if not data:
-            return  # the worker exited: our connection closes (without rank_done if it died)
-        if b"done" in data:
-            try:
-                conn.send(rank_done(rank))
-            except Exception:
-                pass
+
+
+def _answer_stacks(conn, facts, rank: int, serial: int, pid: int, stack_file: str) -> None:
+    state, text = facts.dump_stacks({0: (pid, stack_file)})[0]
+    if state == "dumped":
+        text = _first_line(stack_file) + text
+    try:
+        conn.send(stack_reply(rank, serial, state, text))
+    except Exception:
+        pass
+
+
+def _report_death(conn, facts, rank: int, pid: int, stack_file: str, oom_kills_before) -> None:
+    evidence = facts.death_evidence(pid, stack_file, oom_kills_before)
+    fatal = facts.fatal_signal(facts.read_stack_file(stack_file)) if stack_file else None
+    if fatal is not None:
+        evidence += "\n" + _first_line(stack_file) + fatal[1]
+    try:
+        conn.send(rank_died(rank, evidence))
+    except Exception:
+        pass
+
+
+def _first_line(path: str) -> str:
+    try:
+        with open(path, errors="replace") as handle:
+            return handle.readline()
+    except OSError:
+        return ""
 
 
 def processes_with_env(entry: str) -> list[int]:
@@ -133,7 +203,7 @@ def _sweep(entry: str, rmtree: str | None) -> None:
 def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if argv[0] == "rank-watch":
-        _rank_watch(argv[1], int(argv[2]), int(argv[3]), int(argv[4]))
+        _rank_watch(argv[1], int(argv[2]), int(argv[3]), int(argv[4]), argv[5] if len(argv) > 5 else "")
     elif argv[0] == "sweep":
         rmtree = argv[3] if len(argv) > 3 and argv[2] == "--rmtree" else None
         _sweep(argv[1], rmtree)

@@ -57,6 +57,20 @@ class DistributeMagics(Magics):
     distribute.__doc__ = flags.HELP
 
     @line_magic
+    def distribute_stacks(self, line: str) -> None:
+        """Print where every rank of the runs in progress in this kernel is: each rank's Python stack, with the
+        notebook's cell lines, within 2 s, without disturbing the training. For a run started by a cell that keeps
+        the kernel busy, run it in a subshell console (JupyterLab: "New Subshell Console for Notebook"); for
+        the ``--configure`` panel's runs, from any cell. A ``--ui`` run's monitor has a Stacks button."""
+        if line.strip():
+            raise UsageError("%distribute_stacks takes no arguments")
+        found = runner.stacks_of_live_runs()
+        if not found:
+            print("dtrain_magic: no run is in progress in this kernel")
+        for title, text in found:
+            print(f"dtrain_magic: {title}\n{text}")
+
+    @line_magic
     def distribute_release(self, line: str) -> None:
         """Release the workers ``%%distribute`` keeps waiting for the next run on Spark and Ray (launched after
         each run, held for ``--keep-warm`` seconds): their processes end, their executor slots or Ray CPUs/GPUs

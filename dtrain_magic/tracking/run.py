@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import threading
@@ -55,12 +56,16 @@ class RunTracker:
         return cls(client, run.info.run_id, experiment_id, uri)
 
     # -- during the run ---------------------------------------------------------------------------
-    def log_metrics(self, step: int, metrics: Mapping[str, float], timestamp_ms: int | None = None) -> None:
+    def log_metrics(self, step: int, metrics: Mapping[str, float], timestamp_ms: int | None = None,
+                    logged: bool = True) -> None:
+        """Queue ``metrics`` at ``step``; ``logged``: the function's own (``ctx.log``: `RunResult.metrics` has the
+        last of each), not the magic's (``perf/...``)."""
         from mlflow.entities import Metric
 
         stamp = timestamp_ms or int(time.time() * 1000)
         batch = [Metric(key, float(value), stamp, int(step)) for key, value in metrics.items()]
-        self.last_metrics.update({key: float(value) for key, value in metrics.items()})
+        if logged:
+            self.last_metrics.update({key: float(value) for key, value in metrics.items()})
         self._writer.queue.put(batch)
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
@@ -68,6 +73,23 @@ class RunTracker:
 
         if tags:
             self.client.log_batch(self.run_id, tags=[RunTag(key, str(value)[:5000]) for key, value in tags.items()])
+
+    def set_tags_soon(self, tags: Mapping[str, Any]) -> None:
+        """`set_tags` on the writer's thread (the caller does not wait for the store)."""
+        tags = dict(tags)
+        self._writer.queue.put(lambda: self.set_tags(tags))
+
+    def log_text_soon(self, text: str, path: str) -> None:
+        """An artifact, written on the writer's thread."""
+        self._writer.queue.put(lambda: self.client.log_text(self.run_id, text, path))
+
+    def log_texts(self, texts: Mapping[str, str]) -> None:
+        """Artifacts (path → text) now; one that cannot be written is logged and skipped."""
+        for path, text in texts.items():
+            try:
+                self.client.log_text(self.run_id, text, path)
+            except Exception:
+                logging.getLogger(__name__).warning("could not write the MLflow artifact %s", path, exc_info=True)
 
     def start_system_metrics(self, node_id: str | None = None, interval_s: float = SYSTEM_METRICS_INTERVAL_S) -> None:
         """Sample CPU/memory (and GPU) of this machine into the run every ``interval_s`` seconds."""
@@ -151,10 +173,12 @@ class RunOpening:
             if closing is None:
                 self._tracker = tracker
                 return
-        status, reason, tags, metrics = closing
+        status, reason, tags, metrics, artifacts = closing
         for step, values, stamp in metrics:
             tracker.log_metrics(step, values, stamp)
+        tracker.log_texts(artifacts)
         tracker.finish(status, reason, tags)  # the caller gave up waiting (an interrupt): end the run it asked for
+        atexit.unregister(self._finish_at_exit)
 
     def begin(self) -> None:
         """Start opening a deferred run now, in the background (`wait` also does)."""
@@ -179,20 +203,28 @@ class RunOpening:
         return self._tracker
 
     def close(self, status: str, reason: str | None = None, tags: Mapping[str, Any] | None = None,
-              timeout: float = 30.0, metrics: list[tuple[int, Mapping[str, float], int]] = ()) -> None:
-        """End the run with ``status`` (and ``tags``): now if it is open, else when it opens. ``metrics``
-        ((step, values, timestamp_ms), received while it was opening) are logged first."""
-        metrics = list(metrics)
+              timeout: float = 30.0, metrics: list[tuple[int, Mapping[str, float], int]] = (),
+              artifacts: Mapping[str, str] | None = None) -> None:
+        """End the run with ``status`` (and ``tags``): now if it is open, else when it opens (waiting up to
+        ``timeout`` for that; 0: not at all, it ends by itself). ``metrics`` ((step, values, timestamp_ms), received
+        while it was opening) and ``artifacts`` (path → text: each rank's log, stacks) are logged first."""
+        metrics, artifacts = list(metrics), dict(artifacts or {})
         with self._lock:
-            self._closing = (status, reason, tags, metrics)
+            self._closing = (status, reason, tags, metrics, artifacts)
             tracker, self._tracker = self._tracker, None
         self._go.set()  # a run that never opened is still recorded, with this status
         if tracker is not None:
             for step, values, stamp in metrics:
                 tracker.log_metrics(step, values, stamp)
+            tracker.log_texts(artifacts)
             tracker.finish(status, reason, tags)
-        else:
+        elif timeout:
             self._thread.join(timeout)  # it ends the run itself if it opens after this
+        elif self._thread.is_alive():  # not waited for now: at the latest when the process exits (a script)
+            atexit.register(self._finish_at_exit)
+
+    def _finish_at_exit(self) -> None:
+        self._thread.join(30.0)
 
 
 

@@ -1,8 +1,11 @@
 """The live panel of a ``--ui`` run: `MonitorObserver` (a `RunObserver`) and `MonitorWidget` (anywidget).
 
 What it shows: the plan and the MLflow run id and link, per-rank status (starting, running, done,
-failed), a progress bar with step, steps/s and ETA once the function calls ``ctx.set_total(steps)``,
-the latest metrics, a tail of the workers' output, a Stop button, and the two live charts
+failed) with each rank's steps/s and CPU use and a straggler flag, a progress bar with step, steps/s and
+ETA once the function calls ``ctx.set_total(steps)``, throughput (samples/s, tokens/s, model FLOP/s, MFU),
+the latest metrics, a tail of the workers' output (all ranks, or one rank: the tabs above it), a Stop
+button, a Stacks button (every rank's Python stack now, within 2 s, shown under the log; a stall shows
+there too), and the two live charts
 (`charts.RunCharts`: fed each metric as it arrives, merged with the MLflow run's history by a
 background poller once the run is open; made at the first metric, in a background thread, after
 plotly's first import).
@@ -20,7 +23,8 @@ most every ``flush_s`` (0.2 s), so a chatty run does not flood the front-end wit
 Stop: ``stop_event`` is the `threading.Event` given to ``runner.execute(..., stop=...)``; the driver loop
 checks it every 50 ms, cancels every worker and raises ``RunInterrupted``. While a cell blocks the
 kernel, the button's messages are routed to a kernel subshell thread (see `_kernel`) so the click is
-seen during the run.
+seen during the run. The Stacks button's click is routed the same way; it collects the stacks in a thread
+of its own (`driver.runner.stacks_of_live_runs`), so the driver loop is never held up.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from . import _kernel
 from .charts import preload_plotly
 
 LOG_TAIL = 200
+RANK_LOG_TAIL = 40  # lines kept per rank for the rank tabs (what the front-end shows: js/monitor.js LOG_LINES)
 
 
 def esm_source() -> str:
@@ -79,6 +84,9 @@ class MonitorWidget(anywidget.AnyWidget):
     log = traitlets.List(traitlets.Unicode()).tag(sync=True)
     message = traitlets.Unicode("").tag(sync=True)
     held = traitlets.Unicode("").tag(sync=True)  # the next run's workers waiting (Spark, Ray): where, until when
+    rank_logs = traitlets.Dict().tag(sync=True)  # rank (as text) → its last lines, without the [rank N] prefix
+    perf = traitlets.Unicode("").tag(sync=True)  # samples/s · tokens/s · FLOP/s · MFU, or why not
+    stacks = traitlets.Unicode("").tag(sync=True)  # where every rank is: a title line, then the stacks
 
 
 class MonitorObserver(RunObserver):
@@ -103,6 +111,10 @@ class MonitorObserver(RunObserver):
                                     tooltip="Stop every worker (the cell raises RunInterrupted)")
         self.stop_button.add_class("dtm-stop")
         self.stop_button.on_click(lambda _: self.request_stop())
+        self.stacks_button = w.Button(description="Stacks", icon="list",
+                                      tooltip="Show where every rank is now (its Python stack)")
+        self.stacks_button.add_class("dtm-stacks")
+        self.stacks_button.on_click(lambda _: self.request_stacks())
         self.link_html = w.HTML("")
         self.charts: Any = None  # the live charts (`charts.RunCharts`) once made; see `wait_charts`
         self._charts_lock = threading.Lock()
@@ -113,13 +125,15 @@ class MonitorObserver(RunObserver):
         self._mlflow_run: tuple[Any, str] | None = None  # (client, run_id) once the MLflow run is open
         self._want_charts, self._poll_s = charts, poll_s
         self._charts_box = w.Box([])
-        self.container = w.VBox([self.widget, w.HBox([self.stop_button, self.link_html]), self._charts_box])
+        self.container = w.VBox([self.widget, w.HBox([self.stop_button, self.stacks_button, self.link_html]),
+                                 self._charts_box])
         self.container.add_class("dtm-monitor-panel")
         self._lock = threading.Lock()
         self._state: dict[str, Any] = {"state": "starting",
                                        "ranks": {r: ("starting", "") for r in range(config.num_processes)},
                                        "step": 0, "total": 0, "metrics": {}, "message": ""}
         self._log: deque[str] = deque(maxlen=LOG_TAIL)
+        self._rank_logs: dict[int, deque[str]] = {}
         self._pending: dict[tuple[int, str], str] = {}
         self._t0 = time.monotonic()
         self._dirty = threading.Event()
@@ -128,6 +142,8 @@ class MonitorObserver(RunObserver):
         self._flusher = threading.Thread(target=self._flush_loop, name="dtrain-monitor-flush", daemon=True)
         self._flusher.start()
         self.routed = _kernel.route_to_subshell(self.stop_button)
+        _kernel.route_to_subshell(self.stacks_button)
+        self._stacks_thread: threading.Thread | None = None
         if display:
             from IPython.display import display as show
 
@@ -158,7 +174,11 @@ class MonitorObserver(RunObserver):
             key = (rank, stream)
             lines, self._pending[key] = prefix_lines(rank, text, self._pending.get(key, ""))
             if lines:
-                self._log.extend(lines.rstrip("\n").split("\n"))
+                new = lines.rstrip("\n").split("\n")
+                self._log.extend(new)
+                if rank is not None:
+                    tag = len(f"[rank {rank}] ")
+                    self._rank_logs.setdefault(rank, deque(maxlen=RANK_LOG_TAIL)).extend(line[tag:] for line in new)
                 self._dirty.set()
 
     def metric(self, step: int, metrics: dict[str, float], timestamp_ms: int | None = None) -> None:
@@ -190,6 +210,8 @@ class MonitorObserver(RunObserver):
             for (rank, _), rest in self._pending.items():
                 if rest:
                     self._log.append(f"[rank {rank}] {rest}")
+                    if rank is not None:
+                        self._rank_logs.setdefault(rank, deque(maxlen=RANK_LOG_TAIL)).append(rest)
             self._pending.clear()
             if error is None:
                 self._state["state"] = "finished"
@@ -203,6 +225,7 @@ class MonitorObserver(RunObserver):
                 self._state["message"] = str(error).splitlines()[0] if str(error) else type(error).__name__
             self._state["elapsed"] = time.monotonic() - self._t0
         self.stop_button.disabled = True
+        self.stacks_button.disabled = True
         # The button now says how the run ended, in the colour of the status line (not a red "Done").
         outcome = self._state["state"]
         label, icon, style = {"finished": ("Finished", "check", "success"),
@@ -216,6 +239,43 @@ class MonitorObserver(RunObserver):
         self._flush()
         if charts is not None:
             charts.run_ended()
+
+    def perf(self, snapshot: Any) -> None:
+        self.text.perf(snapshot)
+        with self._lock:
+            self._state["perf"] = " · ".join(part for part in (snapshot.line(), snapshot.note) if part)
+            self._state["rank_perf"] = (dict(snapshot.steps_per_s), dict(snapshot.cpu_cores), set(snapshot.stragglers))
+        self._dirty.set()
+
+    def stacks(self, title: str, text: str) -> None:
+        """A stall: every rank's stack, in the panel (and the cell's text)."""
+        self.text.stacks(title, text)
+        self._show_stacks(title, text)
+
+    def _show_stacks(self, title: str, text: str) -> None:
+        with self._lock:
+            self._state["stacks"] = f"{title}\n\n{text}"
+        self._dirty.set()
+
+    def request_stacks(self) -> None:
+        """What the Stacks button does: collect every rank's stack in a thread of its own and show it."""
+        if self._stacks_thread is not None and self._stacks_thread.is_alive():
+            return
+        self._show_stacks("collecting every rank's stack…", "")
+
+        def collect() -> None:
+            from ..driver.runner import stacks_of_live_runs
+
+            try:
+                found = stacks_of_live_runs(observer=self)
+            except Exception as exc:  # shown, never raised into the kernel
+                found = [(f"could not collect the stacks: {type(exc).__name__}: {exc}", "")]
+            title, text = found[0] if found else ("the run is not in progress: no stacks to show", "")
+            self._show_stacks(title, text)
+            self._flush()
+
+        self._stacks_thread = threading.Thread(target=collect, name="dtrain-stacks", daemon=True)
+        self._stacks_thread.start()
 
     def held(self, text: str) -> None:
         """After the run: the next run's workers wait (Spark, Ray); the panel says what, where, until when."""
@@ -320,11 +380,19 @@ class MonitorObserver(RunObserver):
             rate = step / elapsed if elapsed > 0 and step else 0.0
             eta = ((total - step) / rate if total and rate > 0 and step < total
                    else (0.0 if total and step >= total else -1.0))
+            rates, cpus, stragglers = s.get("rank_perf", ({}, {}, set()))
+            ranks = []
+            for r, (st, d) in sorted(s["ranks"].items()):
+                row = {"rank": r, "state": st, "detail": d}
+                if r in rates:
+                    row.update(rate=round(rates[r], 3), cpu=round(cpus.get(r, 0.0), 2), straggler=r in stragglers)
+                ranks.append(row)
             return dict(
                 state=s["state"], plan=s.get("plan", ""), run_id=s.get("run_id", ""), link=s.get("link", ""),
-                ranks=[{"rank": r, "state": st, "detail": d} for r, (st, d) in sorted(s["ranks"].items())],
-                step=step, total=total, rate=rate, eta=eta, elapsed=elapsed, metrics=dict(s["metrics"]),
+                ranks=ranks, step=step, total=total, rate=rate, eta=eta, elapsed=elapsed, metrics=dict(s["metrics"]),
                 log=list(self._log), message=s["message"], held=s.get("held", ""),
+                rank_logs={str(r): list(lines) for r, lines in sorted(self._rank_logs.items())},
+                perf=s.get("perf", ""), stacks=s.get("stacks", ""),
             )
 
     def _flush(self) -> None:

@@ -2,8 +2,9 @@
 
 It hides what differs between strategies (wrapping, backward, stepping, precision, checkpoints) and
 between backends (ranks, devices, where metrics go). Metrics and status go to the notebook over the
-run's channel; the notebook writes them to MLflow in the background, so ``ctx.log`` costs a socket
-write, not a database round-trip.
+run's channel; the notebook writes them to MLflow in the background. ``ctx.log`` only queues its values: the
+rank's `pulse.Pulse` thread sends them a few times a second, with the counters the notebook watches for
+progress, hangs and throughput (steps, samples and tokens the prepared model saw).
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-from ..channel import Message, Metric, Total
+from ..channel import Message, Metric, ModelFacts, Total
 from ..config import RunConfig
+from ..errors import log_dropped
 from ..strategies.base import Strategy
+from . import flops
+from .pulse import Pulse
 
 
 class _ShardedLoader(DataLoader):
@@ -75,6 +79,7 @@ class TrainContext:
         device: torch.device,
         send: Callable[[Message], None] | None = None,
         checkpoint_store: Any = None,
+        pulse: Pulse | None = None,
     ):
         self.config = config
         self.strategy = strategy
@@ -85,6 +90,9 @@ class TrainContext:
         self._send = send or (lambda message: None)
         self._log_calls = 0
         self._checkpoints = checkpoint_store
+        self._pulse = pulse  # None: each ctx.log is sent at once (a context built outside run_worker)
+        self._model_flops: dict[str, float] = {}
+        self._parameters = 0
 
     @property
     def is_main(self) -> bool:
@@ -115,7 +123,10 @@ class TrainContext:
         """
         self.strategy.set_loaders(loaders)
         self.strategy.set_model_parallel_options(tp_plan=tp_plan, pp_split=pp_split)
+        self._parameters = flops.count_parameters(model)
         model, optimizer = self.strategy.wrap(model, optimizer)
+        self._watch_batches(model)
+        self._send_model_facts()
         seed = self.config.seed or 0
         sharded = [shard_loader(loader, self.data_parallel_rank, self.data_parallel_size, seed) for loader in loaders]
         return (model, optimizer, *sharded)
@@ -128,16 +139,25 @@ class TrainContext:
         Under ``--pp`` this is the only way to train (the batch runs through the pipeline schedule in
         ``--microbatches`` micro-batches) and the loss, the mean over micro-batches, is returned on every rank.
         """
+        if self._pulse is not None:
+            if self.config.pp > 1:  # the pipeline's stages call the model themselves: count the batch here
+                self._pulse.batch(*flops.batch_size_and_tokens(inputs if isinstance(inputs, tuple) else (inputs,),
+                                                               inputs if isinstance(inputs, dict) else {}))
+            self._pulse.step()
         return self.strategy.train_step(inputs, targets, loss_fn)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward pass through the strategy (loss scaling, accumulation, DeepSpeed's engine). Not under ``--pp``:
         use `train_step`."""
+        if self._pulse is not None:
+            self._pulse.calls += 1
         self.strategy.backward(loss)
 
     def step(self) -> bool:
         """Optimizer step and zero_grad at each ``--grad-accum`` boundary. True if the optimizer stepped. Not under
         ``--pp`` (`train_step` steps)."""
+        if self._pulse is not None:
+            self._pulse.step()
         return self.strategy.step()
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -153,13 +173,20 @@ class TrainContext:
         """Log metrics from rank 0 to the run (``ctx.log(loss=l)`` or ``ctx.log({"loss": l}, step=n)``).
 
         Without ``step``, each call is the next step (0, 1, 2, ...). Tensors are turned into floats.
-        Other ranks' calls are ignored (MLflow records what rank 0 logs).
+        Other ranks' calls are ignored (MLflow records what rank 0 logs). The values travel to the notebook a
+        few times a second; a loop logging a metric more than 20 times a second keeps every value for the first
+        200, then 20 a second, evenly spread (the last one always; ``$DTRAIN_MAGIC_METRIC_RATE``).
+        A ``tokens`` value (the tokens this rank went through since its last ``ctx.log``) gives the run's tokens/s
+        and, with the model's parameters, model FLOP/s and MFU (docs/ui.md#throughput-and-stragglers).
         """
         values = dict(metrics or {}, **more)
         if step is None:
             step = self._log_calls
         self._log_calls += 1
         if not self.is_main:
+            if self._pulse is not None:
+                tokens = values.get("tokens")
+                self._pulse.log_call(float(tokens) if isinstance(tokens, (int, float, torch.Tensor)) else None)
             return
         numbers = {}
         for key, value in values.items():
@@ -169,7 +196,44 @@ class TrainContext:
                 numbers[str(key)] = float(value)
             except (TypeError, ValueError):
                 raise TypeError(f"ctx.log: metric {key!r} must be a number, got {type(value).__name__}") from None
-        self._send(Metric(self.rank, int(step), numbers, int(time.time() * 1000)))
+        stamp = int(time.time() * 1000)
+        if self._pulse is None:
+            self._send(Metric(self.rank, int(step), numbers, stamp))
+            return
+        self._pulse.log_call(numbers.get("tokens"))
+        self._pulse.queue_metrics(int(step), numbers, stamp)
+
+    def set_model_flops(self, per_sample: float | None = None, per_token: float | None = None) -> None:
+        """The model's training FLOPs (forward and backward) per sample or per token, for model FLOP/s and MFU in
+        the monitor and MLflow. Without it, token inputs use 6 x parameters per token (a decoder's estimate)."""
+        if per_sample is not None:
+            self._model_flops["per_sample"] = float(per_sample)
+        if per_token is not None:
+            self._model_flops["per_token"] = float(per_token)
+        self._send_model_facts()
+
+    def _send_model_facts(self) -> None:
+        if not self.is_main or self._pulse is None:
+            return
+        name, peak, note = flops.peak_flops(self.device, self.config.precision)
+        per_token = self._model_flops.get("per_token", flops.DECODER_FLOPS_PER_PARAMETER_TOKEN * self._parameters)
+        self._pulse.facts(ModelFacts(self.rank, self._parameters, self._model_flops.get("per_sample", 0.0),
+                                     per_token, name, peak, note))
+
+    def _watch_batches(self, model: Any) -> None:
+        """Count the samples (and token ids) each training forward of the prepared model takes: samples/s."""
+        pulse = self._pulse
+        if pulse is None or not isinstance(model, torch.nn.Module) or self.config.pp > 1:
+            return
+
+        def count(_module: Any, args: tuple, kwargs: dict) -> None:
+            if torch.is_grad_enabled():
+                try:
+                    pulse.batch(*flops.batch_size_and_tokens(args, kwargs))
+                except Exception as exc:  # counting must never break a forward
+                    log_dropped(__name__, "count", exc)
+
+        model.register_forward_pre_hook(count, with_kwargs=True)
 
     def set_total(self, steps: int) -> None:
         """Declare how many steps the run will take, for the progress bar and its ETA."""

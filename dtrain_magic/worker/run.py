@@ -3,7 +3,9 @@
 Whichever backend started the process, every worker runs this: it connects to the notebook's channel and
 sends its Python-level output there line by line, joins (or adopts) the torch.distributed process group,
 builds the strategy and the `TrainContext`, calls the user's function and sends back its result or its
-error (with a traceback trimmed to the user's frames and labelled with the notebook's cell numbers).
+error (with a traceback trimmed to the user's frames and labelled with the notebook's cell numbers). Before
+its `Hello`, a rank registers its stack file (`pulse.install_stack_dump`: the notebook can see where it is,
+even blocked in native code); from then on its `pulse.Pulse` reports its progress.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ..channel import Error, Hello, Result, Status, WorkerLink
 from ..errors import log_dropped, short_traceback, summary
 from .job import RankInfo, WorkerJob, rank_from_env
 from .process_group import barrier, device_for, ensure_process_group
+from .pulse import Pulse, StackDump, install_stack_dump
 from .streams import ChannelStream
 
 
@@ -36,6 +39,8 @@ class _Rank:
     streams: tuple[Any, Any]
     owns_group: bool = False
     strategy: Any = None
+    pulse: Pulse | None = None
+    stacks: StackDump | None = None
 
 
 def run_worker(job: WorkerJob, ranks: RankInfo | None = None, checkpoints: Any = None) -> Any:
@@ -73,11 +78,24 @@ def _connect(job: WorkerJob, ranks: RankInfo) -> _Rank:
     for key, value in job.env.items():
         os.environ.setdefault(key, value)
     link = WorkerLink(job.channel, ranks.rank)
-    link.send(Hello(ranks.rank, os.getpid(), socket.gethostname()))
-    rank = _Rank(job, ranks, link, (sys.stdout, sys.stderr))
+    stacks = install_stack_dump(ranks.rank)
+    link.send(Hello(ranks.rank, os.getpid(), socket.gethostname(), stacks.path if stacks else "", _node_id()))
+    rank = _Rank(job, ranks, link, (sys.stdout, sys.stderr), stacks=stacks)
+    rank.pulse = Pulse(ranks.rank, link.send)
     sys.stdout = ChannelStream(link, ranks.rank, "stdout")
     sys.stderr = ChannelStream(link, ranks.rank, "stderr")
     return rank
+
+
+def _node_id() -> str:
+    """Ray's id of this machine when this process is a Ray worker (how the notebook reaches it on a cluster)."""
+    ray = sys.modules.get("ray")
+    if ray is None:
+        return ""
+    try:
+        return (ray.get_runtime_context().get_node_id() or "") if ray.is_initialized() else ""
+    except Exception:
+        return ""
 
 
 def _join(rank: _Rank) -> Any:
@@ -104,6 +122,7 @@ def _build_context(rank: _Rank, device: Any, checkpoints: Any) -> Any:
         job.config, rank.strategy, ranks.rank, ranks.local_rank, ranks.world_size, device,
         send=rank.link.send,
         checkpoint_store=checkpoints if checkpoints is not None else checkpoint_store(job.checkpoint_root),
+        pulse=rank.pulse,
     )
     # Existing code runs unchanged: its own init/destroy_process_group adopt the run's group, and
     # Hugging Face / Ray Train metrics reach the run (dtrain_magic/integrations). Before the load:
@@ -133,6 +152,7 @@ def _send_result(rank: _Rank, value: Any) -> None:
             f"the function's return value ({type(value).__name__}) cannot be pickled to send it back: {exc}. "
             "Return plain Python data (lists, dicts, numbers) or tensors"
         ) from None
+    _close_pulse(rank)  # every logged value reaches the notebook before the result does
     rank.link.send(Result(rank.ranks.rank, data))
     rank.link.send(Status(rank.ranks.rank, "done", ""))
 
@@ -141,11 +161,21 @@ def _report_failure(rank: _Rank, exc: BaseException) -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception as exc:
-            log_dropped(__name__, "_report_failure", exc)
+        except Exception as flush_error:  # (not `exc`: that would unbind the exception being reported)
+            log_dropped(__name__, "_report_failure", flush_error)
+    _close_pulse(rank)
     number = rank.ranks.rank
     rank.link.send(Error(number, summary(exc), short_traceback(exc, rank.job.payload.labels), time.time()))
     rank.link.send(Status(number, "failed", summary(exc)))
+
+
+def _close_pulse(rank: _Rank) -> None:
+    pulse, rank.pulse = rank.pulse, None
+    if pulse is not None:
+        try:
+            pulse.close()
+        except Exception as exc:
+            log_dropped(__name__, "_close_pulse", exc)
 
 
 def _teardown(rank: _Rank) -> None:
@@ -154,6 +184,9 @@ def _teardown(rank: _Rank) -> None:
     import torch.distributed as dist
 
     sys.stdout, sys.stderr = rank.streams
+    _close_pulse(rank)
+    if rank.stacks is not None:
+        rank.stacks.remove()
     integrations.uninstall()  # torch's own destroy_process_group again, for the teardown below
     if rank.strategy is not None:
         try:

@@ -2,8 +2,9 @@
 
 1. ``%%distribute --backend local -n 2 --ui`` on a small training that declares its total steps: the
    monitor panel and both live charts while training runs (the training waits half-way on a file the
-   test creates once it has seen them: no race with the training's length) and after it finished; then
-   Stop on a second, long run.
+   test creates once it has seen them: no race with the training's length), the per-rank output tabs and
+   the Stacks button (one stack per rank with the cell's line, within 2 s) meanwhile, and after it
+   finished; then Stop on a second, long run.
 2. ``%%distribute --configure``: the panel shows the estimate for the cell's own model; deepspeed,
    ZeRO-2 and bf16 are picked, Run shows the monitor and both charts under the panel with points added
    over time, Stop makes the run KILLED in MLflow and ends its worker processes, "Write cell" creates
@@ -282,6 +283,23 @@ def test_panel_and_charts_in_jupyterlab(chromium, jupyterlab):
                 expect(charts.nth(0)).to_contain_text("Training metrics")
                 expect(charts.nth(1)).to_contain_text("System")
                 expect(first.locator(".dtm-rank-state").first).to_have_text("running")
+                # per-rank output: the tabs all / rank 0 / rank 1; rank 1's tab shows its own lines, unprefixed
+                expect(first.locator(".dtm-tab")).to_have_text(["all", "rank 0", "rank 1"])
+                expect(first.locator(".dtm-log")).to_contain_text("[rank 1] step 0 loss")
+                first.locator(".dtm-tab[data-rank='1']").click()
+                expect(first.locator(".dtm-tab-active")).to_have_text("rank 1")
+                expect(first.locator(".dtm-log")).to_contain_text("step 0 loss")
+                assert "[rank" not in first.locator(".dtm-log").inner_text()
+                first.locator(".dtm-tab[data-rank='all']").click()
+                # Stacks while the cell keeps the kernel busy: one stack per rank with the cell's line, within 2 s
+                clicked = time.monotonic()
+                first.locator("button.dtm-stacks").click()
+                stacks = first.locator(".dtm-stacks-pane")
+                expect(stacks).to_contain_text("rank 1 is at Cell In[", timeout=10_000)
+                timings["stacks_s"] = time.monotonic() - clicked
+                expect(stacks).to_contain_text("rank 0 is at Cell In[")
+                assert stacks.inner_text().count("time.sleep(0.05)") == 2, stacks.inner_text()
+                assert timings["stacks_s"] < 2.0, timings["stacks_s"]
                 running_shot = out / "browser_running.png"
                 page.screenshot(path=str(running_shot), full_page=True)
                 timings["seen_running_s"] = time.monotonic() - t0

@@ -29,10 +29,12 @@ def _worker_reason(exc: BaseException) -> str:
     if isinstance(exc, ray.exceptions.OutOfMemoryError):
         return "the Ray worker process was killed by Ray's memory monitor (out of memory)"
     if isinstance(exc, ray.exceptions.RayActorError):
-        # Ray cannot tell which signal it was (its message lists OOM, ray stop and SIGSEGV as guesses).
+        # Ray cannot tell which signal it was (its message lists OOM, ray stop and SIGSEGV as guesses). The pump
+        # replaces the guess in parentheses with what the worker's machine says, when it says something: a fatal
+        # signal Python caught (its stack file), an out-of-memory kill (kernel log, cgroup).
         return (
             "the Ray worker process died without reporting an error "
-            "(killed, e.g. by SIGKILL or the OOM killer, or crashed in native code)"
+            "(killed, e.g. by SIGKILL or the OOM killer, or crashed in native code: Ray does not say which)"
         )
     return summary(exc, limit=300)
 

@@ -28,14 +28,14 @@ from typing import Any, Mapping
 from ..._compat import ray as ray_compat
 from ...channel import StandbyJob
 from ...config import RunConfig, redact_uri
-from ...errors import ConfigError, LaunchError, MissingDependencyError, summary
+from ...errors import ConfigError, LaunchError, MissingDependencyError, log_dropped, summary
 from ...worker import WorkerJob
 from ...worker.checkpoints import run_checkpoint_root, storage_path
 from ..base import Emit, Launcher, LaunchState, RunningJob
 from ..standby import Claim, Placement, Standby, StandbyLaunch, StandbySlot, default_keep_warm_s, keep_warm_s
 from .diagnostics import failures_from
 from .instance import RayInstance, _current_address, _host_port
-from .worker import _standby_loop, _train_loop
+from .worker import _standby_loop, _train_loop, dump_stacks_here
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -90,6 +90,41 @@ class RayJob(StandbyLaunch):
 
     def running(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def aborting(self) -> bool:
+        """Cancelled, and Ray Train's abort still going on (in the background of a stopped run)."""
+        return self._cancelled and self._thread.is_alive()
+
+    def wait_stopped(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def dump_stacks(self, workers: Any, timeout: float) -> dict[int, tuple[str, str]]:
+        """The stacks of workers on other machines, by a task on each one's node (Ray's node affinity); those on
+        this machine are left to the notebook, which signals them itself."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        refs = {}
+        for rank, worker in workers.items():
+            if worker.here or not worker.node or not worker.stack_file:
+                continue
+            task = ray.remote(num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+                worker.node, soft=False))(dump_stacks_here)
+            refs[rank] = task.remote(worker.pid, worker.stack_file, timeout)
+        if not refs:
+            return {}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout + 2.0)
+        answers = {}
+        for rank, ref in refs.items():
+            if ref in ready:
+                try:
+                    answers[rank] = tuple(ray.get(ref))
+                except Exception as exc:
+                    log_dropped(__name__, "RayJob.dump_stacks", exc)
+            else:
+                ray.cancel(ref, force=True)
+        return answers
 
     def _fit(self) -> None:
         try:
@@ -195,6 +230,9 @@ class RayLauncher(Launcher):
     def start(self, job: WorkerJob, emit: Emit) -> RunningJob:
         how = self._connect(job.config)
         self.standbys.make_way(self._placement(job.config))  # another placement's workers go first
+        if not self.instance.has_capacity(job.config):  # the instance must grow: a stopped run's abort ends first
+            for aborting in [other for other in list(self._jobs) if other.aborting]:
+                aborting.wait_stopped(aborting.abort_wait_s + 2)
         self.instance.ensure_capacity(job.config, how, in_use=self._in_use())
         try:
             running = RayJob.for_job(job, emit)

@@ -81,6 +81,17 @@ def _is_local_fs(checkpoint: Any) -> bool:
         return False
 
 
+def dump_stacks_here(pid: int, stack_file: str, timeout: float) -> tuple[str, str]:
+    """On a worker's node (a Ray task pinned there): dump its stacks, (state, text with the file's header)."""
+    from ... import procfacts
+
+    state, text = procfacts.dump_stacks({0: (pid, stack_file)}, timeout)[0]
+    if state == "dumped":
+        with open(stack_file, errors="replace") as handle:
+            text = handle.readline() + text
+    return state, text
+
+
 def _train_loop(config: dict) -> None:
     """``train_loop_per_worker``: one Ray Train worker = one rank of the run."""
     _run_job(config["job"], config.get("cwd"))

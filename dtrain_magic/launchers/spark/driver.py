@@ -23,6 +23,7 @@ rank 0's).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -32,10 +33,19 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from ..._compat import spark as spark_compat
-from ...channel import AuthenticatedListener, RankDone, StandbyJob, decode
+from ...channel import (
+    AuthenticatedListener,
+    RankDied,
+    RankDone,
+    RankStarted,
+    StackReply,
+    StackRequest,
+    StandbyJob,
+    decode,
+)
 from ...config import RunConfig, redact_uri
 from ...errors import ConfigError, LaunchError, MissingDependencyError, log_dropped
 from ...state import kernel_state
@@ -56,6 +66,30 @@ from .worker import _spark_standby_fn, _spark_train_fn
 
 _CANCEL_GRACE_S = 3.0
 _EXECUTOR_WAIT_S = 60.0
+_CANCEL_SWEEP_WAIT_S = 20.0
+
+
+class _Cancels:
+    """The cancels in progress on this launcher (`running`), which a new launch waits for (`wait_idle`)."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._idle = threading.Condition()
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        with self._idle:
+            self._count += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._count -= 1
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout: float) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: self._count == 0, timeout)
 
 
 _DIED = "the process died without reporting an error (killed by a signal, or crashed below Python)"
@@ -64,24 +98,69 @@ _DIED = "the process died without reporting an error (killed by a signal, or cra
 class _RankWatch:
     """One connection per worker, from its watchdog (`channel.RankStarted`, then `channel.RankDone` when the
     worker ended in Python): a worker whose connection drops before `RankDone` was killed or crashed (seen at
-    once, before torchrun's report); closing the watch makes every remaining worker's watchdog kill it."""
+    once, before torchrun's report; `channel.RankDied` first says what its host knows); closing the watch makes
+    every remaining worker's watchdog kill it. `dump_stacks` asks the watchdogs for their workers' stacks."""
 
     def __init__(self, host: str):
         self.dead: dict[int, str] = {}
+        self.evidence: dict[int, str] = {}  # rank → what its watchdog found when it died (`RankDied`)
+        self.died_at: float | None = None
         self._listener = AuthenticatedListener(host, self._read, "dtrain-spark-watch")
         self.authkey = self._listener.authkey
         self.address = (host, self._listener.port, self.authkey)
+        self._lock = threading.Lock()
+        self._conns: dict[int, Any] = {}
+        self._serial = 0
+        self._replies: dict[tuple[int, int], StackReply] = {}
+        self._replied = threading.Condition(self._lock)
 
     def _read(self, conn: Any, serial: int) -> None:
         rank, done = None, False
         try:
             while True:
                 message = decode(conn.recv())
-                rank, done = message.rank, done or isinstance(message, RankDone)
+                if isinstance(message, RankStarted):
+                    rank = message.rank
+                    with self._lock:
+                        self._conns[rank] = conn
+                elif isinstance(message, StackReply):
+                    with self._lock:
+                        self._replies[(message.rank, message.serial)] = message
+                        self._replied.notify_all()
+                elif isinstance(message, RankDied):
+                    self.evidence[message.rank] = message.evidence
+                done = done or isinstance(message, RankDone)
         except Exception as exc:  # the connection closed (or sent what no watchdog sends)
             log_dropped(__name__, "_read", exc)
+        if rank is not None:
+            with self._lock:
+                if self._conns.get(rank) is conn:
+                    del self._conns[rank]
         if rank is not None and not done and not self._listener.closed.is_set():
+            if self.died_at is None:
+                self.died_at = time.monotonic()
             self.dead.setdefault(rank, _DIED)
+
+    def dump_stacks(self, ranks: Any, timeout: float) -> dict[int, tuple[str, str]]:
+        """rank → (state, dump) from each connected worker's watchdog (on the worker's own host)."""
+        with self._lock:
+            self._serial += 1
+            serial = self._serial
+            targets = {rank: conn for rank, conn in self._conns.items() if rank in ranks}
+        for rank, conn in list(targets.items()):
+            try:
+                conn.send(StackRequest(serial).wire())
+            except Exception:
+                del targets[rank]
+        deadline = time.monotonic() + timeout + 0.4  # the watchdog's own wait, plus the round trip
+        with self._lock:
+            while not all((rank, serial) in self._replies for rank in targets):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._replied.wait(left)
+            replies = {rank: self._replies.pop((rank, serial)) for rank in targets if (rank, serial) in self._replies}
+        return {rank: (reply.state, reply.text) for rank, reply in replies.items()}
 
     def close(self) -> None:
         self._listener.close()
@@ -96,6 +175,7 @@ class SparkJob(StandbyLaunch):
 
     early_release = True
     _RELEASE_GRACE_S = 5.0
+    _SIGNAL_WAIT_S = 5.0  # after a worker died: how long torchrun may take to end and name the exit signal
 
     def __init__(self, launcher: "SparkLauncher", spark: Any, config: RunConfig, emit: Emit | None, group: str,
                  watch_host: str, call: Callable[[tuple], tuple[Callable, tuple]]):
@@ -112,6 +192,7 @@ class SparkJob(StandbyLaunch):
         self._started_at = time.time()
         self._known_children = _child_pids()
         self._distributor = launcher._distributor(config)
+        self._cancels = launcher.cancels
         self._watch = _RankWatch(watch_host)  # where the run's channel listens: reachable by every worker
         fn, args = call(self._watch.address)
         self._thread = threading.Thread(target=self._run, args=(fn, args), name="dtrain-spark-run", daemon=True)
@@ -137,6 +218,9 @@ class SparkJob(StandbyLaunch):
         self._config, self._emit = job.config, emit
 
     def _run(self, fn: Callable, args: tuple) -> None:
+        # A stopped run's clean-up goes on in the background and sweeps this machine's new torchrun trees: this
+        # launch starts its own only once that sweep is over (a second or two), or it would be swept too.
+        self._cancels.wait_idle(_CANCEL_SWEEP_WAIT_S)
         try:
             self._sc.setJobGroup(self.group, "dtrain_magic %%distribute run", interruptOnCancel=True)
             self._distributor.run(fn, *args)
@@ -145,20 +229,38 @@ class SparkJob(StandbyLaunch):
         finally:
             spark_compat.clear_job_group(self._sc)
 
+    def dump_stacks(self, workers: Any, timeout: float) -> dict[int, tuple[str, str]]:
+        """Every worker's stacks through its watchdog, on whichever host it runs."""
+        return self._watch.dump_stacks(set(workers), timeout)
+
     def poll(self) -> LaunchState:
         # In the order the deaths were seen, not by rank: the first is the cause (torchrun then SIGTERMs
         # the survivors, whose connections drop a moment later).
-        died = [Failure(rank, reason) for rank, reason in list(self._watch.dead.items())]
+        died = [self._died(rank, reason) for rank, reason in list(self._watch.dead.items())]
         if self._thread.is_alive():
+            unnamed = [f for f in died if "killed by" not in f.reason]  # no signal from the watchdog's evidence
+            if unnamed and time.monotonic() - (self._watch.died_at or 0) < self._SIGNAL_WAIT_S:
+                return LaunchState(False, [])  # torchrun reports the exit signal within moments: wait for it
             return LaunchState(False, died)
         failures = []
         if self._error is not None and not self._cancelled:
             cause = torchrun_root_cause(str(self._error))
             if cause is not None:  # a worker died below Python (killed, crashed): name its rank and signal
-                failures.append(Failure(cause[0], cause[1]))
+                failures.append(self._died(cause[0], cause[1]))
             elif not died:
                 failures.append(Failure(None, one_line_reason(self._error)))
         return LaunchState(True, failures or died)
+
+    def _died(self, rank: int, reason: str) -> Failure:
+        """A dead worker's failure: torchrun's exit signal (or the watch's guess), with what its watchdog found on
+        its host (an out-of-memory kill, where Python saw a fatal signal)."""
+        evidence = self._watch.evidence.get(rank, "")
+        headline, _, dump = evidence.partition("\n")
+        if headline.startswith("killed by") and reason == _DIED:
+            reason = f"process was {headline}"  # as torchrun's report says it
+        elif headline and headline not in reason:
+            reason = f"{reason.split(' (', 1)[0]}: {headline}"
+        return Failure(rank, reason, dump)
 
     def active_jobs(self) -> list[int]:
         """Ids of this run's Spark jobs that are still running."""
@@ -210,6 +312,10 @@ class SparkJob(StandbyLaunch):
             time.sleep(0.1)
 
     def cancel(self) -> None:
+        with self._cancels.running():
+            self._cancel()
+
+    def _cancel(self) -> None:
         if not self._claim_stop():
             return
         deadline = time.monotonic() + 10.0
@@ -347,6 +453,7 @@ class SparkLauncher(Launcher):
         self.session_start_s: float | None = None  # how long this launcher's last session start took
         self.session_starts = 0  # how many sessions this launcher started (a warm run starts none)
         self.standbys = StandbySlot()  # the next run's workers, launched ahead (docs/warm-reruns.md)
+        self.cancels = _Cancels()  # stopped runs still cleaning up (in the background)
 
     # -- the session ---------------------------------------------------------------------------------
     @staticmethod

@@ -117,11 +117,14 @@ def _ended_in_python(guard: Any) -> None:
 def _start_watchdog(watch: tuple, rank: int) -> Any:
     """A watchdog process (`dtrain_magic.launchers.watchdog`, rank-watch mode) for this worker: it holds this rank's
     connection to the launcher's `_RankWatch` and SIGKILLs this process when the notebook closes it (run
-    over, cancelled, notebook gone), whatever this process is doing, even blocked in native code."""
+    over, cancelled, notebook gone), whatever this process is doing, even blocked in native code; it dumps this
+    process's stacks when the notebook asks, and says what killed it when it dies."""
+    from ... import procfacts
     from .. import watchdog
 
     host, port, authkey = watch
-    return watchdog.start("rank-watch", host, str(port), str(rank), str(os.getpid()), secret=authkey)
+    stack_file = procfacts.stack_file_path(os.getpid()) or ""  # where run_worker's stack dump will write
+    return watchdog.start("rank-watch", host, str(port), str(rank), str(os.getpid()), stack_file, secret=authkey)
 
 
 class _NodeMetrics:

@@ -1,0 +1,148 @@
+"""What ``ctx.log`` every step costs a fast loop, on every backend, with 1 and 2 processes (issue 25).
+
+The loop: a small MLP (16 → 32 → 1), batch 16, Adam, one step per iteration, each rank on its own copy (no
+gradient all-reduce: a loop fast enough, at least 1500 steps/s per process on 2 cores, for a per-step cost to
+show). The same loop is run with and without ``ctx.log(loss=...)`` every step, alternately, in one kernel per
+backend (its workers warm, as a user's re-runs are); each sample is the steady-state steps/s of rank 0 after a
+warm-up. Cost = 1 - median(with ctx.log) / median(without). Target: at most 2 % (run_all.py's report).
+
+    .venv/bin/python benchmarks/bench_log.py                         # local, spark, ray; -n 1 and -n 2; 5 pairs each
+    .venv/bin/python benchmarks/bench_log.py --backends local --repeats 5 --json benchmarks/results/ctx_log.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+BACKENDS = ("local", "spark", "ray")
+WARMUP = 500
+
+LOOP = '''
+import time
+import torch
+def train(ctx):
+    torch.manual_seed(ctx.rank)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(16, 16)
+    steps, log = STEPS, LOG
+    for step in range(steps):
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        value = loss.item()
+        if log:
+            ctx.log(loss=value)
+        if step == WARMUP:
+            started, cpu = time.perf_counter(), time.process_time()
+    return (steps - WARMUP - 1) / (time.perf_counter() - started), (time.process_time() - cpu) / (steps - WARMUP - 1)
+'''
+
+
+def inner(backend: str, counts: list[int], steps: int, repeats: int) -> dict:
+    """In a fresh process: one kernel, this backend; for each process count, ``repeats`` pairs (log, no log)."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    shell = InteractiveShell.instance()
+    shell.run_cell("%load_ext dtrain_magic", store_history=False)
+    shell.user_ns.update(STEPS=steps, WARMUP=WARMUP)
+    out: dict = {}
+
+    def once(n: int, log: bool) -> tuple[float, float, float]:
+        """(rank 0's steady steps/s, its process's CPU seconds per step (training and reporter threads), the
+        notebook process's CPU share of one core during the run)."""
+        shell.user_ns["LOG"] = log
+        cell = f"%%distribute --backend {backend} -n {n} --cpu --no-ui --experiment bench_log\n" + LOOP
+        cpu0, wall0 = _own_cpu(), time.monotonic()
+        with capture_output():
+            result = shell.run_cell(cell, store_history=False)
+        if result.error_in_exec is not None:
+            raise result.error_in_exec
+        rate, cpu_per_step = result.result.value
+        return float(rate), float(cpu_per_step), (_own_cpu() - cpu0) / (time.monotonic() - wall0)
+
+    for n in counts:
+        once(n, True)  # warm: the backend up, its next workers waiting, MLflow imported
+        samples: dict[str, list[float]] = {key: [] for key in ("log", "nolog", "worker_cpu_us_log",
+                                                               "worker_cpu_us_nolog", "notebook_cpu_log",
+                                                               "notebook_cpu_nolog")}
+        for i in range(repeats):
+            for log in ((True, False) if i % 2 == 0 else (False, True)):
+                rate, cpu_per_step, notebook = once(n, log)
+                which = "log" if log else "nolog"
+                samples[which].append(rate)
+                samples[f"worker_cpu_us_{which}"].append(1e6 * cpu_per_step)
+                samples[f"notebook_cpu_{which}"].append(notebook)
+        out[str(n)] = samples
+    return out
+
+
+def _own_cpu() -> float:
+    """This process's CPU seconds (its threads; not its children: the workers)."""
+    times = os.times()
+    return times.user + times.system
+
+
+def summarize(samples: dict[str, list[float]]) -> dict:
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    return {"samples": samples, "median_log": med["log"], "median_nolog": med["nolog"],
+            "notebook_cpu_log": med.get("notebook_cpu_log"), "notebook_cpu_nolog": med.get("notebook_cpu_nolog"),
+            "worker_cpu_us_log": med.get("worker_cpu_us_log"), "worker_cpu_us_nolog": med.get("worker_cpu_us_nolog"),
+            "min_nolog": min(samples["nolog"]), "max_nolog": max(samples["nolog"]),
+            "min_log": min(samples["log"]), "max_log": max(samples["log"]),
+            "cost": 1 - med["log"] / med["nolog"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--counts", default="1,2", help="process counts (default 1,2)")
+    parser.add_argument("--steps", type=int, default=6000, help="steps per run (default 6000: 2-4 s at this rate)")
+    parser.add_argument("--repeats", type=int, default=5, help="pairs (with, without ctx.log) per count (default 5)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--inner", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    counts = [int(c) for c in args.counts.split(",")]
+    if "MLFLOW_TRACKING_URI" not in os.environ:
+        os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tempfile.mkdtemp(prefix='bench_log_')}/bench.db"
+    if args.inner:
+        print(json.dumps(inner(args.inner, counts, args.steps, args.repeats)))
+        return
+    began = time.monotonic()
+    report: dict = {"steps": args.steps, "repeats": args.repeats, "cpu_count": os.cpu_count(), "backends": {}}
+    for backend in args.backends.split(","):
+        proc = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--inner", backend, "--counts", args.counts,
+             "--steps", str(args.steps), "--repeats", str(args.repeats)],
+            capture_output=True, text=True, timeout=1800,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{backend}: {proc.stderr[-3000:]}")
+        raw = json.loads(proc.stdout.strip().splitlines()[-1])
+        report["backends"][backend] = {n: summarize(samples) for n, samples in raw.items()}
+        for n, data in report["backends"][backend].items():
+            print(f"{backend} -n {n}: without ctx.log {data['median_nolog']:.0f} steps/s "
+                  f"({data['min_nolog']:.0f}-{data['max_nolog']:.0f}), with {data['median_log']:.0f} "
+                  f"({data['min_log']:.0f}-{data['max_log']:.0f}): ctx.log every step costs "
+                  f"{100 * data['cost']:.1f} % (target <= 2 % at >= 1500 steps/s); rank 0's CPU per step "
+                  f"{data['worker_cpu_us_log']:.0f} us with, {data['worker_cpu_us_nolog']:.0f} us without; the "
+                  f"notebook process used {100 * data['notebook_cpu_log']:.1f} % of a core with, "
+                  f"{100 * data['notebook_cpu_nolog']:.1f} % without", flush=True)
+    report["seconds"] = time.monotonic() - began
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Is the run progressing? Per rank, from what the pump sees: the rules behind ``--hang-timeout`` and
+``--stall-timeout`` (pure: the clock is given, so the rules are unit-tested without processes).
+
+- **Activity** of a rank: its output, rank 0's metrics, or its pulse counters moving (a ``ctx.step``,
+  ``ctx.log``, ``ctx.backward`` call, a batch through the prepared model) — what ``--stall-timeout`` watches:
+  no activity from any rank for that long is a stall (reported once per stall, with every rank's stack).
+- **Progress** of a rank: activity, or its process using CPU (at least `BUSY_CPU` of a core between two
+  pulses: it computes, say rank 0 evaluating alone after the others returned). A rank blocked in a collective
+  uses none; one whose native code holds the GIL sends no pulse at all. ``--hang-timeout``: once a rank has
+  ended (returned, failed, died), every rank still running without progress for that long is hung.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..channel import Pulse
+
+BUSY_CPU = 0.05  # share of a core between two pulses that counts as computing (a blocked rank: ~0.003)
+
+
+@dataclass
+class _Rank:
+    seen_at: float
+    last_activity: float
+    last_progress: float
+    pulse: Pulse | None = None
+    ended: str | None = None
+    ended_at: float | None = None
+
+
+@dataclass
+class Watch:
+    """Progress per rank; `hung` and `stalled` say when the rules fire (``now``: the pump's monotonic clock)."""
+
+    hang_timeout: float | None
+    stall_timeout: float | None
+    ranks: dict[int, _Rank] = field(default_factory=dict)
+    stall_reported: bool = False
+
+    def hello(self, rank: int, now: float) -> None:
+        self.ranks[rank] = _Rank(now, now, now)
+
+    def activity(self, rank: int | None, now: float) -> None:
+        """Output or metrics from ``rank`` (None: the launcher's own note, no rank's activity). A rank that ended
+        still sends its last words (its "done" status, a flushed line): they are not activity, or they would start
+        a new stall for the ranks that still run, which have been quiet all along."""
+        state = self.ranks.get(rank) if rank is not None else None
+        if state is not None and state.ended is None:
+            state.last_activity = state.last_progress = now
+            self.stall_reported = False
+
+    def pulse(self, message: Pulse, now: float) -> None:
+        state = self.ranks.get(message.rank)
+        if state is None:
+            return
+        before, state.pulse = state.pulse, message
+        if before is None:
+            return
+        if (message.calls, message.steps, message.samples) != (before.calls, before.steps, before.samples):
+            self.activity(message.rank, now)
+        elif message.unix_time > before.unix_time and (
+                (message.cpu_s - before.cpu_s) / (message.unix_time - before.unix_time) >= BUSY_CPU):
+            state.last_progress = now
+
+    def ended(self, rank: int, how: str, now: float) -> None:
+        """``rank`` returned, failed or died (``how``: "returned", "failed: ...", "died: ...")."""
+        state = self.ranks.setdefault(rank, _Rank(now, now, now))
+        if state.ended is None:
+            state.ended, state.ended_at = how, now
+
+    def forget(self) -> None:
+        """The workers were restarted: start over."""
+        self.ranks.clear()
+        self.stall_reported = False
+
+    def live(self) -> list[int]:
+        return sorted(rank for rank, state in self.ranks.items() if state.ended is None)
+
+    def ended_ranks(self) -> dict[int, str]:
+        return {rank: state.ended for rank, state in sorted(self.ranks.items()) if state.ended is not None}
+
+    def hung(self, now: float) -> list[int]:
+        """The live ranks, when a rank has ended and none of them made progress for ``hang_timeout`` since (or
+        since the end, whichever is later); else []."""
+        if not self.hang_timeout:
+            return []
+        ends = [state.ended_at for state in self.ranks.values() if state.ended_at is not None]
+        live = self.live()
+        if not ends or not live:
+            return []
+        first_end = min(ends)
+        for rank in live:
+            if now - max(self.ranks[rank].last_progress, first_end) < self.hang_timeout:
+                return []
+        return live
+
+    def stalled(self, now: float) -> bool:
+        """True once per stall: the ranks still running showed no activity for ``stall_timeout``."""
+        live = self.live()
+        if not self.stall_timeout or self.stall_reported or not live:
+            return False
+        if all(now - self.ranks[rank].last_activity >= self.stall_timeout for rank in live):
+            self.stall_reported = True
+            return True
+        return False
+
+    def quiet_for(self, now: float) -> float:
+        """How long the ranks still running have all been without activity."""
+        live = self.live()
+        return min((now - self.ranks[rank].last_activity for rank in live), default=0.0)

@@ -1,0 +1,336 @@
+"""Issue 25's pure parts: the hang and stall rules, metric thinning, stack dumps parsed and rendered, throughput
+and stragglers, per-rank output, the new messages' wire forms, the monitor's per-rank state and Stacks button."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from dtrain_magic import channel as ch
+from dtrain_magic import procfacts
+from dtrain_magic.config import RunConfig
+from dtrain_magic.driver.perf import Throughput
+from dtrain_magic.driver.pump import OUTPUT_KEPT, RankOutputs
+from dtrain_magic.driver.stacks import Worker, merge_ended, parse_dump, rank_stack, render_all, whereabouts
+from dtrain_magic.driver.watch import Watch
+from dtrain_magic.errors import ConfigError
+from dtrain_magic.launchers import watchdog
+from dtrain_magic.worker.pulse import Thinning, thin
+
+CELL = "/tmp/ipykernel_1/123.py"
+LABELS = {CELL: "Cell In[3]"}
+SITE = "/venv/lib/python3.11/site-packages/torch/distributed"
+DUMP = f"""{procfacts.HEADER}: rank 0 pid 42 thread 0x00007f0000000001
+Thread 0x00007f0000000002 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 331 in wait
+  File "/x/dtrain_magic/worker/pulse.py", line 120 in _loop
+
+Current thread 0x00007f0000000001 (most recent call first):
+  File "{SITE}/distributed_c10d.py", line 3252 in all_reduce
+  File "{SITE}/c10d_logger.py", line 83 in wrapper
+  File "{CELL}", line 4 in train
+  File "/x/dtrain_magic/worker/run.py", line 140 in _call
+  File "/x/dtrain_magic/worker/run.py", line 60 in run_worker
+"""
+
+
+def pulse(rank: int, t: float, calls: int = 0, cpu: float = 0.0, steps: int = 0, samples: int = 0, tokens: int = 0):
+    return ch.Pulse(rank, steps, samples, tokens, calls, cpu, t)
+
+
+# -- the rules -------------------------------------------------------------------------------------------------
+
+def test_a_rank_that_ended_and_a_peer_without_progress_is_a_hang_after_the_timeout_not_before():
+    watch = Watch(hang_timeout=15, stall_timeout=None)
+    for rank in (0, 1):
+        watch.hello(rank, now=0)
+    watch.pulse(pulse(0, 1.0, calls=5), now=1)
+    watch.ended(1, "returned", now=2)
+    watch.pulse(pulse(0, 2.0, calls=5), now=2)
+    assert watch.hung(now=16.9) == []  # 15 s counts from the end, not from rank 0's last progress
+    assert watch.hung(now=17.1) == [0]
+    assert watch.ended_ranks() == {1: "returned"}
+
+
+def test_cpu_use_is_progress_for_the_hang_rule_but_not_activity_for_the_stall_rule():
+    watch = Watch(hang_timeout=5, stall_timeout=5)
+    watch.hello(0, now=0)
+    watch.hello(1, now=0)
+    watch.ended(1, "returned", now=0)
+    t, cpu = 0.0, 0.0
+    for _ in range(20):  # rank 0 computes alone (evaluating, say): half a core, counters still
+        t += 0.5
+        cpu += 0.25
+        watch.pulse(pulse(0, t, calls=3, cpu=cpu), now=t)
+    assert watch.hung(now=t) == []
+    assert watch.stalled(now=t)  # no step, metric or output for 5 s
+    assert not watch.stalled(now=t + 1)  # once per stall
+    watch.activity(0, now=t + 2)  # output again: a later silence is a new stall
+    assert watch.stalled(now=t + 8)
+
+
+def test_the_last_words_of_a_rank_that_ended_do_not_start_a_new_stall():
+    watch = Watch(hang_timeout=None, stall_timeout=2)
+    watch.hello(0, now=0)
+    watch.hello(1, now=0)
+    assert watch.stalled(now=2)  # both quiet
+    watch.ended(0, "returned", now=4)
+    watch.activity(0, now=4)  # rank 0's "done" status, after its result
+    assert not watch.stalled(now=4.1)  # rank 1 is in the same stall, already reported
+    watch.activity(1, now=5)
+    assert watch.stalled(now=7)  # a new silence of a rank that runs: a new stall
+
+
+def test_no_hang_while_every_rank_runs_and_none_when_turned_off():
+    watch = Watch(hang_timeout=5, stall_timeout=None)
+    watch.hello(0, now=0)
+    assert watch.hung(now=100) == [] and not watch.stalled(now=100)
+    off = Watch(hang_timeout=0, stall_timeout=None)
+    off.hello(0, now=0)
+    off.ended(1, "returned", now=0)
+    assert off.hung(now=100) == []
+
+
+def test_a_restart_forgets_the_earlier_attempt():
+    watch = Watch(hang_timeout=1, stall_timeout=None)
+    watch.hello(0, now=0)
+    watch.ended(1, "failed: ValueError", now=0)
+    watch.forget()
+    watch.hello(0, now=10)
+    assert watch.hung(now=20) == []
+
+
+def test_the_new_flags_are_checked():
+    assert RunConfig().hang_timeout == 15.0 and RunConfig().stall_timeout is None
+    with pytest.raises(ConfigError, match="--hang-timeout"):
+        RunConfig(hang_timeout=-1)
+    with pytest.raises(ConfigError, match="--stall-timeout"):
+        RunConfig(stall_timeout=0)
+    with pytest.raises(ConfigError, match="--on-stall"):
+        RunConfig(on_stall="fail")
+    with pytest.raises(ConfigError, match="--on-stall"):
+        RunConfig(on_stall="panic", stall_timeout=3)
+
+
+# -- metric thinning ---------------------------------------------------------------------------------------------
+
+def test_thinning_keeps_every_value_of_a_burst_then_the_rate_evenly_and_always_the_last():
+    thinning = Thinning(burst=10, rate=4)
+    entries = [(step, {"loss": float(step)}, step) for step in range(10)]
+    kept, left_out = thin(entries, thinning, now=0.0)
+    assert kept == entries and left_out == 0
+    entries = [(step, {"loss": float(step)}, step) for step in range(10, 30)]
+    kept, left_out = thin(entries, thinning, now=1.0)  # 1 s later: 4 values allowed
+    assert [e[0] for e in kept][-1] == 29 and len(kept) == 4 and left_out == 16
+    assert [e[0] for e in kept] == sorted(e[0] for e in kept)
+
+
+def test_thinning_is_per_metric_so_a_rare_metric_is_never_thinned():
+    thinning = Thinning(burst=5, rate=1)
+    entries = [(step, {"loss": 1.0, **({"val_loss": 2.0} if step % 50 == 0 else {})}, step) for step in range(200)]
+    kept, _ = thin(entries, thinning, now=0.0)
+    assert [e[0] for e in kept if "val_loss" in e[1]] == [0, 50, 100, 150]
+    assert sum("loss" in e[1] for e in kept) == 5 and kept[-1][0] == 199
+
+
+# -- stacks ------------------------------------------------------------------------------------------------------
+
+def test_a_dump_is_parsed_to_the_training_thread_and_rendered_with_the_cells_labels():
+    training, threads = parse_dump(DUMP)
+    assert training == 0x7F0000000001 and set(threads) == {0x7F0000000001, 0x7F0000000002}
+    stack = rank_stack(0, "dumped", DUMP, Worker(0, 42, "h", "/tmp/s"))
+    assert stack.frames[0].function == "all_reduce" and len(stack.other_threads) == 1
+    assert stack.where(LABELS) == "rank 0 waits in all_reduce at Cell In[3], line 4"
+    text = stack.render(LABELS)
+    assert "Cell In[3], line 4, in train" in text and "run_worker" not in text  # the harness is left out
+    body = text.split("Traceback (most recent call last):")[1]
+    assert body.index("Cell In[3]") < body.index("in all_reduce")  # outermost first, as Python's tracebacks
+    assert "run_worker" in stack.render(LABELS, full=True) and "Thread 0x" in stack.render(LABELS, full=True)
+
+
+def test_whereabouts_name_every_rank_including_those_that_ended_or_froze():
+    stacks = {0: rank_stack(0, "dumped", DUMP, None), 2: rank_stack(2, "stopped", "", None)}
+    merged = merge_ended(stacks, {1: "returned"})
+    assert whereabouts(merged, LABELS) == ("rank 0 waits in all_reduce at Cell In[3], line 4; rank 1 returned; "
+                                          "rank 2 is stopped (SIGSTOP, SIGTSTP or a debugger): frozen, no stack")
+    assert "rank 1 returned" in render_all(merged, LABELS)
+
+
+def test_a_rank_in_its_own_code_is_at_the_line():
+    dump = f'Current thread 0x1 (most recent call first):\n  File "{CELL}", line 9 in train\n'
+    assert rank_stack(3, "dumped", dump, None).where(LABELS) == "rank 3 is at Cell In[3], line 9 (in train)"
+
+
+def test_fatal_signals_are_read_from_the_stack_file():
+    text = DUMP + "Fatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most recent call first):\n"
+    name, rest = procfacts.fatal_signal(text)
+    assert name == "SIGSEGV" and "Current thread" in rest
+    assert procfacts.fatal_signal(DUMP) is None
+
+
+# -- throughput and stragglers -----------------------------------------------------------------------------------
+
+def test_per_rank_step_rates_flag_a_straggler_on_the_second_look():
+    perf = Throughput(world_size=3)
+    for t in range(0, 5):
+        for rank, rate in ((0, 10), (1, 10), (2, 3)):
+            perf.pulse(pulse(rank, float(t), steps=rate * t, samples=32 * rate * t, cpu=0.5 * t))
+    first = perf.snapshot()
+    assert first.steps_per_s == pytest.approx({0: 10, 1: 10, 2: 3}) and first.stragglers == []
+    second = perf.snapshot()
+    assert second.stragglers == [2] and "rank 2: 3 steps/s, 0.30x the median 10" in perf.flagged[2]
+    assert second.samples_per_s == pytest.approx(32 * 23) and second.cpu_cores[0] == pytest.approx(0.5)
+    assert "perf/steps_per_s/rank_2" in second.metrics() and "perf/mfu" not in second.metrics()
+
+
+def test_model_flops_and_mfu_from_tokens_and_the_devices_peak_and_a_clear_note_on_cpu():
+    perf = Throughput(world_size=2, ranks_per_replica=2)  # two ranks of one tensor-parallel replica
+    for t in range(4):
+        for rank in (0, 1):
+            perf.pulse(pulse(rank, float(t), steps=t, samples=8 * t, tokens=1000 * t))
+    perf.facts = ch.ModelFacts(0, 1_000_000, 0.0, 6e6, "NVIDIA H100 80GB HBM3", 989e12, "")
+    snap = perf.snapshot()
+    assert snap.tokens_per_s == pytest.approx(1000)  # the replica's, not twice it
+    assert snap.flops_per_s == pytest.approx(6e9) and snap.mfu == pytest.approx(6e9 / (2 * 989e12))
+    assert "tokens/s" in snap.line() and "MFU" in snap.line()
+    perf.facts = ch.ModelFacts(0, 1_000_000, 0.0, 6e6, "cpu", 0.0, "no MFU on CPU: ...")
+    snap = perf.snapshot()
+    assert snap.mfu is None and snap.flops_per_s == pytest.approx(6e9) and snap.note.startswith("no MFU on CPU")
+
+
+def test_samples_without_known_flops_say_how_to_give_them():
+    perf = Throughput(world_size=1)
+    for t in range(4):
+        perf.pulse(pulse(0, float(t), steps=t, samples=8 * t))
+    perf.facts = ch.ModelFacts(0, 1000, 0.0, 6000.0, "cpu", 0.0, "")
+    snap = perf.snapshot()
+    assert snap.flops_per_s is None and "set_model_flops" in snap.note
+
+
+def test_peak_flops_by_device_and_precision(monkeypatch):
+    from dtrain_magic.worker import flops
+
+    monkeypatch.delenv("DTRAIN_MAGIC_PEAK_FLOPS", raising=False)
+    name, peak, note = flops.peak_flops("cpu", "fp32")
+    assert peak == 0.0 and "no MFU on CPU" in note
+    monkeypatch.setenv("DTRAIN_MAGIC_PEAK_FLOPS", "1e12")
+    assert flops.peak_flops("cpu", "fp32")[1] == 1e12
+
+
+def test_batch_sizes_and_tokens_from_a_forwards_inputs():
+    import torch
+
+    from dtrain_magic.worker.flops import batch_size_and_tokens
+
+    assert batch_size_and_tokens((torch.zeros(16, 4),), {}) == (16, 0)
+    assert batch_size_and_tokens((), {"input_ids": torch.zeros(4, 128, dtype=torch.long)}) == (4, 512)
+    assert batch_size_and_tokens(([torch.zeros(8, 3)],), {}) == (8, 0)
+    assert batch_size_and_tokens((3,), {}) == (0, 0)
+
+
+# -- per-rank output ---------------------------------------------------------------------------------------------
+
+def test_each_ranks_output_is_kept_apart_and_capped():
+    outputs = RankOutputs()
+    outputs.add(0, "a\n")
+    outputs.add(1, "b\n")
+    outputs.add(None, "launcher note\n")
+    assert outputs.by_rank() == {0: "a\n", 1: "b\n"} and outputs.text(None) == "launcher note\n"
+    big = "x" * (OUTPUT_KEPT // 2)
+    for _ in range(4):
+        outputs.add(0, big)
+    assert outputs.text(0).startswith("[... ") and len(outputs.text(0)) <= OUTPUT_KEPT + 100
+
+
+# -- wire forms --------------------------------------------------------------------------------------------------
+
+NEW_KINDS = [
+    ch.Hello(0, 4242, "node-a", "/tmp/dtrain_magic-stacks-0/4242.txt", "abc123"),
+    ch.Metrics(0, ((1, {"loss": 0.5}, 1_700_000_000_123), (2, {"loss": 0.4}, 1_700_000_000_200)), 3),
+    ch.Pulse(1, 10, 320, 0, 42, 1.25, 1_700_000_000.5),
+    ch.ModelFacts(0, 1000, 0.0, 6000.0, "cpu", 0.0, "no MFU on CPU"),
+    ch.RankDied(1, "killed by SIGSEGV\n..."),
+    ch.StackRequest(7),
+    ch.StackReply(1, 7, "dumped", DUMP),
+]
+
+
+def test_the_new_messages_cross_a_real_channel_as_themselves():
+    with ch.Channel() as channel:
+        link = ch.WorkerLink(channel.address, rank=0)
+        for message in NEW_KINDS:
+            link.send(message)
+        link.close()
+        assert [channel.get(timeout=5) for _ in NEW_KINDS] == NEW_KINDS
+    assert ch.decode(ch.Hello(0, 1, "h").wire()) == ch.Hello(0, 1, "h", "", "")
+
+
+def test_the_watchdog_writes_and_reads_the_rank_watch_wire_forms():
+    assert ch.decode(watchdog.rank_died(1, "x")) == ch.RankDied(1, "x")
+    assert watchdog.stack_request(7) == ch.StackRequest(7).wire()
+    assert ch.decode(watchdog.stack_reply(1, 7, "dumped", "t")) == ch.StackReply(1, 7, "dumped", "t")
+
+
+def test_procfacts_is_standard_library_only_for_the_watchdog():
+    import ast
+    import sys
+
+    tree = ast.parse(open(procfacts.__file__).read())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module != "__future__"}
+    assert imported <= set(sys.stdlib_module_names)
+    assert not any(isinstance(node, ast.ImportFrom) and node.level > 0 for node in ast.walk(tree))
+    assert watchdog.procfacts().STACK_SIGNAL == procfacts.STACK_SIGNAL  # loaded by path, as the watchdog does
+
+
+# -- the monitor ---------------------------------------------------------------------------------------------------
+
+def test_the_monitor_keeps_each_ranks_lines_rates_and_straggler_flag():
+    pytest.importorskip("anywidget")
+    from dtrain_magic.driver.perf import Snapshot
+    from dtrain_magic.ui.monitor import MonitorObserver
+
+    obs = MonitorObserver(RunConfig(num_processes=2), text_out=io.StringIO(), display=False, charts=False)
+    obs.output(0, "stdout", "zero\n")
+    obs.output(1, "stderr", "one\nhalf")
+    obs.perf(Snapshot(steps_per_s={0: 10.0, 1: 3.0}, cpu_cores={0: 0.4, 1: 1.0}, stragglers=[1],
+                      samples_per_s=420.0))
+    snap = obs.snapshot()
+    assert snap["rank_logs"] == {"0": ["zero"], "1": ["one"]}
+    assert snap["ranks"][1] == {"rank": 1, "state": "starting", "detail": "", "rate": 3.0, "cpu": 1.0,
+                                "straggler": True}
+    assert snap["perf"] == "420 samples/s"
+    obs.finished(None, None)
+    assert obs.snapshot()["rank_logs"]["1"] == ["one", "half"] and obs.stacks_button.disabled
+
+
+def test_the_stacks_button_shows_a_note_when_no_run_is_in_progress():
+    pytest.importorskip("anywidget")
+    from dtrain_magic.ui.monitor import MonitorObserver
+
+    obs = MonitorObserver(RunConfig(num_processes=2), text_out=io.StringIO(), display=False, charts=False)
+    obs.stacks_button.click()
+    obs._stacks_thread.join(5)
+    assert obs.widget.stacks.startswith("the run is not in progress")
+
+
+@pytest.mark.parametrize("line", [
+    "6,1234,5678,-;Out of memory: Killed process 12345 (python) total-vm:1000kB, anon-rss:900kB",
+    "6,1234,5678,-;Memory cgroup out of memory: Killed process 12345 (python) total-vm:1000kB",
+    "6,1234,5678,-;oom-kill:constraint=CONSTRAINT_MEMCG,nodemask=(null),cpuset=/,mems_allowed=0,task=python,pid=12345,uid=0",
+])
+def test_the_kernel_logs_oom_kill_lines_name_the_pid(line):
+    assert [int(m.group(1)) for m in procfacts._KMSG_KILLED.finditer(line)] == [12345]
+
+
+def test_a_process_state_and_its_signal_handlers_are_read_from_proc():
+    import os
+    import signal
+
+    assert procfacts.process_state(os.getpid()) == "running"
+    assert procfacts.process_state(2 ** 22 + 7) == "gone"
+    assert procfacts.catches(os.getpid(), signal.SIGINT) is True  # Python's own KeyboardInterrupt handler
+    assert procfacts.start_time(os.getpid()) == procfacts.start_time(os.getpid()) is not None
