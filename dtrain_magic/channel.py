@@ -8,7 +8,8 @@ talk to it. It listens on 127.0.0.1 unless a launcher asks for a cluster-reachab
 The protocol: every message is one small frozen class below, a subclass of `Message`. A worker sends, in
 order: `Hello` once it is connected; `Output` lines as its Python code writes them (a launcher also emits
 `Output` for what it reads from a process's own pipes, with ``rank=None`` for its own notes); `Status`
-(running, done, failed); rank 0's `Metric` for each ``ctx.log`` and `Total` for ``ctx.set_total``; then
+(running, done, failed); rank 0's `Metric` for each ``ctx.log``, `Total` for ``ctx.set_total`` and `DataProgress`
+for its ``ctx.data`` loaders; then
 `Result` (its cloudpickled return value) or `Error`. A second `Hello` from a rank means the backend
 restarted the workers. The driver's message pump dispatches on the class.
 
@@ -104,6 +105,18 @@ class Total(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class DataProgress(Message):
+    """Rank 0's ``ctx.data(name)`` loader: ``batch`` of ``batches`` batches of ``epoch`` done (a few per second)."""
+
+    KIND: ClassVar[str] = "data"
+    rank: int
+    name: str
+    epoch: int
+    batch: int
+    batches: int
+
+
+@dataclass(frozen=True, slots=True)
 class Result(Message):
     """A rank's return value, cloudpickled in the worker (unpickled in the notebook once every rank's is in)."""
 
@@ -189,7 +202,7 @@ def _protocol(*classes: type[Message]) -> dict[str, type[Message]]:
 
 
 _BY_KIND = _protocol(Hello, Output, Metric, Status, Total, Result, Error, RankStarted, RankDone, StandbyReady,
-                     StandbyJob, StandbyRelease)
+                     StandbyJob, StandbyRelease, DataProgress)
 
 
 class ProtocolError(ValueError):

@@ -3,7 +3,8 @@
 //   state ("starting" | "running" | "finished" | "failed" | "stopped"), plan, run_id, link,
 //   ranks (list of {rank, state, detail}), step, total (0 = unknown), rate (steps/s), eta (s, -1 = unknown),
 //   elapsed (s), metrics ({name: value}), log (list of recent output lines), message (error or note),
-//   held (after the run: the next run's workers waiting, where and until when; Spark and Ray).
+//   held (after the run: the next run's workers waiting, where and until when; Spark and Ray),
+//   data ({name: {epoch, batch, batches}}: rank 0's ctx.data loaders, where they are in their epoch).
 // The pure helpers are exported for the unit tests (js/monitor.test.js, `node --test js/`).
 
 export const RANK_STATES = ["starting", "running", "done", "failed"];
@@ -39,6 +40,19 @@ export function metricsText(metrics) {
       return `${k}=${typeof v === "number" ? Number(v.toPrecision(4)) : v}`;
     })
     .join("  ");
+}
+
+// One line per ctx.data loader: "data train: epoch 2 · batch 120/500 (24%)".
+export function dataText(data) {
+  return Object.keys(data || {})
+    .sort()
+    .map((name) => {
+      const d = data[name] || {};
+      const batches = d.batches || 0;
+      const pct = batches > 0 ? ` (${Math.round((100 * (d.batch || 0)) / batches)}%)` : "";
+      return `data ${name}: epoch ${d.epoch ?? 0} · batch ${d.batch || 0}/${batches}${pct}`;
+    })
+    .join("\n");
 }
 
 export function tail(lines, n) {
@@ -83,6 +97,7 @@ const STYLE = `
   background: #f6f8fa; padding: 4px; margin-top: 4px; }
 .dtm-link, .dtm-message { margin-top: 2px; } .dtm-message { color: #cf222e; white-space: pre-wrap; }
 .dtm-held { margin-top: 2px; color: #57606a; }
+.dtm-data { white-space: pre; color: #57606a; }
 `;
 
 export const LOG_LINES = 40;
@@ -121,10 +136,13 @@ function render({ model, el }) {
   bar.appendChild(fill);
   const progress = h(doc, "div", "dtm-progress");
   const metrics = h(doc, "div", "dtm-metrics");
+  const data = h(doc, "div", "dtm-data");
   const message = h(doc, "div", "dtm-message");
   const held = h(doc, "div", "dtm-held");
   const log = h(doc, "div", "dtm-log");
-  for (const node of [style, header, plan, link, table, bar, progress, metrics, message, held, log]) root.appendChild(node);
+  for (const node of [style, header, plan, link, table, bar, progress, data, metrics, message, held, log]) {
+    root.appendChild(node);
+  }
   el.appendChild(root);
 
   let lastLog = null;
@@ -156,6 +174,8 @@ function render({ model, el }) {
     progress.textContent = progressText({ step, total, rate: model.get("rate"), eta: model.get("eta") })
       + ` · elapsed ${formatSeconds(model.get("elapsed"))}`;
     metrics.textContent = metricsText(model.get("metrics"));
+    data.textContent = dataText(model.get("data"));
+    data.style.display = data.textContent ? "block" : "none";
     message.textContent = model.get("message") || "";
     held.textContent = model.get("held") || "";
     held.style.display = model.get("held") ? "block" : "none";
@@ -178,7 +198,8 @@ function render({ model, el }) {
       update();
     });
   };
-  const traits = ["state", "plan", "run_id", "link", "ranks", "step", "total", "rate", "eta", "elapsed", "metrics", "log", "message", "held"];
+  const traits = ["state", "plan", "run_id", "link", "ranks", "step", "total", "rate", "eta", "elapsed", "metrics", "log", "message", "held",
+    "data"];
   for (const t of traits) model.on(`change:${t}`, schedule);
   update();
   return () => {

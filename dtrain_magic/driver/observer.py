@@ -32,6 +32,12 @@ class RunObserver:
 
     def total(self, steps: int) -> None: ...
 
+    def data_progress(self, name: str, epoch: int, batch: int, batches: int) -> None:
+        """Rank 0's ``ctx.data(name)`` loader has read ``batch`` of the ``batches`` batches of ``epoch``."""
+
+    def note(self, text: str) -> None:
+        """A line from the notebook's side of the run (staging ``--data`` sources, before the launch)."""
+
     def finished(self, result: Any, error: BaseException | None) -> None: ...
 
     def held(self, text: str) -> None:
@@ -68,6 +74,7 @@ class TextObserver(RunObserver):
         self._total: int | None = None
         self._t0 = time.monotonic()
         self._steps_seen = 0
+        self._data: dict[str, tuple[int, int, int]] = {}  # name -> (epoch, batch, batches) of rank 0's loader
 
     @property
     def out(self) -> TextIO:
@@ -94,13 +101,20 @@ class TextObserver(RunObserver):
     def total(self, steps: int) -> None:
         self._total = steps
 
+    def data_progress(self, name: str, epoch: int, batch: int, batches: int) -> None:
+        self._data[name] = (epoch, batch, batches)
+
+    def note(self, text: str) -> None:
+        print(f"dtrain_magic: {text}", file=self.out, flush=True)
+
     def metric(self, step: int, metrics: dict[str, float], timestamp_ms: int | None = None) -> None:
         self._steps_seen = max(self._steps_seen, step + 1)
         now = time.monotonic()
         if now - self._last_progress < self._every_s:
             return
         self._last_progress = now
-        print(progress_line(self._steps_seen, self._total, now - self._t0, metrics), file=self.out)
+        line = progress_line(self._steps_seen, self._total, now - self._t0, metrics)
+        print(line + "".join(f"; {data_line(name, *where)}" for name, where in self._data.items()), file=self.out)
 
     def finished(self, result: Any, error: BaseException | None) -> None:
         for (rank, stream), rest in list(self._pending.items()):
@@ -122,3 +136,8 @@ def progress_line(steps: int, total: int | None, elapsed_s: float, metrics: dict
         eta = (total - steps) / rate if rate > 0 else float("nan")
         return f"step {steps}/{total} ({rate:.1f} steps/s, ETA {eta:.1f} s) {shown}"
     return f"step {steps} ({rate:.1f} steps/s) {shown}"
+
+
+def data_line(name: str, epoch: int, batch: int, batches: int) -> str:
+    """``train: epoch 2, batch 120/500``: where rank 0's ``ctx.data`` loader is."""
+    return f"{name}: epoch {epoch}, batch {batch}/{batches}"

@@ -150,6 +150,8 @@ class Pump:
                 self.observer.status(message.rank, message.state, message.detail)
             case ch.Total():
                 self.observer.total(message.steps)
+            case ch.DataProgress():
+                self.observer.data_progress(message.name, message.epoch, message.batch, message.batches)
             case ch.Hello():
                 if message.rank in self.hellos:  # a second Hello from a rank: the backend restarted the workers
                     self._forget_attempt(keep_last=True)

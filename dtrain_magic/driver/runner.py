@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, MutableMapping
+from typing import Any, Callable, Mapping, MutableMapping
 
 from ..channel import Channel
 from ..config import RunConfig
@@ -27,7 +27,7 @@ from ..tracking import RunOpening, RunTracker
 from ..worker import WorkerJob
 from ..worker.checkpoints import run_checkpoint_root
 from .observer import RunObserver, TextObserver
-from .plan import RunPlan, check, check_payload, dry_run_text
+from .plan import RunPlan, check, check_data, check_payload, dry_run_text
 from .pump import Pump
 
 # Workers started before the MLflow run: it opens once they are past their start (a metric, a result,
@@ -62,14 +62,17 @@ class PreparedRun:
 
 
 def prepare(config: RunConfig, make_payload: Callable[[], Payload],
-            namespace: MutableMapping[str, Any] | None = None) -> PreparedRun:
+            namespace: MutableMapping[str, Any] | None = None,
+            sources: Mapping[str, Any] | None = None) -> PreparedRun:
     """Everything before launch, in the one order every entry point uses: check the config (a clear error
     before anything runs), launch the run's workers ahead on Spark and Ray (their start overlaps the capture),
-    make the payload (``make_payload``: a notebook cell runs here, on the caller's thread), check it."""
+    make the payload (``make_payload``: a notebook cell runs here, on the caller's thread), check it, find the
+    ``--data`` sources (in ``sources``, else the notebook's ``namespace``: the cell has run, its variables exist)."""
     plan = check(config)
     keep_warm_ahead(plan)
     payload = make_payload()
     check_payload(config, payload)  # e.g. a Ray Train loop off --backend ray: before --dry-run too
+    plan = check_data(plan, payload, sources if sources is not None else namespace)
     return PreparedRun(plan, payload, namespace)
 
 
@@ -96,6 +99,8 @@ def execute(
     elif plan.config != config:
         raise ValueError("execute: the plan was made by check() for another config")
     check_payload(config, payload)
+    if plan.data is None:  # a plan from check() alone: paths only (no notebook namespace here)
+        plan = check_data(plan, payload, None)
     return _Run(plan, payload, observer or TextObserver(), stop).execute()
 
 
@@ -109,7 +114,8 @@ class _Run:
         self.claim = self.launcher.claim_standby(self.config)
         self.root = self._checkpoint_root()
         self.early = plan.starts_before_tracking
-        self.opening = RunOpening(self.config, tags={"dtrain_magic.checkpoint_root": self.root}, deferred=self.early)
+        tags = {"dtrain_magic.checkpoint_root": self.root, **(plan.data.tags() if plan.data is not None else {})}
+        self.opening = RunOpening(self.config, tags=tags, deferred=self.early)
         self.started = time.monotonic()
         self.status, self.reason = "FAILED", None
         self.pump: Pump | None = None
@@ -153,7 +159,7 @@ class _Run:
     def _launch_and_pump(self, channel: Channel) -> tuple[RunTracker, list[Any]]:
         """Start the workers (on the claimed standby, or fresh), pump until they end; the tracker and every
         rank's value. The next run's workers are launched ahead whatever became of this one."""
-        job = WorkerJob(self.payload, self.config, channel.address, checkpoint_root=self.root)
+        job = WorkerJob(self.payload, self.config, channel.address, checkpoint_root=self.root, data=self._stage_data())
         tracker = None if self.early else self.opening.wait()
         self.pump = Pump(self.config, channel, self.observer, self.started)
         if tracker is not None:
@@ -175,6 +181,13 @@ class _Run:
             self.held = _keep_warm(self.launcher, self.config)
         self.pump.drain()
         return tracker, self.pump.collect()
+
+    def _stage_data(self) -> tuple:
+        """The ``--data`` sources made readable by every rank (written once where they must be, or an earlier run's
+        copy reused), before anything is launched; what the `WorkerJob` carries of them."""
+        if self.plan.data is None:
+            return ()
+        return self.plan.data.stage(self.observer.note)
 
     def _open_run_beside_workers(self) -> RunTracker:
         """Workers started before the MLflow run: hold until they are past their start, then open the run in
@@ -199,8 +212,15 @@ class _Run:
         if self.claim is not None and self.running is None:
             self.claim.abandon()  # stopped before its launch: the standby waits for the next run
         waiting = self.pump.waiting_metrics if self.pump is not None else []
-        self.opening.close(self.status, self.reason,
-                           {"dtrain_magic.wall_time_s": f"{time.monotonic() - self.started:.3f}"}, metrics=waiting)
+        tags = {"dtrain_magic.wall_time_s": f"{time.monotonic() - self.started:.3f}"}
+        inputs: list = []
+        if self.plan.data is not None:
+            from ..data.staging import staging_area
+
+            tags.update(self.plan.data.tags())
+            inputs = self.plan.data.dataset_inputs()
+            staging_area().run_ended()  # copies this run did not use go; its own wait for a re-run of the same data
+        self.opening.close(self.status, self.reason, tags, metrics=waiting, inputs=inputs)
         if self.held:
             self.observer.held(self.held)
 

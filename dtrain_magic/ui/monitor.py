@@ -1,7 +1,8 @@
 """The live panel of a ``--ui`` run: `MonitorObserver` (a `RunObserver`) and `MonitorWidget` (anywidget).
 
 What it shows: the plan and the MLflow run id and link, per-rank status (starting, running, done,
-failed), a progress bar with step, steps/s and ETA once the function calls ``ctx.set_total(steps)``,
+failed), a progress bar with step, steps/s and ETA once the function calls ``ctx.set_total(steps)``, where each
+``ctx.data`` loader of rank 0 is in its epoch (batches read of the epoch's),
 the latest metrics, a tail of the workers' output, a Stop button, and the two live charts
 (`charts.RunCharts`: fed each metric as it arrives, merged with the MLflow run's history by a
 background poller once the run is open; made at the first metric, in a background thread, after
@@ -78,6 +79,7 @@ class MonitorWidget(anywidget.AnyWidget):
     log = traitlets.List(traitlets.Unicode()).tag(sync=True)
     message = traitlets.Unicode("").tag(sync=True)
     held = traitlets.Unicode("").tag(sync=True)  # the next run's workers waiting (Spark, Ray): where, until when
+    data = traitlets.Dict().tag(sync=True)  # rank 0's ctx.data loaders: {name: {epoch, batch, batches}}
 
 
 class MonitorObserver(RunObserver):
@@ -117,7 +119,7 @@ class MonitorObserver(RunObserver):
         self._lock = threading.Lock()
         self._state: dict[str, Any] = {"state": "starting",
                                        "ranks": {r: ("starting", "") for r in range(config.num_processes)},
-                                       "step": 0, "total": 0, "metrics": {}, "message": ""}
+                                       "step": 0, "total": 0, "metrics": {}, "message": "", "data": {}}
         self._log: deque[str] = deque(maxlen=LOG_TAIL)
         self._pending: dict[tuple[int, str], str] = {}
         self._t0 = time.monotonic()
@@ -181,6 +183,20 @@ class MonitorObserver(RunObserver):
         self.text.total(steps)
         with self._lock:
             self._state["total"] = int(steps)
+        self._dirty.set()
+
+    def data_progress(self, name: str, epoch: int, batch: int, batches: int) -> None:
+        """Rank 0's ``ctx.data`` loader: the panel shows the batches of the epoch read so far."""
+        self.text.data_progress(name, epoch, batch, batches)
+        with self._lock:
+            self._state["data"] = {**self._state["data"], name: {"epoch": epoch, "batch": batch, "batches": batches}}
+        self._dirty.set()
+
+    def note(self, text: str) -> None:
+        """The notebook's own line (staging the data): in the cell's text and the panel's log."""
+        self.text.note(text)
+        with self._lock:
+            self._log.append(f"dtrain_magic: {text}")
         self._dirty.set()
 
     def finished(self, result: Any, error: BaseException | None) -> None:
@@ -324,6 +340,7 @@ class MonitorObserver(RunObserver):
                 ranks=[{"rank": r, "state": st, "detail": d} for r, (st, d) in sorted(s["ranks"].items())],
                 step=step, total=total, rate=rate, eta=eta, elapsed=elapsed, metrics=dict(s["metrics"]),
                 log=list(self._log), message=s["message"], held=s.get("held", ""),
+                data={name: dict(where) for name, where in s["data"].items()},
             )
 
     def _flush(self) -> None:

@@ -20,6 +20,7 @@ class WorkerJob:
     run_id: str | None = None
     checkpoint_root: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+    data: tuple = ()  # the run's data sources as the ranks read them (`dtrain_magic.data.blocks.StagedSource`)
 
 
 @dataclass(frozen=True)

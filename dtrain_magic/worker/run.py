@@ -105,6 +105,7 @@ def _build_context(rank: _Rank, device: Any, checkpoints: Any) -> Any:
         job.config, rank.strategy, ranks.rank, ranks.local_rank, ranks.world_size, device,
         send=rank.link.send,
         checkpoint_store=checkpoints if checkpoints is not None else checkpoint_store(job.checkpoint_root),
+        data=job.data,
     )
     # Existing code runs unchanged: its own init/destroy_process_group adopt the run's group, and
     # Hugging Face / Ray Train metrics reach the run (dtrain_magic/integrations). Before the load:
