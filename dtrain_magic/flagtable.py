@@ -242,7 +242,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--pp-schedule",), "pp_schedule", MODEL_PARALLEL, choices=PP_SCHEDULES, default="gpipe",
          help="pipeline schedule with --pp", doc="pipeline schedule with `--pp`"),
     # -- data (docs/data.md) ---------------------------------------------------------------------------
-    Flag(("--data",), "data", DATA, kind=APPEND, type=data_item, default=(), placeholder="NAME=SOURCE",
+    Flag(("--data",), "data", DATA, kind=APPEND, cheatsheet=True, type=data_item, default=(), placeholder="NAME=SOURCE",
          help="a data source the function reads with ctx.data(NAME, batch_size): a notebook variable (Spark or pandas "
               "DataFrame, Ray Dataset, pyarrow Table, numpy array, torch tensor, dict of arrays) or a Parquet "
               "path/URI; SOURCE[col,...] keeps those columns; repeatable",

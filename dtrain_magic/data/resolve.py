@@ -201,6 +201,15 @@ def resolve(config: RunConfig, shares_files: bool, namespace: Mapping[str, Any] 
     return plan
 
 
+def describe(config: RunConfig, namespace: Mapping[str, Any]) -> list[str]:
+    """The ``--data`` sources of ``config`` in words, one line each, without counting or writing anything (the
+    ``--configure`` panel); a `ConfigError` for a bad one."""
+    plan = resolve(config, True, namespace)
+    if plan is None:
+        return []
+    return [f"data {s.name}: {s.describe()}; {s.route(config.backend)}" for s in plan.sources]
+
+
 def _source(name: str, text: str, backend: str, namespace: Mapping[str, Any] | None) -> Source:
     base, columns = split_columns(name, text)
     spec = f"{name}={text}"
@@ -254,4 +263,4 @@ def check_data_dir(data_dir: str) -> None:
                                         f"{NOTHING}")
 
 
-__all__ = ["DataPlan", "InMemory", "Staged", "check_data_dir", "resolve"]
+__all__ = ["DataPlan", "InMemory", "Staged", "check_data_dir", "describe", "resolve"]

@@ -23,11 +23,19 @@ DataSpecs = tuple[tuple[str, str], ...]
 
 def parse_item(text: str) -> tuple[str, str]:
     """One ``NAME=SOURCE`` → ``(name, source)``; argparse's ``type`` for ``--data`` (its error names the form)."""
-    name, sep, source = str(text).partition("=")
-    name, source = name.strip(), source.strip()
+    name, sep, source = _unquote(str(text).strip()).partition("=")
+    name, source = name.strip(), _unquote(source.strip())
     if not sep or not name or not source:
         raise argparse.ArgumentTypeError(f"{text!r} is not NAME=SOURCE (e.g. --data train=df_train)")
     return name, source
+
+
+def _unquote(text: str) -> str:
+    """IPython splits a magic's line keeping quotes: ``'val=/my data'`` (as a flag line writes it) or
+    ``val='/my data'`` (as a user may) lose one pair."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
 
 
 def normalize(value: Any) -> DataSpecs:
