@@ -219,8 +219,10 @@ def _source(name: str, text: str, backend: str, namespace: Mapping[str, Any] | N
             return _guarded(name, text, lambda: ParquetPath(name, os.fspath(obj), columns))
         kind = find_kind(obj)
         if kind is None:
-            raise ConfigError(FLAG, f"{spec}: {base} is a {type(obj).__module__}.{type(obj).__name__}, which is not a "
-                                    f"data source; give {SUPPORTED}; {NOTHING}")
+            module = type(obj).__module__
+            shown = type(obj).__name__ if module == "builtins" else f"{module}.{type(obj).__name__}"
+            raise ConfigError(FLAG, f"{spec}: {base} is a {shown}, which is not a data source; give {SUPPORTED}; "
+                                    f"{NOTHING}")
         if kind is SparkDataFrame:
             return _guarded(name, text, lambda: SparkDataFrame(name, base, columns, obj))
         if kind is RayDataset:

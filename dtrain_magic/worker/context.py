@@ -124,12 +124,12 @@ class TrainContext:
         return (model, optimizer, *sharded)
 
     def data(self, name: str, batch_size: int, *, shuffle: bool = False, columns: Sequence[str] | None = None,
-             collate_fn: Callable[[dict], Any] | None = None, drop_last: bool = False, device: Any = "ctx",
+             collate_fn: Callable[[dict], Any] | None = None, drop_last: bool = False, device: Any = None,
              shuffle_window: int | None = None) -> Any:
         """This rank's batches of the data source ``--data NAME=...`` (docs/data.md): iterate it once per epoch
         (``loader.set_epoch(epoch)`` first: the order, reshuffled per epoch with ``shuffle``, depends only on
         ``--seed`` and the epoch); ``len(loader)`` batches per epoch, the same on every rank. Each batch is a dict of
-        tensors (one per column, or ``columns``), on ``device`` (default ``ctx.device``; None: CPU), or what
+        tensors (one per column, or ``columns``), on ``device`` (default ``ctx.device``), or what
         ``collate_fn(batch)`` makes of it. Each epoch the data-parallel ranks read every row once between them
         (ranks of one model replica under ``--tp``/``--pp`` read the same batches); ``drop_last=False`` pads the
         last rank's share with fewer than ``ranks`` rows read twice, ``drop_last=True`` leaves out fewer than
@@ -144,7 +144,8 @@ class TrainContext:
         reader = open_batches(
             self._data_sources, name, self.data_parallel_rank, self.data_parallel_size, batch_size=batch_size,
             shuffle=shuffle, seed=self.config.seed or 0, drop_last=drop_last, columns=columns, collate_fn=collate_fn,
-            device=self.device if device == "ctx" else device, shuffle_window=shuffle_window, progress=progress)
+            device=self.device if device is None else torch.device(device), shuffle_window=shuffle_window,
+            progress=progress)
         return self._data_positions.add(name, reader)
 
     def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:

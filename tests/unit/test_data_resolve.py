@@ -88,7 +88,7 @@ def test_objects_and_paths_are_found_with_their_rows_and_schema(parquet_dir):
     ({}, "nope", r"nope is not defined \(no notebook variable and no file of that name\)"),
     (None, "nope", "the command line takes paths and URIs"),
     ({}, "/no/such/dir/x.parquet", "no file or directory"),
-    ({"items": [1, 2]}, "items", "items is a builtins.list, which is not a data source; give a Spark DataFrame"),
+    ({"items": [1, 2]}, "items", "items is a list, which is not a data source; give a Spark DataFrame"),
     ({"f": pd.DataFrame({"id": [1, 2], "name": ["a", "b"]})}, "f",
      r"column 'name' \(string\) cannot become a tensor: keep only the numeric columns"),
     ({"f": pd.DataFrame({"d": pd.to_datetime(["2020-01-01"] * 3)})}, "f", r"'d' \(timestamp\[ns\]\).*a number"),
