@@ -79,8 +79,10 @@ def _table(rows: int) -> pa.Table:
     image = np.stack([ids * 10 + k for k in range(6)], axis=1).astype(np.float32).reshape(rows, 2, 3)
     from dtrain_magic.data.columns import table_from_arrays
 
-    return table_from_arrays({"id": ids, "vec": np.stack([ids, -ids], 1).astype(np.float32), "image": image,
-                              "flag": ids % 2 == 0})
+    table = table_from_arrays({"id": ids, "vec": np.stack([ids, -ids], 1).astype(np.float32), "image": image,
+                               "flag": ids % 2 == 0})
+    # a variable-size list column whose rows have one length (what Spark writes for an array column)
+    return table.append_column("lst", pa.array([[float(i), 0.5] for i in ids], type=pa.list_(pa.float32())))
 
 
 @pytest.fixture(params=["parquet", "arrow"])
@@ -116,6 +118,8 @@ def test_the_reader_yields_the_documented_order_as_tensors(source, shuffle, drop
         assert first["image"].shape == (len(first["id"]), 2, 3)  # an N-D column keeps its per-row shape
         assert torch.equal(first["image"][:, 1, 2], (first["id"] * 10 + 5).float())
         assert first["flag"].dtype == torch.bool and torch.equal(first["flag"], first["id"] % 2 == 0)
+        for each in batches:  # lists sliced at pieces' edges and joined across windows keep their rows
+            assert torch.equal(each["lst"][:, 0], each["id"].float()) and each["lst"].shape == (len(each["id"]), 2)
         first["vec"].add_(1)  # batches are the caller's own memory (never a read-only memory-mapped page)
 
 
@@ -142,7 +146,7 @@ def test_passes_move_through_epochs_and_a_restored_position_resumes_mid_epoch(so
 def test_bad_arguments_name_the_source(source):
     with pytest.raises(ValueError, match="no data source of that name; its sources: train"):
         open_batches([source], "val", 0, 2, batch_size=4)
-    with pytest.raises(ValueError, match="no column 'nope'; the source has id, vec, image, flag"):
+    with pytest.raises(ValueError, match="no column 'nope'; the source has id, vec, image, flag, lst"):
         open_batches([source], "train", 0, 2, batch_size=4, columns=["id", "nope"])
     with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
         open_batches([source], "train", 0, 2, batch_size=0)
