@@ -91,6 +91,8 @@ class DataPlan:
         return tuple(self.staged[source.name].source for source in self.sources)
 
     def _stage_one(self, area: Any, source: Source, note: Callable[[str], None]) -> Staged:
+        from .staging import remove
+
         if not source.stages(self.backend):
             return Staged(source.stage(Staging(self.backend, _no_directory, note)))
         identity, where = source.identity(), self._copy_place(source)
@@ -109,7 +111,12 @@ class DataPlan:
 
         note(f"data {source.name}: staging {source.kind} {source.where()}: {source.route(self.backend)}")
         started = time.monotonic()
-        staged = source.stage(Staging(self.backend, new_directory, note))
+        try:
+            staged = source.stage(Staging(self.backend, new_directory, note))
+        except BaseException:  # interrupted or failed: no half-written copy stays behind
+            for directory in directories:
+                remove(directory)
+            raise
         seconds = time.monotonic() - started
         area.keep(identity, where, staged, directories[0] if directories else None, seconds,
                   holds=getattr(source, "ds", None))
@@ -186,6 +193,12 @@ def resolve(config: RunConfig, shares_files: bool, namespace: Mapping[str, Any] 
         return None
     plan = DataPlan(tuple(_source(name, text, config.backend, namespace) for name, text in config.data),
                     config.backend, config.data_dir, config.data_parallel_size)
+    split_by_ray = [s for s in plan.sources if isinstance(s, RayDataset) and config.backend == "ray"]
+    if split_by_ray and config.tp * config.pp > 1:
+        first = split_by_ray[0]
+        raise ConfigError(FLAG, f"{first.name}={first.where()}: Ray Train splits a Ray Dataset over every worker, "
+                                f"and under --tp/--pp the workers of one model replica must read the same batches: "
+                                f"write it once as Parquet (ds.write_parquet(dir)) and pass that path; {NOTHING}")
     needs_files = [s for s in plan.sources if s.needs_files(config.backend)]
     if needs_files and not shares_files and config.data_dir is None:
         first = needs_files[0]

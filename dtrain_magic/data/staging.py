@@ -101,7 +101,7 @@ class StagingArea:
             removed = [self.copies.pop(key) for key in gone]
             self._used = set()
         for copy in removed:
-            _remove(copy.location)
+            remove(copy.location)
         return [copy.staged.name for copy in removed]
 
     def shutdown(self, at_exit: bool = False) -> None:
@@ -113,9 +113,9 @@ class StagingArea:
             self._sweepers.clear()
             self._used = set()
         for copy in copies:
-            _remove(copy.location)
+            remove(copy.location)
         for root in roots:
-            _remove(root)
+            remove(root)
         for sweeper in sweepers:  # its stdin closes: it removes its directory (already gone) and exits
             try:
                 sweeper.stdin.close()
@@ -128,7 +128,8 @@ def _join(base: str, name: str) -> str:
     return base.rstrip("/") + "/" + name if "://" in base else os.path.join(base, name)
 
 
-def _remove(location: str | None) -> None:
+def remove(location: str | None) -> None:
+    """Remove a staged copy's directory (a local path or a URI); a failure is logged, never raised."""
     if not location:
         return
     try:

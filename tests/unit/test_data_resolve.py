@@ -219,3 +219,29 @@ def test_the_monitor_shows_data_progress_and_notes():
     assert observer.widget.data == {"train": {"epoch": 1, "batch": 3, "batches": 8}}
     assert observer.widget.log[-1] == "dtrain_magic: data train: staged 10 rows"
     observer.finished(None, None)
+
+
+class Dataset:
+    """Stands for a Ray Dataset (its module and name, and the methods the resolver calls): no Ray started."""
+
+    __module__ = "ray.data.dataset"
+
+    def columns(self):
+        return ["id"]
+
+    def schema(self):
+        return type("Schema", (), {"names": ["id"], "types": [pa.int64()]})()
+
+    def count(self):
+        return 10
+
+
+def test_a_ray_dataset_goes_to_ray_train_on_ray_and_is_staged_elsewhere_but_not_under_model_parallelism():
+    ns = {"ds": Dataset()}
+    on_ray = plan(ns, backend="ray", train="ds")
+    assert on_ray.sources[0].rows == 10 and not on_ray.sources[0].stages("ray")  # Ray Train's own split
+    assert "get_dataset_shard" in on_ray.dry_run_lines()[1] and "reads 5 row(s)" in on_ray.dry_run_lines()[1]
+    elsewhere = plan(ns, backend="local", train="ds")
+    assert elsewhere.sources[0].rows is None and elsewhere.sources[0].needs_files("local")  # counted when written
+    with pytest.raises(ConfigError, match="Ray Train splits a Ray Dataset over every worker"):
+        resolve(RunConfig(backend="ray", num_processes=2, tp=2, data={"train": "ds"}), True, ns)
