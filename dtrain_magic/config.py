@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 from .data.spec import normalize as normalize_data
-from .errors import ConfigError
+from .errors import ConfigError, log_dropped
 from .flagtable import BY_FIELD, DEFAULT_EXPERIMENT, FLAGS, SWITCH
 from .registry import BACKENDS, STRATEGIES
 
@@ -336,7 +336,8 @@ def cuda_available() -> bool:
         import torch
 
         return bool(torch.cuda.is_available())
-    except Exception:  # torch missing or broken CUDA runtime: treat as no GPU
+    except Exception as exc:  # torch missing or broken CUDA runtime: treat as no GPU
+        log_dropped(__name__, "cuda_available", exc)
         return False
 
 
@@ -345,7 +346,8 @@ def cuda_device_count() -> int:
         import torch
 
         return torch.cuda.device_count()
-    except Exception:
+    except Exception as exc:
+        log_dropped(__name__, "cuda_device_count", exc)
         return 0
 
 

@@ -23,8 +23,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import io
 import json
 import os
+import re
+import sys
 import warnings
 from types import MappingProxyType
 from typing import Any
@@ -37,6 +40,9 @@ from ..errors import ConfigError, MissingDependencyError
 from .base import Strategy
 from .extensions import load_deepspeed_cpu_ops, use_private_extensions_dir
 from .memory import ADAM_MIXED_K, MemoryModel
+
+# "DeepSpeed deepspeed_shm_comm built successfully": printed by DeepSpeed's comm start whether it compiled or loaded
+_OP_LOADED = re.compile(r"^DeepSpeed \S+ built successfully$")
 
 _FLAG_KEYS = (
     "zero_optimization.stage", "fp16.enabled", "bf16.enabled", "gradient_accumulation_steps",
@@ -250,9 +256,10 @@ class DeepSpeedStrategy(Strategy):
             raise ValueError("--strategy deepspeed needs an optimizer: ctx.prepare(model, optimizer, ...)")
         if not self.config.use_gpu:
             load_deepspeed_cpu_ops()  # what initialize would JIT-build, under a lock that cannot go stale
-        engine, ds_optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=copy.deepcopy(self.ds_config), dist_init_required=False
-        )
+        with dropping_lines(_OP_LOADED):  # DeepSpeed prints it on every start, even for the op built at set-up
+            engine, ds_optimizer, _, _ = deepspeed.initialize(
+                model=model, optimizer=optimizer, config=copy.deepcopy(self.ds_config), dist_init_required=False
+            )
         self.engine = engine
         self.model = engine
         self.optimizer = ds_optimizer
@@ -351,3 +358,42 @@ def _cast_inputs(dtype: torch.dtype):
         return cast(args), cast(kwargs)
 
     return hook
+
+
+class _LineFilter(io.TextIOBase):
+    """A text stream that passes whole lines to ``target`` unless they match ``pattern``."""
+
+    def __init__(self, target: Any, pattern: re.Pattern):
+        self.target, self.pattern, self.pending = target, pattern, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        complete, _, self.pending = self.pending.rpartition("\n")
+        if _:
+            kept = [line for line in complete.split("\n") if not self.pattern.match(line)]
+            if kept:
+                self.target.write("\n".join(kept) + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending and not self.pattern.match(self.pending):
+            self.target.write(self.pending)
+        self.pending = ""
+        self.target.flush()
+
+
+@contextlib.contextmanager
+def dropping_lines(pattern: re.Pattern) -> Any:
+    """Within the block, drop the lines of ``sys.stdout`` that match ``pattern`` (a library's noise)."""
+    original = sys.stdout
+    sys.stdout = _LineFilter(original, pattern)
+    try:
+        yield
+    finally:
+        try:
+            sys.stdout.flush()
+        finally:
+            sys.stdout = original

@@ -1,8 +1,9 @@
-"""Spark DataFrames as ``--data``, really run: never collected, written once as Parquet by Spark's executors and
-read by the ranks, each epoch every row once (up to the even-split rule): under TorchDistributor in local mode, on
-the local backend (the same DataFrame's copy reused, not written again), then as barrier tasks on a real
-``local-cluster[2,1,1024]`` (two executor JVMs) with ``--data-dir``, where each rank reads its share on its own
-executor. Bad DataFrames are refused before launch. One SparkSession for the module (the launcher's own)."""
+"""Spark DataFrames as ``--data``, really run on one real ``local-cluster[2,1,1024]`` (two executor JVMs, the
+launcher's own SparkSession for the module): never collected, written once as Parquet by the executors and read by
+the ranks, each epoch every row once (up to the even-split rule): under TorchDistributor in local mode (torchrun on
+the driver), on the local backend (the same DataFrame's copy reused, not written again), then as barrier tasks
+(``--cluster``) with ``--data-dir``, where each rank reads its share on its own executor. Bad DataFrames are
+refused before launch."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ OPTIONS = {"train": dict(batch_size=32, shuffle=True)}
 
 @pytest.fixture(scope="module")
 def spark_launcher():
-    """The launcher's own SparkSession for the module (local mode first, a local-cluster last), stopped at the end."""
+    """The launcher's own SparkSession on a local-cluster for the module, stopped at the end."""
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     launcher = get_launcher("spark")
     yield launcher
@@ -34,10 +35,10 @@ def spark_launcher():
     launcher.shutdown()
 
 
-def dataframe(spark_launcher, master=None):
+def dataframe(spark_launcher):
     from pyspark.sql import functions as F
 
-    spark = spark_launcher.session(RunConfig(backend="spark", spark_master=master))
+    spark = spark_launcher.session(RunConfig(backend="spark", spark_master=CLUSTER_MASTER))
     return (spark.range(ROWS, numPartitions=3).withColumn("x", F.col("id").cast("float") / 10)
             .withColumn("label", F.lit("text")))
 
@@ -45,7 +46,7 @@ def dataframe(spark_launcher, master=None):
 def test_a_dataframe_is_written_once_and_read_once_per_epoch_on_spark_then_reused_on_local(spark_launcher, shell,
                                                                                            capsys):
     shell.user_ns["df"] = dataframe(spark_launcher)
-    result = shell.run(read_cell("spark", OPTIONS, flags="--data train=df[id,x]"))
+    result = shell.run(read_cell("spark", OPTIONS, flags=f"--spark-master {CLUSTER_MASTER} --data train=df[id,x]"))
     assert result.error_in_exec is None, result.error_in_exec
     assert_exactly_once(result.result.values, "train", list(range(ROWS)))
     out = capsys.readouterr().out
@@ -65,7 +66,8 @@ def test_a_dataframe_is_written_once_and_read_once_per_epoch_on_spark_then_reuse
 def test_bad_dataframes_are_refused_before_launch(spark_launcher, shell):
     df = dataframe(spark_launcher)
     shell.user_ns.update(df=df, empty=df.limit(0).select("id"))
-    cell = "%%distribute --backend spark -n 2 --no-ui {flags}\ndef train(ctx):\n    return {body}\n"
+    cell = (f"%%distribute --backend spark -n 2 --no-ui --spark-master {CLUSTER_MASTER} {{flags}}\n"
+            "def train(ctx):\n    return {body}\n")
     result = shell.run(cell.format(flags="--data train=df", body="1"))
     assert isinstance(result.error_in_exec, ConfigError)
     assert "column 'label' (string) cannot become a tensor" in str(result.error_in_exec)
@@ -91,7 +93,7 @@ def executor_pid():
 def test_on_a_cluster_each_barrier_task_reads_its_share_from_data_dir(spark_launcher, shell, tmp_path):
     shared = tmp_path / "shared"  # stands for a directory every node mounts
     shared.mkdir()
-    shell.user_ns["df"] = dataframe(spark_launcher, CLUSTER_MASTER)
+    shell.user_ns["df"] = dataframe(spark_launcher)
     assert shell.run(EXECUTOR).error_in_exec is None
     cell = read_cell("spark", OPTIONS, flags=f"--cluster --spark-master {CLUSTER_MASTER} --data train=df[id,x] "
                                              f"--data-dir {shared}", epochs=1)
