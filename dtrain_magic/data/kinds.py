@@ -201,6 +201,7 @@ class InMemory(Source):
             digest = hashlib.blake2b(str(self.table.schema).encode(), digest_size=16)
             for column in self.table.columns:
                 for chunk in column.chunks:
+                    digest.update(f"{chunk.offset}:{len(chunk)}".encode())  # a slice shares its parent's buffers
                     for buffer in chunk.buffers():
                         if buffer is not None:
                             digest.update(buffer)
@@ -239,8 +240,9 @@ def _to_table(obj: Any, column: str) -> pa.Table:
         return obj
     if isinstance(obj, pa.RecordBatch):
         return pa.Table.from_batches([obj])
-    if module == "pandas" and hasattr(obj, "columns"):
-        return pa.Table.from_pandas(obj, preserve_index=False)
+    if module == "pandas":
+        frame = obj if hasattr(obj, "columns") else obj.to_frame(name=obj.name if obj.name is not None else column)
+        return pa.Table.from_pandas(frame, preserve_index=False)
     if module in ("numpy", "torch"):
         return table_from_arrays({column: _as_numpy(obj, column)})
     if isinstance(obj, dict):

@@ -80,6 +80,10 @@ def test_objects_and_paths_are_found_with_their_rows_and_schema(parquet_dir):
     assert "  data frame: pandas DataFrame frame, 10 rows, 2 column(s): id: int64, y: double" in lines
     assert any("memory-maps" in line and "each of 2 data-parallel rank(s) reads 5 row(s)" in line for line in lines)
     assert any("each rank reads its row groups of 2 file(s), 5 row group(s)" in line for line in lines)
+    sliced = plan({"t": pa.table({"x": np.arange(10.0)})}, a="t").sources[0]
+    assert plan({"t": sliced.table.slice(0, 5)}, a="t").sources[0].identity() != plan(
+        {"t": sliced.table.slice(5, 5)}, a="t").sources[0].identity()  # slices share buffers, not data
+    assert plan({"s": pd.Series(np.arange(4.0))}, a="s").sources[0].schema.names == ["s"]
     on_ray = plan(ns, backend="ray", frame="frame")
     assert "Ray's object store" in on_ray.dry_run_lines()[1] and not on_ray.sources[0].needs_files("ray")
 
