@@ -250,8 +250,8 @@ FLAGS: tuple[Flag, ...] = (
               "path/URI; SOURCE[col,...] keeps those columns; repeatable",
          doc="a data source the function reads with `ctx.data(NAME, batch_size)`: a notebook variable (Spark or pandas "
              "DataFrame, Ray Dataset, pyarrow Table, numpy array, torch tensor, dict of arrays) or a Parquet path/URI; "
-             "`SOURCE[col,...]` keeps those columns; repeatable. Each rank reads only its share: see "
-             "[data.md](data.md)", default_doc="none",
+             "`SOURCE[col,...]` keeps those columns; repeatable. Each rank reads only its share (docs/data.md)",
+         default_doc="none",
          panel=PanelControl(TEXT, "data (NAME=SOURCE ...)")),
     Flag(("--data-dir",), "data_dir", DATA, default=None, placeholder="DIR",
          help="where sources written once for the ranks go (Spark DataFrames, Ray Datasets off Ray, notebook objects); "
