@@ -201,13 +201,13 @@ def bench_ray(paths: list[str], gigabytes: float, batch_size: int, epochs: int =
 
 # -- a Spark DataFrame of > 1 GB: the notebook's RSS on every backend ------------------------------------------------
 
-def rss_train(ctx, batch_size: int) -> int:
+def rss_train(ctx, batch_size: int, name: str = "train") -> int:
     import torch
 
     model = torch.nn.Linear(COLUMNS, 1)
     model, _ = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
     rows = 0
-    for batch in ctx.data("train", batch_size=batch_size):
+    for batch in ctx.data(name, batch_size=batch_size):
         ctx.backward(torch.nn.functional.mse_loss(model(batch["x"]).squeeze(1), batch["y"]))
         ctx.step()
         rows += len(batch["y"])
@@ -272,8 +272,8 @@ def bench_rss(rows: int, batch_size: int, staging_dir: str) -> dict:
     found = {}
     for label, backend in (("local", "local"), ("local, re-run", "local"), ("spark", "spark"), ("ray", "ray")):
         # A notebook that ran before: the backend is up and its modules are imported (a small run, other data).
-        dtrain_magic.run(rss_train, dtrain_magic.CTX, 16, backend=backend, num_processes=2, data={"train": small},
-                         ui=False)
+        dtrain_magic.run(rss_train, dtrain_magic.CTX, 16, "warmup", backend=backend, num_processes=2,
+                         data={"warmup": small}, ui=False)
         started = time.monotonic()
         with RssSampler() as rss:
             result = dtrain_magic.run(rss_train, dtrain_magic.CTX, batch_size, backend=backend, num_processes=2,

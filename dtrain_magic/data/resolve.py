@@ -96,7 +96,7 @@ class DataPlan:
         if not source.stages(self.backend):
             return Staged(source.stage(Staging(self.backend, _no_directory, note)))
         identity, where = source.identity(), self._copy_place(source)
-        found = area.reuse(identity, where)
+        found = area.reuse(source.name, identity, where)
         if found is not None:
             staged, seconds = found
             note(f"data {source.name}: reusing the copy of {source.kind} {source.where()} an earlier run staged "
@@ -118,7 +118,7 @@ class DataPlan:
                 remove(directory)
             raise
         seconds = time.monotonic() - started
-        area.keep(identity, where, staged, directories[0] if directories else None, seconds,
+        area.keep(source.name, identity, where, staged, directories[0] if directories else None, seconds,
                   holds=getattr(source, "ds", None))
         note(f"data {source.name}: staged {staged.rows:,} rows in {seconds:.1f} s")
         return Staged(staged, seconds, wrote=True)

@@ -3,10 +3,12 @@
 A source that must be written once for the ranks (a Spark DataFrame, a Ray Dataset off Ray, an object from the
 notebook) is staged into a fresh directory under the kernel's staging root: a private temp directory on this
 machine (``dtrain_data_*`` in the system's temp dir), or ``<--data-dir>/dtrain_data_<kernel>`` when the workers do
-not share this machine's files. Copies are kept by the source's identity (`Source.identity`): a re-run of the same
-data reuses its copy instead of writing it again. A copy the latest run did not use is removed when that run
-ends, and every copy when the kernel exits; a watchdog process (`launchers.watchdog` ``sweep``) removes the local
-root even if the kernel is killed.
+not share this machine's files. Copies are kept by the source's identity (`Source.identity`) and where they are:
+a later run of the same data, under any data name, on any backend that reads them there, reuses its copy instead
+of writing it again. Each data name holds one copy: when a run gives a name other data, the copy the name held
+goes (unless another name still holds it), so the disk holds at most one copy per name. A copy without an
+identity goes when its run ends; every copy goes when the kernel exits, and a watchdog process
+(`launchers.watchdog` ``sweep``) removes the local root even if the kernel is killed.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class _Copy:
     location: str | None  # the directory written (None: nothing on disk, e.g. Ray's object store)
     staged_s: float
     holds: Any = None  # what must stay alive while the copy is kept (a Ray Dataset: its id is the key)
+    names: set[str] = field(default_factory=set)  # the data names that hold it
 
 
 @dataclass
@@ -38,7 +41,6 @@ class StagingArea:
     copies: dict[tuple[str, str], _Copy] = field(default_factory=dict)
     _roots: dict[str, str] = field(default_factory=dict)  # --data-dir (or "" for the temp dir) -> this kernel's root
     _sweepers: list[Any] = field(default_factory=list)
-    _used: set[tuple[str, str]] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def root(self, data_dir: str | None) -> str:
@@ -74,35 +76,46 @@ class StagingArea:
             os.makedirs(path, mode=0o700)
         return path
 
-    def reuse(self, identity: str | None, data_dir: str | None) -> tuple[StagedSource, float] | None:
-        """The copy of the same data staged by an earlier run here (and this run uses it), or None."""
+    def reuse(self, name: str, identity: str | None, where: str | None) -> tuple[StagedSource, float] | None:
+        """The copy of the same data an earlier run staged at ``where``, now held by ``name`` too; or None."""
         if identity is None:
             return None
-        key = (identity, data_dir or "")
+        key = (identity, where or "")
         with self._lock:
             copy = self.copies.get(key)
             if copy is None:
                 return None
-            self._used.add(key)
-            return copy.staged, copy.staged_s
+            gone = self._hold(name, key)
+        _remove_all(gone)
+        return copy.staged, copy.staged_s
 
-    def keep(self, identity: str | None, data_dir: str | None, staged: StagedSource, location: str | None,
+    def keep(self, name: str, identity: str | None, where: str | None, staged: StagedSource, location: str | None,
              staged_s: float, holds: Any = None) -> None:
-        """Remember a copy this run staged (removed with the run's other files if it has no identity)."""
-        key = (identity or f"once:{uuid.uuid4().hex}", data_dir or "")
+        """Remember the copy a run just staged for data ``name`` (removed when its run ends if it has no identity)."""
+        key = (identity or f"once:{uuid.uuid4().hex}", where or "")
         with self._lock:
-            self.copies[key] = _Copy(staged, location, staged_s, holds)
-            self._used.add(key)
+            held = self.copies[key].names if key in self.copies else set()
+            self.copies[key] = _Copy(staged, location, staged_s, holds, held)
+            gone = self._hold(name, key)
+        _remove_all(gone)
+
+    def _hold(self, name: str, key: tuple[str, str]) -> list[_Copy]:
+        """``name`` now holds the copy at ``key`` only; the copies no name holds any more (to remove)."""
+        self.copies[key].names.add(name)
+        gone = []
+        for other, copy in list(self.copies.items()):
+            if other != key and name in copy.names:
+                copy.names.discard(name)
+                if not copy.names:
+                    gone.append(self.copies.pop(other))
+        return gone
 
     def run_ended(self) -> list[str]:
-        """After a run: remove every copy it did not use (and those that cannot be reused); what was removed."""
+        """After a run with ``--data``: remove the copies that cannot be reused (no identity); what was removed."""
         with self._lock:
-            gone = [key for key in self.copies if key not in self._used or key[0].startswith("once:")]
-            removed = [self.copies.pop(key) for key in gone]
-            self._used = set()
-        for copy in removed:
-            remove(copy.location)
-        return [copy.staged.name for copy in removed]
+            gone = [self.copies.pop(key) for key in list(self.copies) if key[0].startswith("once:")]
+        _remove_all(gone)
+        return [copy.staged.name for copy in gone]
 
     def shutdown(self, at_exit: bool = False) -> None:
         """Remove every copy and the roots (the kernel exits)."""
@@ -111,7 +124,6 @@ class StagingArea:
             self.copies.clear()
             self._roots.clear()
             self._sweepers.clear()
-            self._used = set()
         for copy in copies:
             remove(copy.location)
         for root in roots:
@@ -122,6 +134,11 @@ class StagingArea:
                 sweeper.wait(5)
             except Exception:
                 pass
+
+
+def _remove_all(copies: list[_Copy]) -> None:
+    for copy in copies:
+        remove(copy.location)
 
 
 def _join(base: str, name: str) -> str:

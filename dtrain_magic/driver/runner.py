@@ -220,7 +220,7 @@ class _Run:
 
             tags.update(self.plan.data.tags())
             inputs = self.plan.data.dataset_inputs()
-            staging_area().run_ended()  # copies this run did not use go; its own wait for a re-run of the same data
+            staging_area().run_ended()  # copies that cannot be reused go; the others wait for a run of the same data
         self.opening.close(self.status, self.reason, tags, metrics=waiting, inputs=inputs)
         if self.held:
             self.observer.held(self.held)

@@ -249,3 +249,31 @@ def test_a_ray_dataset_goes_to_ray_train_on_ray_and_is_staged_elsewhere_but_not_
     assert elsewhere.sources[0].rows is None and elsewhere.sources[0].needs_files("local")  # counted when written
     with pytest.raises(ConfigError, match="Ray Train splits a Ray Dataset over every worker"):
         resolve(RunConfig(backend="ray", num_processes=2, tp=2, data={"train": "ds"}), True, ns)
+
+
+def test_each_data_name_holds_one_staged_copy_reused_by_the_same_data(tmp_path):
+    from dtrain_magic.data.blocks import ParquetBlocks, StagedSource
+    from dtrain_magic.data.staging import StagingArea
+
+    def copy(name):
+        (tmp_path / name).mkdir()
+        return StagedSource(name, "test", 1, pa.schema([]), ParquetBlocks((), (), ())), str(tmp_path / name)
+
+    area = StagingArea()
+    staged_a, dir_a = copy("a")
+    area.keep("train", "id-a", None, staged_a, dir_a, 1.0)
+    staged_b, dir_b = copy("b")
+    area.keep("small", "id-b", None, staged_b, dir_b, 2.0)  # another name: both kept
+    assert area.reuse("train", "id-a", None) == (staged_a, 1.0)
+    assert area.reuse("train", "id-a", "/elsewhere") is None  # a copy elsewhere is another copy
+    assert area.reuse("val", "id-a", None) == (staged_a, 1.0)  # the same data under a second name
+    staged_c, dir_c = copy("c")
+    area.keep("train", "id-c", None, staged_c, dir_c, 3.0)  # train's new data: a is still val's
+    assert (tmp_path / "a").exists()
+    area.keep("val", "id-c", None, staged_c, dir_c, 3.0)  # val too: nobody holds a any more
+    assert not (tmp_path / "a").exists() and (tmp_path / "b").exists()
+    staged_d, dir_d = copy("d")
+    area.keep("once", None, None, staged_d, dir_d, 0.1)  # no identity: gone when its run ends
+    assert area.run_ended() == ["d"] and not (tmp_path / "d").exists()
+    area.shutdown()
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()

@@ -30,7 +30,7 @@ from ..._compat import ray as ray_compat
 from ...channel import StandbyJob
 from ...config import RunConfig, redact_uri
 from ...data.blocks import without_trainer_datasets
-from ...errors import ConfigError, LaunchError, MissingDependencyError, summary
+from ...errors import ConfigError, LaunchError, MissingDependencyError, log_dropped, summary
 from ...worker import WorkerJob
 from ...worker.checkpoints import run_checkpoint_root, storage_path
 from ..base import Emit, Launcher, LaunchState, RunningJob
@@ -199,15 +199,21 @@ class RayLauncher(Launcher):
         return ray.util.get_node_ip_address()
 
     def workers_share_files(self, config: RunConfig) -> bool:
-        """A Ray on this machine (the local instance, or a cluster whose address is on loopback); starts nothing."""
+        """A Ray whose every node is this machine (connected: its alive nodes; not yet: the local instance a run
+        would start, or an address on loopback); starts nothing."""
         import sys
 
         if "ray" in sys.modules and sys.modules["ray"].is_initialized():
-            joined = self.instance.joined
-            current = joined or _current_address()
-        else:
-            current = config.ray_address or os.environ.get("RAY_ADDRESS") or None
-        return current is None or current == "auto" or _host_port(current)[0] in _LOOPBACK
+            import ray
+
+            try:
+                here = ray.util.get_node_ip_address()
+                return all(node["NodeManagerAddress"] in (here, *_LOOPBACK) for node in ray.nodes() if node["Alive"])
+            except Exception as exc:  # cannot tell: staged copies then need --data-dir
+                log_dropped(__name__, "the Ray cluster's nodes", exc)
+                return False
+        address = config.ray_address or os.environ.get("RAY_ADDRESS") or None
+        return address is None or _host_port(address)[0] in _LOOPBACK
 
     def _in_use(self) -> bool:
         return any(job.running() for job in list(self._jobs))
