@@ -229,6 +229,11 @@ class RayShardBatches:
         self.shuffle_window = int(shuffle_window or 16 * batch_size)
         per_rank = source.rows // ranks
         self._batches = per_rank // batch_size if self.drop_last else -(-per_rank // batch_size)
+        if self._batches == 0:
+            raise ValueError(
+                f"ctx.data({source.name!r}, batch_size={batch_size}, drop_last=True): each of the {ranks} rank(s) "
+                f"gets {per_rank} row(s) of the {source.rows}, fewer than one batch; use a smaller batch_size, or "
+                "drop_last=False")
         self.shard = ray.train.get_dataset_shard(source.name)
         self.epoch = 0
         self.position = (0, 0)
