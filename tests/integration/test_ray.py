@@ -746,6 +746,10 @@ def test_ctx_data_reads_ray_trains_shards_and_the_object_store(shell, mlflow):
     assert tags["dtrain_magic.data.train.kind"] == "Ray Dataset" and tags["dtrain_magic.data.train.rows"] == "301"
     assert "Ray Train" in tags["dtrain_magic.data.train.reaches_ranks"]
     assert "object store" in tags["dtrain_magic.data.objects.reaches_ranks"]
+    from dtrain_magic.config import RunConfig
+
+    # The module's Ray, connected: every alive node is this machine, so a copy staged here reaches every worker.
+    assert ray.is_initialized() and ray_launcher().workers_share_files(RunConfig(backend="ray"))
 
 
 def test_off_ray_a_ray_dataset_is_written_once_as_parquet(shell, capsys):
