@@ -31,7 +31,7 @@ RESULTS = os.path.join(HERE, "results")
 sys.path.insert(0, HERE)
 from workload import PART_LABELS, SUB_PARTS  # noqa: E402
 
-ORDER = ("local_n2", "local_n1", "spark", "ray", "chart_lag", "strategies", "ctx_log")
+ORDER = ("local_n2", "local_n1", "spark", "ray", "chart_lag", "strategies", "ctx_log", "data")
 LOG_COST_LIMIT, LOG_COST_RATE = 0.02, 1500.0  # issue 25: ctx.log every step costs <= 2 % at >= 1500 steps/s
 
 
@@ -42,11 +42,12 @@ def benchmarks(args: argparse.Namespace) -> dict[str, tuple[str, list[str], floa
     spark_cold, ray_cold = args.spark_cold_runs, args.ray_cold_runs
     # -n 1 runs about 3500 steps/s on a core: 3000 steps give it as long a steady-state window as -n 2's 1000.
     local_steps = {n: [], 1: ["--steps", "3000"]}
-    small = {"local": [], "backend": [], "chart": [], "strategies": [], "log": []}
+    small = {"local": [], "backend": [], "chart": [], "strategies": [], "log": [], "data": []}
     if args.quick:  # does everything run? (the numbers mean nothing)
         local_steps = {n: ["--steps", "200"], 1: ["--steps", "200"]}
         small = {"local": [], "backend": ["--steps", "50"], "chart": ["--steps", "40"],
-                 "strategies": ["--only", "ddp,zero3", "--width", "256", "--steps", "4"], "log": ["--steps", "1500"]}
+                 "strategies": ["--only", "ddp,zero3", "--width", "256", "--steps", "4"], "log": ["--steps", "1500"],
+                 "data": ["--gb", "0.05", "--ray-gb", "0.02", "--spark-rows", "300000", "--repeats", "1"]}
     return {
         # setup (tracking DB, imports alone) + cold pairs (two fresh interpreters) + 3 kinds of warm calls
         f"local_n{n}": ("bench_local.py", ["-n", str(n), "--repeats", str(r), *local_steps[n], *gpu],
@@ -67,6 +68,8 @@ def benchmarks(args: argparse.Namespace) -> dict[str, tuple[str, list[str], floa
         # per backend: its start, then for -n 1 and -n N a warm run and r pairs of ~4 s runs (with, without ctx.log)
         "ctx_log": ("bench_log.py", ["--repeats", str(r + 2), "--counts", f"1,{n}", *small["log"]],
                     (20 + 30 + 60) + 3 * 2 * (1 + 2 * (r + 2)) * 5),
+        # ≥ 1 GB of Parquet generated, read three ways; a Ray comparison; a ≥ 1 GB Spark DataFrame on every backend
+        "data": ("bench_data.py", ["--repeats", str(r), *small["data"]], 120 if args.quick else 420),
     }
 
 
@@ -351,6 +354,7 @@ def targets(results: dict, n: int) -> list[dict]:
                                                                           (stat["min_nolog"], stat["max_nolog"]))
                                                                    else "") + ".")
             rows.append(row)
+    data_targets(results, add)
     lags = _data(results, "chart_lag") or {}
     for key, which in (("chart_lag", "a kernel's first run"), ("chart_lag_later", "later runs")):
         lag = lags.get(key, {})
@@ -360,6 +364,53 @@ def targets(results: dict, n: int) -> list[dict]:
             False, " s", lambda lag=lag: f"p95 {lag.get('p95_s', 0):.2f} s, max {lag.get('max_s', 0):.2f} s over "
             f"{int(lag.get('n', 0))} points.")
     return rows
+
+
+def data_targets(results: dict, add: callable) -> None:
+    """Issue 24's targets, from bench_data.py: ctx.data against raw pyarrow and Ray Data, the notebook's RSS on a
+    ≥ 1 GB Spark DataFrame on every backend, and no second write of a staged DataFrame."""
+    data = _data(results, "data") or {}
+    parquet, ray, rss = data.get("parquet") or {}, data.get("ray") or {}, data.get("rss") or {}
+    size = (data.get("dataset") or {}).get("tensor_bytes", 0) / 2**30
+
+    def rates(section: dict, key: str) -> str:
+        return ", ".join(f"{name} {value:,.0f}" for name, value in (section.get(key) or {}).items()) + " rows/s"
+
+    add(f"data: ctx.data rows/s per rank / raw pyarrow, {size:.2f} GiB numeric Parquet (-n 2, local, in order)",
+        "≥ 0.8", parquet.get("ratio"), 0.8, True, "", lambda: rates(parquet, "median_rows_per_s"), "{:.2f}")
+    add("data: ctx.data rows/s per rank / Ray Data's iter_torch_batches in a raw TorchTrainer (2nd epoch)", "≥ 0.9",
+        ray.get("ratio"), 0.9, True, "", lambda: rates(ray, "median_last_epoch"), "{:.2f}")
+    gib = rss.get("tensor_bytes", 0) / 2**30
+    for label, run in (rss.get("runs") or {}).items():
+        add(f"data: notebook RSS growth while a run trains on a {gib:.2f} GiB Spark DataFrame ({label})", "< 200 MB",
+            run.get("rss_growth_mb"), 200.0, False, " MB",
+            lambda run=run: f"RSS {run.get('rss_before_mb', 0):.0f} MB before the call", "{:.0f}")
+    restaged = rss.get("restaged")
+    add("data: later runs of the same DataFrame (any backend) that wrote it again", "0", len(restaged)
+        if restaged is not None else None, 0, False, "", lambda: f"written again by {restaged}", "{:.0f}")
+
+
+def data_section(data: dict) -> list[str]:
+    """bench_data.py's numbers as a table (the report's data section)."""
+    lines = ["| measurement | value |", "|---|---|"]
+    dataset, parquet, ray, rss = (data.get(k) or {} for k in ("dataset", "parquet", "ray", "rss"))
+    if dataset:
+        lines.append(f"| Parquet dataset | {dataset['rows']:,} rows, {dataset['tensor_bytes'] / 2**30:.2f} GiB as "
+                     f"tensors, {dataset['parquet_bytes'] / 2**30:.2f} GiB in {dataset['files']} files |")
+    for name, value in (parquet.get("median_rows_per_s") or {}).items():
+        lines.append(f"| Parquet, rows/s per rank, {name} (median) | {value:,.0f} |")
+    for name, value in (ray.get("median_last_epoch") or {}).items():
+        lines.append(f"| Ray ({ray.get('bytes', 0) / 2**20:.0f} MB), rows/s per rank in the 2nd epoch, {name} | "
+                     f"{value:,.0f} |")
+    if rss:
+        lines.append(f"| Spark DataFrame | {rss['rows']:,} rows, {rss['tensor_bytes'] / 2**30:.2f} GiB as tensors, "
+                     f"{rss['parquet_bytes'] / 2**30:.2f} GiB as staged Parquet |")
+        lines.append(f"| staging it (Spark writes Parquet once) | {rss['staging_s']:.1f} s |")
+        for label, run in rss["runs"].items():
+            staged = "reused the copy" if run["reused"] else f"staged in {run['staging_s']:.1f} s"
+            lines.append(f"| {label}: notebook RSS growth, rows trained, run time | {run['rss_growth_mb']:.0f} MB, "
+                         f"{run['rows_trained']:,}, {run['seconds']:.1f} s ({staged}) |")
+    return lines
 
 
 # -- report ----------------------------------------------------------------------------------------------
@@ -480,6 +531,9 @@ def markdown(results: dict, rows: list[dict], meta: dict, total_s: float, load: 
                       "(--cold-runs; each costs about 30 s on 2 cores); "
                       f"ray.init not included ({init.get('magic', 0):.1f} s / "
                       f"{init.get('raw', 0):.1f} s). Warm: {data['repeats']} per side."]
+    data = _data(results, "data")
+    if data:
+        lines += ["", "## data (`--data`, `ctx.data`)", ""] + data_section(data)
     scaling = scaling_table(results, n)
     if scaling:
         lines += ["", "## Scaling (local backend, warm steps/s and time to first step)", ""] + scaling

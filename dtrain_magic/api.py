@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import os
 from typing import Any, Callable, Mapping
 
 from .config import RunConfig, resolve_config
@@ -42,8 +43,9 @@ def run(fn: Callable[..., Any], /, *args: Any, fn_kwargs: Mapping[str, Any] | No
     """
     config_values, call_kwargs = split_options(options)
     call_kwargs.update(fn_kwargs or {})
+    config_values, data_objects = data_option(config_values)
     config = config_from_options(config_values)
-    prepared = runner.prepare(config, lambda: payload_of(fn, args, call_kwargs))
+    prepared = runner.prepare(config, lambda: payload_of(fn, args, call_kwargs), sources=data_objects)
     if config.dry_run:
         print(prepared.dry_run_text())
         return None
@@ -66,6 +68,24 @@ def split_options(keywords: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str
         given_as[row.field] = name
         values[row.field] = value
     return values, rest
+
+
+def data_option(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``data={"train": df, "val": "/data/val"}`` → (the option values with each object named by its data name, as
+    ``--data train=train`` would name a notebook variable; those objects by name). Strings and paths stay paths."""
+    values = dict(values)
+    given = values.get("data")
+    if not isinstance(given, Mapping):
+        return values, {}
+    specs, objects = [], {}
+    for name, value in given.items():
+        if isinstance(value, (str, os.PathLike)):
+            specs.append((name, os.fspath(value)))
+        else:
+            specs.append((name, name))
+            objects[name] = value
+    values["data"] = tuple(specs)
+    return values, objects
 
 
 def config_from_options(values: Mapping[str, Any], **environment: Any) -> RunConfig:
@@ -156,4 +176,4 @@ def _options_doc() -> str:
 run.__signature__ = _signature()  # type: ignore[attr-defined]
 run.__doc__ = (run.__doc__ or "") + _options_doc()
 
-__all__ = ["OPTIONS", "config_from_options", "make_observer", "payload_of", "run", "split_options"]
+__all__ = ["OPTIONS", "config_from_options", "data_option", "make_observer", "payload_of", "run", "split_options"]

@@ -9,11 +9,11 @@ The protocol: every message is one small frozen class below, a subclass of `Mess
 order: `Hello` once it is connected; `Output` lines as its Python code writes them (a launcher also emits
 `Output` for what it reads from a process's own pipes, with ``rank=None`` for its own notes); `Status`
 (running, done, failed); rank 0's ``ctx.log`` values in `Metrics` batches (a few a second: the worker
-gathers them, `dtrain_magic.worker.pulse`) and `Total` for ``ctx.set_total``; every rank's `Pulse` twice a
-second (its progress counters and CPU time: hang and stall detection, per-rank step rates, throughput) and
-rank 0's `ModelFacts` once its model is prepared; then `Result` (its cloudpickled return value) or `Error`.
-A second `Hello` from a rank means the backend restarted the workers. The driver's message pump dispatches
-on the class.
+gathers them, `dtrain_magic.worker.pulse`), `Total` for ``ctx.set_total`` and `DataProgress` for its
+``ctx.data`` loaders; every rank's `Pulse` twice a second (its progress counters and CPU time: hang and stall
+detection, per-rank step rates, throughput) and rank 0's `ModelFacts` once its model is prepared; then
+`Result` (its cloudpickled return value) or `Error`. A second `Hello` from a rank means the backend restarted
+the workers. The driver's message pump dispatches on the class.
 
 The Spark launcher's rank watch speaks the same protocol on a listener of its own: each worker's watchdog
 process sends `RankStarted`, then `RankDone` once the worker ended in Python; a connection that closes
@@ -160,6 +160,18 @@ class Total(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class DataProgress(Message):
+    """Rank 0's ``ctx.data(name)`` loader: ``batch`` of ``batches`` batches of ``epoch`` done (a few per second)."""
+
+    KIND: ClassVar[str] = "data"
+    rank: int
+    name: str
+    epoch: int
+    batch: int
+    batches: int
+
+
+@dataclass(frozen=True, slots=True)
 class Result(Message):
     """A rank's return value, cloudpickled in the worker (unpickled in the notebook once every rank's is in)."""
 
@@ -275,7 +287,8 @@ def _protocol(*classes: type[Message]) -> dict[str, type[Message]]:
 
 
 _BY_KIND = _protocol(Hello, Output, Metric, Metrics, Pulse, ModelFacts, Status, Total, Result, Error, RankStarted,
-                     RankDone, RankDied, StackRequest, StackReply, StandbyReady, StandbyJob, StandbyRelease)
+                     RankDone, RankDied, StackRequest, StackReply, StandbyReady, StandbyJob, StandbyRelease,
+                     DataProgress)
 
 
 class ProtocolError(ValueError):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
+from .data.spec import normalize as normalize_data
 from .errors import ConfigError, log_dropped
 from .flagtable import BY_FIELD, DEFAULT_EXPERIMENT, DEFAULT_HANG_TIMEOUT_S, FLAGS, SWITCH
 from .registry import BACKENDS, STRATEGIES
@@ -96,6 +97,10 @@ class RunConfig:
     pp: int = 1
     microbatches: int | None = None
     pp_schedule: str = "gpipe"
+    # Data sources (docs/data.md): ((name, source), ...) in the order given, and where staged copies go
+    data: tuple[tuple[str, str], ...] = ()
+    data_dir: str | None = None
+
     def __post_init__(self) -> None:
         for row in FLAGS:  # every flag with a fixed set of values: backend, strategy, precision, zero, ...
             value = getattr(self, row.field) if row.field else None
@@ -137,6 +142,12 @@ class RunConfig:
                 "fp16 needs a GPU (CPU kernels and loss scaling for fp16 are not supported); "
                 "use --precision bf16 on CPU, or --gpu on a machine with CUDA",
             )
+        object.__setattr__(self, "data", normalize_data(self.data))  # a mapping, NAME=SOURCE strings or pairs
+        if self.data_dir is not None and (not isinstance(self.data_dir, str) or not self.data_dir.strip()):
+            raise ConfigError("--data-dir", f"got {self.data_dir!r}; must be a directory or URI")
+        if self.data_dir is not None and not self.data:
+            raise ConfigError("--data-dir", "applies only with --data NAME=SOURCE (where sources are written once "
+                                            "for the ranks); drop it or add --data")
         self._check_owned_fields()
         check_batch_arithmetic(self.train_batch, self.micro_batch, self.grad_accum, self.num_processes)
         self._check_model_parallel()
@@ -229,8 +240,10 @@ class RunConfig:
         params = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("tracking_uri", "ray_address", "spark_master") and isinstance(value, str):
+            if f.name in ("tracking_uri", "ray_address", "spark_master", "data_dir") and isinstance(value, str):
                 value = redact_uri(value)
+            if f.name == "data":
+                value = " ".join(f"{name}={redact_uri(source)}" for name, source in value) or "()"
             params[f.name] = str(value)
         return params
 

@@ -11,7 +11,7 @@ import re
 import sys
 from pathlib import Path
 
-from .flagtable import ALWAYS, FLAGS, NEVER, SWITCH, VALUE, Flag
+from .flagtable import ALWAYS, APPEND, FLAGS, NEVER, SWITCH, VALUE, Flag
 
 DOCS_COMMAND = "python -m dtrain_magic.flagdocs --write-docs"
 DOCS_PAGE = Path("docs") / "flags.md"
@@ -30,7 +30,7 @@ def doc_flag(row: Flag) -> str:
     if row.kind == SWITCH:
         return " / ".join(f"`{', '.join(opts)}`" for opts in (row.options, row.off_options))
     text = ", ".join(row.options)
-    if row.kind == VALUE:
+    if row.kind in (VALUE, APPEND):
         if row.choices is not None:
             text += " {" + ",".join(str(c) for c in row.choices) + "}"
         else:
@@ -100,7 +100,8 @@ def docs_page() -> str:
 def readme_block() -> str:
     """README's short flag table (the rows marked ``cheatsheet``), markers included."""
     rows = tuple(row for row in FLAGS if row.cheatsheet)
-    more = (f"The other {len(FLAGS) - len(rows)} flags (tracking, Spark, Ray, DeepSpeed, the cell): "
+    more = (f"The other {len(FLAGS) - len(rows)} flags (model parallelism, data, tracking, Spark, Ray, DeepSpeed, "
+            "the cell): "
             "[docs/flags.md](docs/flags.md).")
     return "\n".join([README_BEGIN, f"<!-- {DOCS_COMMAND} writes this table from dtrain_magic/flagtable.py -->",
                       markdown_table(rows), "", more, README_END])

@@ -38,6 +38,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from .data.spec import parse_item as data_item
 from .registry import BACKENDS, STRATEGIES
 
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -51,6 +52,7 @@ DEFAULT_EXPERIMENT = "dtrain_magic"
 VALUE = "value"  # --flag VALUE
 SWITCH = "switch"  # an on/off pair setting one boolean: --gpu / --cpu
 STORE_TRUE = "store_true"  # --flag alone sets True
+APPEND = "append"  # --flag VALUE, repeatable: a tuple of values (--data a=x --data b=y)
 
 # How `RunConfig.flag_line` writes a row.
 ALWAYS = "always"  # every time (a default resolved on this machine is pinned, so the line means the same elsewhere)
@@ -65,6 +67,7 @@ SPARK = "Spark (TorchDistributor)"
 RAY = "Ray (TorchTrainer)"
 DEEPSPEED = "DeepSpeed and batch arithmetic"
 MODEL_PARALLEL = "Model parallelism"
+DATA = "Data (docs/data.md)"
 
 # Where a flag applies: the ``%%distribute`` magic (and its panel), `dtrain_magic.run`'s keyword options, the command
 # line (``python -m dtrain_magic run``).
@@ -104,8 +107,8 @@ class Flag:
     field: str | None  # the RunConfig field and parser dest; None: a magic-only flag, not in RunConfig
     group: str  # help group
     help: str  # ``%%distribute?`` text (argparse appends "(default: ...)")
-    kind: str = VALUE  # VALUE, SWITCH or STORE_TRUE
-    type: Callable[[str], Any] | None = None  # VALUE: converts the text (None: kept as text)
+    kind: str = VALUE  # VALUE, SWITCH, STORE_TRUE or APPEND
+    type: Callable[[str], Any] | None = None  # VALUE, APPEND: converts the text (None: kept as text)
     choices: tuple[Any, ...] | None = None  # VALUE: the allowed values
     default: Any = None  # when the flag is not given; RunConfig's default unless ``resolved``
     resolved: bool = False  # the default depends on the environment or other flags: config_from_args resolves it
@@ -150,6 +153,9 @@ class Flag:
             yield self.off_options, {"dest": self.field, "action": "store_const", "const": False, "help": self.off_help}
         elif self.kind == STORE_TRUE:
             yield self.options, {**dest, "action": "store_true", "default": self.default, "help": self.help}
+        elif self.kind == APPEND:  # argparse appends to a list: its "not given" is None (RunConfig's default: empty)
+            extra = {"type": self.type} if self.type is not None else {}
+            yield self.options, {**dest, **extra, "action": "append", "default": None, "help": self.help}
         else:
             raise ValueError(f"{self.name}: unknown kind {self.kind!r}")
 
@@ -162,6 +168,9 @@ class Flag:
             return [self.options[0], quote(self.name, value, self.quote_always)]
         if self.kind == SWITCH:
             return [self.options[0] if value else self.off_options[0]]
+        if self.kind == APPEND:  # (name, value) pairs: one NAME=VALUE per occurrence
+            return [word for name, item in value for word in (self.options[0],
+                                                              quote(self.name, f"{name}={item}", self.quote_always))]
         return [self.options[0]] if value else []
 
 
@@ -250,6 +259,22 @@ FLAGS: tuple[Flag, ...] = (
          doc="micro-batches per pipeline step with `--pp`", default_doc="2 × `--pp`"),
     Flag(("--pp-schedule",), "pp_schedule", MODEL_PARALLEL, choices=PP_SCHEDULES, default="gpipe",
          help="pipeline schedule with --pp", doc="pipeline schedule with `--pp`"),
+    # -- data (docs/data.md) ---------------------------------------------------------------------------
+    Flag(("--data",), "data", DATA, kind=APPEND, cheatsheet=True, type=data_item, default=(), placeholder="NAME=SOURCE",
+         help="a data source the function reads with ctx.data(NAME, batch_size): a notebook variable (Spark or pandas "
+              "DataFrame, Ray Dataset, pyarrow Table, numpy array, torch tensor, dict of arrays) or a Parquet "
+              "path/URI; SOURCE[col,...] keeps those columns; repeatable",
+         doc="a data source the function reads with `ctx.data(NAME, batch_size)`: a notebook variable (Spark or pandas "
+             "DataFrame, Ray Dataset, pyarrow Table, numpy array, torch tensor, dict of arrays) or a Parquet path/URI; "
+             "`SOURCE[col,...]` keeps those columns; repeatable. Each rank reads only its share (docs/data.md)",
+         default_doc="none",
+         panel=PanelControl(TEXT, "data (NAME=SOURCE ...)")),
+    Flag(("--data-dir",), "data_dir", DATA, default=None, placeholder="DIR",
+         help="where sources written once for the ranks go (Spark DataFrames, Ray Datasets off Ray, notebook objects); "
+              "needed when the workers do not share this machine's files (None means a temp dir on this machine)",
+         doc="where sources written once for the ranks go (Spark DataFrames, Ray Datasets off Ray, notebook "
+             "objects): a directory or URI every worker reads; needed when the workers do not share this machine's "
+             "files", default_doc="a private temp dir on this machine, removed with the kernel"),
     # -- the cell --------------------------------------------------------------------------------------
     Flag(("--fn",), "fn", CELL, default=None, placeholder="NAME", entry_points=(MAGIC,),
          help="name of the function to ship (None means the last top-level def in the cell)",

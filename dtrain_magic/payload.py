@@ -22,6 +22,7 @@ from typing import Any, Callable
 import cloudpickle
 
 from ._compat import cloudpickle as cloudpickle_compat
+from .data.usage import names_read
 from .errors import CaptureError, log_dropped
 
 
@@ -38,6 +39,7 @@ class Payload:
     call_text: str | None = None  # the call as written in the cell, e.g. "train(1e-3, use_gpu=False)"
     uses_ray_train: bool = False  # the function (or a notebook helper it calls) refers to ray.train
     argv: tuple[str, ...] | None = None  # sys.argv on the workers while the function runs (the command line's)
+    data_names: tuple[str, ...] = ()  # the data names the function reads with ctx.data("...") (checked before launch)
 
     def load(self) -> Callable[..., Any]:
         """Unpickle the function (in the worker) and make the cells' source visible to tracebacks.
@@ -182,7 +184,7 @@ def serialize(
     return Payload(
         data, getattr(fn, "__name__", "fn"), takes_ctx, _notebook_sources(fn, cell_files), labels or {},
         call_args=call_args, call_text=None if call is None else call.text, uses_ray_train=refers_to_ray_train(fn),
-        argv=argv,
+        argv=argv, data_names=names_read(fn),
     )
 
 
@@ -213,11 +215,25 @@ def _unpicklable_message(fn: Callable[..., Any], exc: Exception) -> str:
     why = f"{type(exc).__name__}: {exc}"
     if culprit:
         name, obj = culprit
+        if _is_data_source(obj):
+            return (
+                f"cannot ship {fn.__name__} to the workers: it uses `{name}` ({type(obj).__name__}), which cannot be "
+                f"pickled ({why}). Hand it to the run as data instead: add `--data {name}={name}` to the %%distribute "
+                f"line (dtrain_magic.run(..., data={{{name!r}: {name}}})) and read this rank's share inside the "
+                f"function with `ctx.data({name!r}, batch_size=...)`: each rank reads only its part, nothing is "
+                "collected to the notebook (docs/data.md)."
+            )
         return (
             f"cannot ship {fn.__name__} to the workers: it uses `{name}` ({type(obj).__name__}), which cannot be "
             f"pickled ({why}). Create it inside the function instead, so each worker builds its own."
         )
     return f"cannot ship {getattr(fn, '__name__', fn)} to the workers: it cannot be pickled ({why})"
+
+
+def _is_data_source(obj: Any) -> bool:
+    """A Spark DataFrame (or another distributed dataset) no worker can rebuild from a pickle."""
+    module = type(obj).__module__ or ""
+    return type(obj).__name__ == "DataFrame" and module.startswith("pyspark.sql")
 
 
 def _find_unpicklable_global(fn: Callable[..., Any]) -> tuple[str, Any] | None:

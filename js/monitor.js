@@ -5,7 +5,8 @@
 //   elapsed (s), metrics ({name: value}), log (list of recent output lines), message (error or note),
 //   held (after the run: the next run's workers waiting, where and until when; Spark and Ray),
 //   rank_logs ({rank: its recent lines}: the log tabs "all" / "rank 0" / ...), perf (throughput line),
-//   stacks (where every rank is: a title line, then each rank's stack; the Stacks button or a stall).
+//   stacks (where every rank is: a title line, then each rank's stack; the Stacks button or a stall),
+//   data ({name: {epoch, batch, batches}}: rank 0's ctx.data loaders, where they are in their epoch).
 // Each row of ranks may also carry rate (steps/s), cpu (cores) and straggler (bool).
 // The pure helpers are exported for the unit tests (js/monitor.test.js, `node --test js/`).
 
@@ -42,6 +43,19 @@ export function metricsText(metrics) {
       return `${k}=${typeof v === "number" ? Number(v.toPrecision(4)) : v}`;
     })
     .join("  ");
+}
+
+// One line per ctx.data loader: "data train: epoch 2 · batch 120/500 (24%)".
+export function dataText(data) {
+  return Object.keys(data || {})
+    .sort()
+    .map((name) => {
+      const d = data[name] || {};
+      const batches = d.batches || 0;
+      const pct = batches > 0 ? ` (${Math.round((100 * (d.batch || 0)) / batches)}%)` : "";
+      return `data ${name}: epoch ${d.epoch ?? 0} · batch ${d.batch || 0}/${batches}${pct}`;
+    })
+    .join("\n");
 }
 
 export function tail(lines, n) {
@@ -110,6 +124,7 @@ const STYLE = `
 .dtm-tab-active { background: #0969da; color: #fff; border-color: #0969da; }
 .dtm-stacks-pane { font-family: var(--jp-code-font-family, monospace); white-space: pre; max-height: 320px;
   overflow: auto; background: #fff8f0; border: 1px solid #f0d8b8; padding: 4px; margin-top: 4px; }
+.dtm-data { white-space: pre; color: #57606a; }
 `;
 
 export const LOG_LINES = 40;
@@ -148,13 +163,15 @@ function render({ model, el }) {
   bar.appendChild(fill);
   const progress = h(doc, "div", "dtm-progress");
   const metrics = h(doc, "div", "dtm-metrics");
+  const data = h(doc, "div", "dtm-data");
   const message = h(doc, "div", "dtm-message");
   const held = h(doc, "div", "dtm-held");
   const perf = h(doc, "div", "dtm-perf");
   const tabs = h(doc, "div", "dtm-tabs");
   const log = h(doc, "div", "dtm-log");
   const stacks = h(doc, "div", "dtm-stacks-pane");
-  for (const node of [style, header, plan, link, table, bar, progress, perf, metrics, message, held, tabs, log, stacks]) {
+  for (const node of [style, header, plan, link, table, bar, progress, data, perf, metrics, message, held, tabs, log,
+    stacks]) {
     root.appendChild(node);
   }
   el.appendChild(root);
@@ -195,6 +212,8 @@ function render({ model, el }) {
     progress.textContent = progressText({ step, total, rate: model.get("rate"), eta: model.get("eta") })
       + ` · elapsed ${formatSeconds(model.get("elapsed"))}`;
     metrics.textContent = metricsText(model.get("metrics"));
+    data.textContent = dataText(model.get("data"));
+    data.style.display = data.textContent ? "block" : "none";
     message.textContent = model.get("message") || "";
     held.textContent = model.get("held") || "";
     held.style.display = model.get("held") ? "block" : "none";
@@ -243,7 +262,7 @@ function render({ model, el }) {
     });
   };
   const traits = ["state", "plan", "run_id", "link", "ranks", "step", "total", "rate", "eta", "elapsed", "metrics", "log",
-    "message", "held", "rank_logs", "perf", "stacks"];
+    "message", "held", "rank_logs", "perf", "stacks", "data"];
   for (const t of traits) model.on(`change:${t}`, schedule);
   update();
   return () => {

@@ -7,6 +7,7 @@ import path from "node:path";
 
 import monitor, {
   isWebLink, formatSeconds, progressFraction, progressText, metricsText, tail, statusRows, rankTabs, tabLines, LOG_LINES,
+  dataText,
 } from "./monitor.js";
 
 const { render } = monitor;
@@ -191,6 +192,18 @@ test("the next run's waiting workers are shown after the run, and nothing while 
   await tick();
   assert.equal(el.byClass("dtm-held")[0].style.display, "block");
   assert.match(el.byClass("dtm-held")[0].textContent, /wait for the next run until 12:10:00/);
+});
+
+test("each ctx.data loader's place in its epoch is a line, shown only while there is one", async () => {
+  assert.equal(dataText({}), "");
+  assert.equal(dataText({ val: { epoch: 0, batch: 2, batches: 0 }, train: { epoch: 2, batch: 120, batches: 500 } }),
+    "data train: epoch 2 · batch 120/500 (24%)\ndata val: epoch 0 · batch 2/0");
+  const { el, model } = mount({ state: "running", ranks: [] });
+  assert.equal(el.byClass("dtm-data")[0].style.display, "none");
+  model.set("data", { train: { epoch: 1, batch: 5, batches: 10 } });
+  await tick();
+  assert.equal(el.byClass("dtm-data")[0].style.display, "block");
+  assert.equal(el.byClass("dtm-data")[0].textContent, "data train: epoch 1 · batch 5/10 (50%)");
 });
 
 test("the default export is an anywidget module, and render is not a named export (anywidget deprecates that)", async () => {

@@ -32,6 +32,12 @@ class RunObserver:
 
     def total(self, steps: int) -> None: ...
 
+    def data_progress(self, name: str, epoch: int, batch: int, batches: int) -> None:
+        """Rank 0's ``ctx.data(name)`` loader has read ``batch`` of the ``batches`` batches of ``epoch``."""
+
+    def note(self, text: str) -> None:
+        """A line from the notebook's side of the run (staging ``--data`` sources, before the launch)."""
+
     def finished(self, result: Any, error: BaseException | None) -> None: ...
 
     def held(self, text: str) -> None:
@@ -77,6 +83,7 @@ class TextObserver(RunObserver):
         self._steps_seen = 0
         self._perf = ""
         self._stragglers: set[int] = set()
+        self._data: dict[str, tuple[int, int, int]] = {}  # name -> (epoch, batch, batches) of rank 0's loader
 
     @property
     def out(self) -> TextIO:
@@ -103,6 +110,12 @@ class TextObserver(RunObserver):
     def total(self, steps: int) -> None:
         self._total = steps
 
+    def data_progress(self, name: str, epoch: int, batch: int, batches: int) -> None:
+        self._data[name] = (epoch, batch, batches)
+
+    def note(self, text: str) -> None:
+        print(f"dtrain_magic: {text}", file=self.out, flush=True)
+
     def metric(self, step: int, metrics: dict[str, float], timestamp_ms: int | None = None) -> None:
         self._steps_seen = max(self._steps_seen, step + 1)
         now = time.monotonic()
@@ -110,6 +123,7 @@ class TextObserver(RunObserver):
             return
         self._last_progress = now
         line = progress_line(self._steps_seen, self._total, now - self._t0, metrics)
+        line += "".join(f"; {data_line(name, *where)}" for name, where in self._data.items())
         print(f"{line} · {self._perf}" if self._perf else line, file=self.out)
 
     def perf(self, snapshot: Any) -> None:
@@ -143,3 +157,8 @@ def progress_line(steps: int, total: int | None, elapsed_s: float, metrics: dict
         eta = (total - steps) / rate if rate > 0 else float("nan")
         return f"step {steps}/{total} ({rate:.1f} steps/s, ETA {eta:.1f} s) {shown}"
     return f"step {steps} ({rate:.1f} steps/s) {shown}"
+
+
+def data_line(name: str, epoch: int, batch: int, batches: int) -> str:
+    """``train: epoch 2, batch 120/500``: where rank 0's ``ctx.data`` loader is."""
+    return f"{name}: epoch {epoch}, batch {batch}/{batches}"

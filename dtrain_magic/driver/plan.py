@@ -7,9 +7,10 @@ the workers start before the MLflow run, and (asked once, when the run starts) t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Mapping
 
 from ..config import RunConfig
 from ..errors import ConfigError
@@ -37,6 +38,7 @@ class RunPlan:
     tracking_uri: str
     store_stage: str | None
     starts_before_tracking: bool
+    data: Any = None  # the run's data sources (`dtrain_magic.data.resolve.DataPlan`), found by `check_data`
 
     @cached_property
     def channel_host(self) -> str:
@@ -82,6 +84,22 @@ def check_payload(config: RunConfig, payload: Payload) -> None:
         )
 
 
+def check_data(plan: RunPlan, payload: Payload, namespace: Mapping[str, Any] | None) -> RunPlan:
+    """The run's ``--data`` sources found in ``namespace`` (the notebook's, `dtrain_magic.run`'s ``data=`` objects;
+    None on the command line) and checked before launch, with the names the function reads (``ctx.data("x")``);
+    the plan with them (`RunPlan.data`). A dry run also counts sources otherwise counted when they are written."""
+    config = plan.config
+    if not config.data and not payload.data_names:
+        return plan
+    from ..data.resolve import check_data_dir, resolve
+
+    if config.data_dir is not None:
+        check_data_dir(config.data_dir)
+    data = resolve(config, plan.launcher.workers_share_files(config), namespace, payload.data_names,
+                   payload.call_text or payload.name, count=config.dry_run)
+    return dataclasses.replace(plan, data=data)
+
+
 def dry_run_text(plan: RunPlan, payload: Payload, model: Any = None) -> str:
     """What ``--dry-run`` prints for a checked ``plan``: the validated config and what would be launched; with
     ``model`` (a `memory.CellModel`), the memory estimate for the cell's own model, or why it is not known yet."""
@@ -98,6 +116,8 @@ def dry_run_text(plan: RunPlan, payload: Payload, model: Any = None) -> str:
         + (f", model parallel tp {config.tp} x pp {config.pp} x dp {config.data_parallel_size}"
            if config.tp * config.pp > 1 else ""),
     ]
+    if plan.data is not None:
+        lines += plan.data.dry_run_lines()
     if model is not None and model.found:
         est = estimate(model.num_params, config.strategy, config.zero, config.precision, config.num_processes,
                        tp=config.tp, pp=config.pp)

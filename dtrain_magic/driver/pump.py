@@ -325,6 +325,8 @@ class Pump:
                 self.observer.total(message.steps)
             case ch.ModelFacts():
                 self.perf.facts = message
+            case ch.DataProgress():
+                self.observer.data_progress(message.name, message.epoch, message.batch, message.batches)
             case ch.Hello():
                 if message.rank in self.hellos:  # a second Hello from a rank: the backend restarted the workers
                     self._forget_attempt(keep_last=True)

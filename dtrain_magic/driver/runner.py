@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, MutableMapping
+from typing import Any, Callable, Mapping, MutableMapping
 
 from .. import procfacts
 from ..channel import Channel
@@ -36,7 +36,7 @@ from ..tracking import RunOpening, RunTracker
 from ..worker import WorkerJob
 from ..worker.checkpoints import run_checkpoint_root
 from .observer import RunObserver, TextObserver
-from .plan import RunPlan, check, check_payload, dry_run_text
+from .plan import RunPlan, check, check_data, check_payload, dry_run_text
 from .pump import Pump
 
 # Workers started before the MLflow run: it opens once they are past their start (a metric, a result,
@@ -75,14 +75,17 @@ class PreparedRun:
 
 
 def prepare(config: RunConfig, make_payload: Callable[[], Payload],
-            namespace: MutableMapping[str, Any] | None = None) -> PreparedRun:
+            namespace: MutableMapping[str, Any] | None = None,
+            sources: Mapping[str, Any] | None = None) -> PreparedRun:
     """Everything before launch, in the one order every entry point uses: check the config (a clear error
     before anything runs), launch the run's workers ahead on Spark and Ray (their start overlaps the capture),
-    make the payload (``make_payload``: a notebook cell runs here, on the caller's thread), check it."""
+    make the payload (``make_payload``: a notebook cell runs here, on the caller's thread), check it, find the
+    ``--data`` sources (in ``sources``, else the notebook's ``namespace``: the cell has run, its variables exist)."""
     plan = check(config)
     keep_warm_ahead(plan)
     payload = make_payload()
     check_payload(config, payload)  # e.g. a Ray Train loop off --backend ray: before --dry-run too
+    plan = check_data(plan, payload, sources if sources is not None else namespace)
     return PreparedRun(plan, payload, namespace)
 
 
@@ -109,6 +112,8 @@ def execute(
     elif plan.config != config:
         raise ValueError("execute: the plan was made by check() for another config")
     check_payload(config, payload)
+    if plan.data is None:  # a plan from check() alone: paths only (no notebook namespace here)
+        plan = check_data(plan, payload, None)
     return _Run(plan, payload, observer or TextObserver(), stop).execute()
 
 
@@ -122,7 +127,8 @@ class _Run:
         self.claim = self.launcher.claim_standby(self.config)
         self.root = self._checkpoint_root()
         self.early = plan.starts_before_tracking
-        self.opening = RunOpening(self.config, tags={"dtrain_magic.checkpoint_root": self.root}, deferred=self.early)
+        tags = {"dtrain_magic.checkpoint_root": self.root, **(plan.data.tags() if plan.data is not None else {})}
+        self.opening = RunOpening(self.config, tags=tags, deferred=self.early)
         self.started = time.monotonic()
         self.status, self.reason = "FAILED", None
         self.pump: Pump | None = None
@@ -182,7 +188,7 @@ class _Run:
         """Start the workers (on the claimed standby, or fresh), pump until they end; the tracker and every
         rank's value. The next run's workers are launched ahead whatever became of this one."""
         job = WorkerJob(self.payload, self.config, channel.address, checkpoint_root=self.root,
-                        strategy=dumps_by_value(self.plan.strategy))
+                        strategy=dumps_by_value(self.plan.strategy), data=self._stage_data())
         tracker = None if self.early else self.opening.wait()
         self.pump = Pump(self.config, channel, self.observer, self.started, labels=self.payload.labels)
         if tracker is not None:
@@ -212,6 +218,13 @@ class _Run:
             self.held = _keep_warm(self.launcher, self.config)
         self.pump.drain()
         return tracker, self.pump.collect()
+
+    def _stage_data(self) -> tuple:
+        """The ``--data`` sources made readable by every rank (written once where they must be, or an earlier run's
+        copy reused), before anything is launched; what the `WorkerJob` carries of them."""
+        if self.plan.data is None:
+            return ()
+        return self.plan.data.stage(self.observer.note)
 
     def _open_run_beside_workers(self) -> RunTracker:
         """Workers started before the MLflow run: hold until they are past their start, then open the run in
@@ -250,8 +263,15 @@ class _Run:
             if pump.perf.flagged:
                 tags["dtrain_magic.stragglers"] = "; ".join(pump.perf.flagged.values())
             pump.collector.cleanup()
+        inputs: list = []
+        if self.plan.data is not None:
+            from ..data.staging import staging_area
+
+            tags.update(self.plan.data.tags())
+            inputs = self.plan.data.dataset_inputs()
+            staging_area().run_ended()  # copies that cannot be reused go; the others wait for a run of the same data
         # A stopped run does not wait for MLflow still opening (it ends the run itself once open).
-        self.opening.close(self.status, self.reason, tags, metrics=waiting, artifacts=artifacts,
+        self.opening.close(self.status, self.reason, tags, metrics=waiting, artifacts=artifacts, inputs=inputs,
                            timeout=0 if self.stopped_early else 30.0)
         if self.held:
             self.observer.held(self.held)

@@ -180,6 +180,11 @@ class Launcher(ABC):
         """The address the notebook's channel listens on: loopback unless workers are on other hosts."""
         return "127.0.0.1"
 
+    def workers_share_files(self, config: RunConfig) -> bool:
+        """Do the workers read this machine's files (a ``--data`` source written once to a temp dir here)? Asked
+        before launch, after `check`; starts nothing. Default: yes (every worker on this machine)."""
+        return True
+
     @abstractmethod
     def start(self, job: WorkerJob, emit: Emit) -> RunningJob:
         """Start the workers and return at once."""

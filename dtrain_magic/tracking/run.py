@@ -91,6 +91,15 @@ class RunTracker:
             except Exception:
                 logging.getLogger(__name__).warning("could not write the MLflow artifact %s", path, exc_info=True)
 
+    def log_inputs(self, inputs: list[Mapping[str, str]]) -> None:
+        """The run's data sources as MLflow dataset inputs (name, digest, source type and source, schema, profile:
+        the "Datasets used" of the run's page)."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        if inputs:
+            self.client.log_inputs(self.run_id, [
+                DatasetInput(Dataset(**each), tags=[InputTag("mlflow.data.context", "training")]) for each in inputs])
+
     def start_system_metrics(self, node_id: str | None = None, interval_s: float = SYSTEM_METRICS_INTERVAL_S) -> None:
         """Sample CPU/memory (and GPU) of this machine into the run every ``interval_s`` seconds."""
         self._monitors.append(start_monitor(self.run_id, self.tracking_uri, node_id, interval_s))
@@ -108,9 +117,10 @@ class RunTracker:
         """Write every metric queued so far."""
         self._writer.close()
 
-    def finish(self, status: str, reason: str | None = None, tags: Mapping[str, Any] | None = None) -> None:
-        """Stop system metrics, flush every queued metric, set ``tags`` and the status (FINISHED, FAILED,
-        KILLED); ``reason`` goes to the ``dtrain_magic.failure`` tag."""
+    def finish(self, status: str, reason: str | None = None, tags: Mapping[str, Any] | None = None,
+               inputs: list[Mapping[str, str]] = ()) -> None:
+        """Stop system metrics, flush every queued metric, set ``tags`` (and the data ``inputs``) and the status
+        (FINISHED, FAILED, KILLED); ``reason`` goes to the ``dtrain_magic.failure`` tag."""
         for monitor in self._monitors:
             try:
                 finish_monitor(monitor)
@@ -122,6 +132,10 @@ class RunTracker:
         if reason:
             tags["dtrain_magic.failure"] = reason
         self.set_tags(tags)
+        try:
+            self.log_inputs(list(inputs))
+        except Exception:  # a record of the data, never the run's failure
+            logging.getLogger(__name__).warning("could not record the run's data sources", exc_info=True)
         self.client.set_terminated(self.run_id, status=status)
 
     def ui_link(self) -> str:
@@ -173,11 +187,11 @@ class RunOpening:
             if closing is None:
                 self._tracker = tracker
                 return
-        status, reason, tags, metrics, artifacts = closing
+        status, reason, tags, metrics, artifacts, inputs = closing
         for step, values, stamp in metrics:
             tracker.log_metrics(step, values, stamp)
         tracker.log_texts(artifacts)
-        tracker.finish(status, reason, tags)  # the caller gave up waiting (an interrupt): end the run it asked for
+        tracker.finish(status, reason, tags, inputs)  # the caller gave up waiting (an interrupt): end its run
         atexit.unregister(self._finish_at_exit)
 
     def begin(self) -> None:
@@ -204,20 +218,21 @@ class RunOpening:
 
     def close(self, status: str, reason: str | None = None, tags: Mapping[str, Any] | None = None,
               timeout: float = 30.0, metrics: list[tuple[int, Mapping[str, float], int]] = (),
-              artifacts: Mapping[str, str] | None = None) -> None:
-        """End the run with ``status`` (and ``tags``): now if it is open, else when it opens (waiting up to
-        ``timeout`` for that; 0: not at all, it ends by itself). ``metrics`` ((step, values, timestamp_ms), received
-        while it was opening) and ``artifacts`` (path → text: each rank's log, stacks) are logged first."""
-        metrics, artifacts = list(metrics), dict(artifacts or {})
+              artifacts: Mapping[str, str] | None = None, inputs: list[Mapping[str, str]] = ()) -> None:
+        """End the run with ``status`` (and ``tags``, and the data ``inputs``): now if it is open, else when it
+        opens (waiting up to ``timeout`` for that; 0: not at all, it ends by itself). ``metrics`` ((step, values,
+        timestamp_ms), received while it was opening) and ``artifacts`` (path → text: each rank's log, stacks) are
+        logged first."""
+        metrics, artifacts, inputs = list(metrics), dict(artifacts or {}), list(inputs)
         with self._lock:
-            self._closing = (status, reason, tags, metrics, artifacts)
+            self._closing = (status, reason, tags, metrics, artifacts, inputs)
             tracker, self._tracker = self._tracker, None
         self._go.set()  # a run that never opened is still recorded, with this status
         if tracker is not None:
             for step, values, stamp in metrics:
                 tracker.log_metrics(step, values, stamp)
             tracker.log_texts(artifacts)
-            tracker.finish(status, reason, tags)
+            tracker.finish(status, reason, tags, inputs)
         elif timeout:
             self._thread.join(timeout)  # it ends the run itself if it opens after this
         elif self._thread.is_alive():  # not waited for now: at the latest when the process exits (a script)

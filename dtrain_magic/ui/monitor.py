@@ -2,10 +2,11 @@
 
 What it shows: the plan and the MLflow run id and link, per-rank status (starting, running, done,
 failed) with each rank's steps/s and CPU use and a straggler flag, a progress bar with step, steps/s and
-ETA once the function calls ``ctx.set_total(steps)``, throughput (samples/s, tokens/s, model FLOP/s, MFU),
-the latest metrics, a tail of the workers' output (all ranks, or one rank: the tabs above it), a Stop
-button, a Stacks button (every rank's Python stack now, within 2 s, shown under the log; a stall shows
-there too), and the two live charts
+ETA once the function calls ``ctx.set_total(steps)``, where each ``ctx.data`` loader of rank 0 is in its
+epoch (batches read of the epoch's), throughput (samples/s, tokens/s, model FLOP/s, MFU), the latest
+metrics, a tail of the workers' output (all ranks, or one rank: the tabs above it), a Stop button, a Stacks
+button (every rank's Python stack now, within 2 s, shown under the log; a stall shows there too), and the
+two live charts
 (`charts.RunCharts`: fed each metric as it arrives, merged with the MLflow run's history by a
 background poller once the run is open; made at the first metric, in a background thread, after
 plotly's first import).
@@ -87,6 +88,7 @@ class MonitorWidget(anywidget.AnyWidget):
     rank_logs = traitlets.Dict().tag(sync=True)  # rank (as text) → its last lines, without the [rank N] prefix
     perf = traitlets.Unicode("").tag(sync=True)  # samples/s · tokens/s · FLOP/s · MFU, or why not
     stacks = traitlets.Unicode("").tag(sync=True)  # where every rank is: a title line, then the stacks
+    data = traitlets.Dict().tag(sync=True)  # rank 0's ctx.data loaders: {name: {epoch, batch, batches}}
 
 
 class MonitorObserver(RunObserver):
@@ -131,7 +133,7 @@ class MonitorObserver(RunObserver):
         self._lock = threading.Lock()
         self._state: dict[str, Any] = {"state": "starting",
                                        "ranks": {r: ("starting", "") for r in range(config.num_processes)},
-                                       "step": 0, "total": 0, "metrics": {}, "message": ""}
+                                       "step": 0, "total": 0, "metrics": {}, "message": "", "data": {}}
         self._log: deque[str] = deque(maxlen=LOG_TAIL)
         self._rank_logs: dict[int, deque[str]] = {}
         self._pending: dict[tuple[int, str], str] = {}
@@ -202,6 +204,20 @@ class MonitorObserver(RunObserver):
         self.text.total(steps)
         with self._lock:
             self._state["total"] = int(steps)
+        self._dirty.set()
+
+    def data_progress(self, name: str, epoch: int, batch: int, batches: int) -> None:
+        """Rank 0's ``ctx.data`` loader: the panel shows the batches of the epoch read so far."""
+        self.text.data_progress(name, epoch, batch, batches)
+        with self._lock:
+            self._state["data"] = {**self._state["data"], name: {"epoch": epoch, "batch": batch, "batches": batches}}
+        self._dirty.set()
+
+    def note(self, text: str) -> None:
+        """The notebook's own line (staging the data): in the cell's text and the panel's log."""
+        self.text.note(text)
+        with self._lock:
+            self._log.append(f"dtrain_magic: {text}")
         self._dirty.set()
 
     def finished(self, result: Any, error: BaseException | None) -> None:
@@ -393,6 +409,7 @@ class MonitorObserver(RunObserver):
                 log=list(self._log), message=s["message"], held=s.get("held", ""),
                 rank_logs={str(r): list(lines) for r, lines in sorted(self._rank_logs.items())},
                 perf=s.get("perf", ""), stacks=s.get("stacks", ""),
+                data={name: dict(where) for name, where in s["data"].items()},
             )
 
     def _flush(self) -> None:

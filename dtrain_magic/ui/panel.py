@@ -31,13 +31,15 @@ import anywidget
 import traitlets
 
 from ..config import RunConfig, cuda_available
+from ..data.spec import as_text, from_text
 from ..errors import ConfigError, DistributeError, log_dropped
-from ..flagtable import CHECKBOX, DROPDOWN, INT_BOX, TEXT, Flag, panel_rows
+from ..flagtable import APPEND, CHECKBOX, DROPDOWN, INT_BOX, TEXT, Flag, panel_rows
 from ..payload import Payload
 from ..registry import STRATEGIES
 from ..strategies.memory import CellModel
 
 CONTROLS = tuple(row.field for row in panel_rows())  # the RunConfig fields the panel sets, from the flag table
+TEXT_LISTS = tuple(row.field for row in panel_rows() if row.kind == APPEND)  # shown as one line: "a=x b=y"
 DEFAULT_PARAMS = 125_000_000  # the memory estimate's what-if size when the cell's model is not known
 OUTPUT_LINES = 400  # the panel keeps this many lines of worker text (the monitor shows a tail too)
 
@@ -58,11 +60,14 @@ class PanelState:
         gpu_available: Callable[[], bool] = cuda_available,
         num_params: int | None = None,
         model: CellModel | None = None,
+        describe_data: Callable[[RunConfig], list[str]] | None = None,
     ):
         """``model``: the cell's model as `memory.model_of_cell` found it (or why not); ``num_params``: a
-        size typed by the user (a what-if), else the cell's model's, else `DEFAULT_PARAMS`."""
+        size typed by the user (a what-if), else the cell's model's, else `DEFAULT_PARAMS`. ``describe_data``:
+        the ``--data`` sources of a config in words, one line each (raises a `ConfigError` for a bad one)."""
         self.base = config
         self.checker = checker
+        self.describe_data = describe_data
         self.gpu_available = gpu_available
         self.model = model
         if num_params is not None:
@@ -73,7 +78,8 @@ class PanelState:
             self.num_params, self.size_source = DEFAULT_PARAMS, "default"
         if self.size_source == "typed" and model is not None and model.num_params == self.num_params:
             self.size_source = "cell"
-        self.values: dict[str, Any] = {name: getattr(config, name) for name in CONTROLS}
+        self.values: dict[str, Any] = {name: as_text(getattr(config, name)) if name in TEXT_LISTS
+                                       else getattr(config, name) for name in CONTROLS}
         self._apply_strategy_fields()
 
     # -- controls --------------------------------------------------------------------------------
@@ -122,7 +128,11 @@ class PanelState:
 
     # -- what Run would do -----------------------------------------------------------------------
     def _build(self, **overrides: Any) -> RunConfig:
-        return self.base.replace(**dict(self.values, **overrides))
+        values = dict(self.values, **overrides)
+        for name in TEXT_LISTS:  # "train=df val=/p" → ((train, df), (val, /p)); a malformed one: a ConfigError
+            if isinstance(values[name], str):
+                values[name] = from_text(values[name])
+        return self.base.replace(**values)
 
     def problems(self) -> list[str]:
         """Why Run is disabled: every reason, each naming the control (empty when the choice is valid)."""
@@ -141,7 +151,22 @@ class PanelState:
                 message = str(exc).splitlines()[0]
                 if message not in found and not (found and "CUDA" in message):
                     found.append(message)
+        try:
+            self.data_lines(config)
+        except DistributeError as exc:
+            found.append(str(exc).splitlines()[0])
         return found
+
+    def data_lines(self, config: RunConfig | None = None) -> list[str]:
+        """The ``--data`` sources in words (kind, columns, how they reach the ranks); a `ConfigError` for a bad one."""
+        if config is None:
+            try:
+                config = self._build()
+            except (ConfigError, TypeError, ValueError):
+                return []
+        if not config.data or self.describe_data is None:
+            return []
+        return self.describe_data(config)
 
     @property
     def can_run(self) -> bool:
@@ -233,7 +258,8 @@ class ConfigurePanel:
 
         preload_plotly()  # the live charts' first figure costs seconds in a fresh kernel: meanwhile the user chooses
         self.cell, self.shell, self.make_payload = cell, shell, make_payload
-        self.state = PanelState(config, checker=checker, model=model)
+        self._described: dict[tuple, list[str]] = {}
+        self.state = PanelState(config, checker=checker, model=model, describe_data=self._describe_data)
         opts = self.state.options()
         v = self.state.values
         style = {"description_width": "150px"}
@@ -246,6 +272,8 @@ class ConfigurePanel:
         self.memory = w.HTML()
         self.memory.add_class("dtm-memory")
         self.problems = w.HTML()
+        self.data = w.HTML()
+        self.data.add_class("dtm-data")
         self.flag_line = w.Textarea(value="", disabled=False, layout=w.Layout(width="100%", height="48px"),
                                     description="equivalent", style=style)
         self.flag_line.add_class("dtm-flag-line")
@@ -275,11 +303,21 @@ class ConfigurePanel:
         self.widget = w.VBox([
             w.HTML("<b>dtrain_magic · configure the run</b>"),
             w.HBox([w.VBox(columns[0]), w.VBox(columns[1] + [self.params])]),
-            self.memory, self.problems, self.flag_line, w.HBox([self.run_button, self.writer]), self.cell_output,
-            self.monitor_box, self.output,
+            self.memory, self.data, self.problems, self.flag_line, w.HBox([self.run_button, self.writer]),
+            self.cell_output, self.monitor_box, self.output,
         ])
         self.widget.add_class("dtm-configure")
         self.refresh()
+
+    def _describe_data(self, config: RunConfig) -> list[str]:
+        """The sources in the notebook as the run would find them (not counted: that is for Run and --dry-run);
+        kept per data line, so a 1 GB pandas DataFrame is not converted again at every click."""
+        key = (config.data, config.backend)
+        if key not in self._described:
+            from ..data.resolve import describe
+
+            self._described = {key: describe(config, getattr(self.shell, "user_ns", None) or {})}
+        return self._described[key]
 
     def _changed(self, name: str, value: Any) -> None:
         self.state.set(**{name: value})
@@ -301,6 +339,12 @@ class ConfigurePanel:
         memory = self.state.memory_line()
         self.memory.value = (f"<pre style='margin:0; white-space:pre-wrap'>{html.escape(memory)}</pre>" if memory
                              else "<i>memory estimate unavailable</i>")
+        try:
+            data = self.state.data_lines()
+        except DistributeError:
+            data = []  # listed among the problems
+        self.data.value = ("<pre style='margin:0; white-space:pre-wrap'>" + html.escape("\n".join(data)) + "</pre>"
+                           if data else "")
         problems = self.state.problems()
         self.problems.value = ("".join(f"<div style='color:#cf222e'>⚠ {html.escape(p)}</div>" for p in problems)
                                if problems else "<div style='color:#1a7f37'>✓ ready to run</div>")

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-from ..channel import Message, Metric, ModelFacts, Total
+from ..channel import DataProgress, Message, Metric, ModelFacts, Total
 from ..config import RunConfig
 from ..errors import log_dropped
 from ..strategies.base import Strategy
@@ -80,6 +80,7 @@ class TrainContext:
         send: Callable[[Message], None] | None = None,
         checkpoint_store: Any = None,
         pulse: Pulse | None = None,
+        data: Sequence[Any] = (),
     ):
         self.config = config
         self.strategy = strategy
@@ -93,6 +94,8 @@ class TrainContext:
         self._pulse = pulse  # None: each ctx.log is sent at once (a context built outside run_worker)
         self._model_flops: dict[str, float] = {}
         self._parameters = 0
+        self._data_sources = tuple(data)  # `dtrain_magic.data.blocks.StagedSource`s: what --data gave this run
+        self._data_positions: Any = None  # `dtrain_magic.data.reader.DataPositions`, once ctx.data made a reader
 
     @property
     def is_main(self) -> bool:
@@ -130,6 +133,31 @@ class TrainContext:
         seed = self.config.seed or 0
         sharded = [shard_loader(loader, self.data_parallel_rank, self.data_parallel_size, seed) for loader in loaders]
         return (model, optimizer, *sharded)
+
+    def data(self, name: str, batch_size: int, *, shuffle: bool = False, columns: Sequence[str] | None = None,
+             collate_fn: Callable[[dict], Any] | None = None, drop_last: bool = False, device: Any = None,
+             shuffle_window: int | None = None) -> Any:
+        """This rank's batches of the data source ``--data NAME=...`` (docs/data.md): iterate it once per epoch
+        (``loader.set_epoch(epoch)`` first: the order, reshuffled per epoch with ``shuffle``, depends only on
+        ``--seed`` and the epoch); ``len(loader)`` batches per epoch, the same on every rank. Each batch is a dict of
+        tensors (one per column, or ``columns``), on ``device`` (default ``ctx.device``), or what
+        ``collate_fn(batch)`` makes of it. Each epoch the data-parallel ranks read every row once between them
+        (ranks of one model replica under ``--tp``/``--pp`` read the same batches); ``drop_last=False`` pads the
+        last rank's share with fewer than ``ranks`` rows read twice, ``drop_last=True`` leaves out fewer than
+        ``ranks x batch_size``. ``shuffle_window``: rows shuffled together (default about 64 MB of them).
+        ``ctx.save_checkpoint`` records where the loader is; ``ctx.load_checkpoint`` resumes it there."""
+        from ..data.reader import DataPositions, ProgressSender, open_batches
+
+        if self._data_positions is None:
+            self._data_positions = DataPositions()
+        progress = ProgressSender(lambda *args: self._send(DataProgress(self.rank, *args)), name) \
+            if self.is_main else None
+        reader = open_batches(
+            self._data_sources, name, self.data_parallel_rank, self.data_parallel_size, batch_size=batch_size,
+            shuffle=shuffle, seed=self.config.seed or 0, drop_last=drop_last, columns=columns, collate_fn=collate_fn,
+            device=self.device if device is None else torch.device(device), shuffle_window=shuffle_window,
+            progress=progress)
+        return self._data_positions.add(name, reader)
 
     def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         """Forward (under `autocast`), ``loss_fn(outputs, targets)``, backward, and the optimizer step at the
@@ -245,6 +273,8 @@ class TrainContext:
         """Save model, optimizer and ``client_state`` through the strategy (every rank must call it)."""
         self._require_prepared("save_checkpoint")
         directory = self._checkpoint_dir(directory)
+        if self._data_positions is not None:  # where each ctx.data loader is, to resume there
+            client_state = self._data_positions.client_state(client_state)
         self.strategy.save_checkpoint(directory, client_state)
         self.barrier()
         if self._checkpoints is not None:
@@ -258,7 +288,14 @@ class TrainContext:
         if directory is None or not os.path.isdir(directory):
             return None
         self._require_prepared("load_checkpoint")
-        return self.strategy.load_checkpoint(directory)
+        client_state = self.strategy.load_checkpoint(directory)
+        if client_state and "dtrain_magic.data" in client_state:  # ctx.data loaders resume where they were saved
+            from ..data.reader import DataPositions
+
+            if self._data_positions is None:
+                self._data_positions = DataPositions()
+            client_state = self._data_positions.restore(client_state)
+        return client_state
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's full-precision state dict (ZeRO-3/FSDP/tensor-parallel shards gathered, pipeline

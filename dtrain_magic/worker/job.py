@@ -22,6 +22,7 @@ class WorkerJob:
     run_id: str | None = None
     checkpoint_root: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+    data: tuple = ()  # the run's data sources as the ranks read them (`dtrain_magic.data.blocks.StagedSource`)
     # The strategy class, pickled in the notebook (`payload.dumps_by_value`): one registered there from the user's
     # own code (`registry.STRATEGIES.register`) reaches workers whose registry never heard of it.
     strategy: bytes | None = None

@@ -1,5 +1,6 @@
 """``--backend ray``: real Ray Train on loopback (one embedded instance for the module), a real
-``ray start --head`` cluster, real SIGKILLs and a real kernel interrupt."""
+``ray start --head`` cluster, real SIGKILLs and a real kernel interrupt; last, ``--data`` (docs/data.md): an existing
+loop's ``get_dataset_shard``, ``ctx.data`` over Ray Train's shards and Ray's object store, Ray Data off Ray."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # generous: a loaded 
 
 ray = pytest.importorskip("ray")
 
+from data_workloads import assert_exactly_once, read_cell  # noqa: E402
 from workloads import (  # noqa: E402 (after importorskip: no Ray, no module)
     EVERY,
     MIXED_CELL,
@@ -688,3 +690,75 @@ def test_lightning_ddp_runs_on_ray_without_launching_its_own(shell):
     assert values[0]["pid"] != values[1]["pid"]  # the two Ray Train workers, no processes of Lightning's own
     assert loss_fell(values[0]["losses"]), values[0]["losses"]
     assert_close(values[1]["weights"], values[0]["weights"], atol=0, rtol=0)
+
+
+# -- --data (docs/data.md): Ray Datasets to Ray Train, objects in the object store, Ray Data off Ray ----------------
+DATA_ROWS = 301
+
+EXISTING_DATA_LOOP = """%%distribute --backend ray -n 2 --no-ui --data train=ds
+import ray.train, torch
+
+def train_func(config):
+    shard = ray.train.get_dataset_shard("train")
+    model = ray.train.torch.prepare_model(torch.nn.Linear(1, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen = []
+    for epoch in range(config["epochs"]):
+        for batch in shard.iter_torch_batches(batch_size=config["batch_size"], dtypes=torch.float32):
+            loss = torch.nn.functional.mse_loss(model(batch["id"].reshape(-1, 1)), batch["id"].reshape(-1, 1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            seen += batch["id"].long().tolist()
+        ray.train.report({"epoch": epoch, "loss": loss.item()})
+    return {"rank": ray.train.get_context().get_world_rank(), "seen": seen}
+
+train_func({"epochs": 1, "batch_size": 50})
+"""
+
+
+def test_an_existing_ray_train_loop_reads_its_dataset_shard_unchanged(shell, mlflow):
+    """``TorchTrainer(datasets={"train": ds})``'s loop, unchanged, with ``--data train=ds``: Ray Train splits it."""
+    shell.user_ns["ds"] = ray.data.range(DATA_ROWS)
+    result = shell.run(EXISTING_DATA_LOOP)
+    assert result.error_in_exec is None, result.error_in_exec
+    seen = [row for value in result.result.values for row in value["seen"]]
+    assert len(seen) == len(set(seen)) and DATA_ROWS - len(seen) < 2  # Ray's equal split: fewer than the ranks left
+    assert len(result.result.values[0]["seen"]) == len(result.result.values[1]["seen"])
+    assert [m.step for m in mlflow.get_metric_history(result.result.run_id, "loss")] == [0]  # its report: MLflow
+
+
+def test_ctx_data_reads_ray_trains_shards_and_the_object_store(shell, mlflow):
+    import numpy as np
+    import pandas as pd
+
+    shell.user_ns.update(ds=ray.data.range(DATA_ROWS), frame=pd.DataFrame({"id": np.arange(DATA_ROWS) + 5000}))
+    options = {"train": dict(batch_size=20, shuffle=True), "objects": dict(batch_size=16, shuffle=True)}
+    result = shell.run(read_cell("ray", options, flags="--data train=ds --data objects=frame"))
+    assert result.error_in_exec is None, result.error_in_exec
+    values = result.result.values
+    seen = [[row for value in values for row in value["sources"]["train"]["epochs"][epoch]] for epoch in (0, 1)]
+    for rows in seen:  # Ray Train's streaming split, equal: each row at most once, fewer than the ranks left out
+        assert len(rows) == len(set(rows)) and set(rows) <= set(range(DATA_ROWS)) and DATA_ROWS - len(rows) < 2
+    assert seen[0] != seen[1]  # reshuffled per epoch (Ray's local shuffle buffer, seeded by --seed and the epoch)
+    assert_exactly_once(values, "objects", list(range(5000, 5000 + DATA_ROWS)))
+    tags = mlflow.get_run(result.result.run_id).data.tags
+    assert tags["dtrain_magic.data.train.kind"] == "Ray Dataset" and tags["dtrain_magic.data.train.rows"] == "301"
+    assert "Ray Train" in tags["dtrain_magic.data.train.reaches_ranks"]
+    assert "object store" in tags["dtrain_magic.data.objects.reaches_ranks"]
+    from dtrain_magic.config import RunConfig
+
+    # The module's Ray, connected: every alive node is this machine, so a copy staged here reaches every worker.
+    assert ray.is_initialized() and ray_launcher().workers_share_files(RunConfig(backend="ray"))
+
+
+def test_off_ray_a_ray_dataset_is_written_once_as_parquet(shell, capsys):
+    from dtrain_magic.data.staging import staging_area
+
+    shell.user_ns["ds"] = ray.data.range(DATA_ROWS)
+    result = shell.run(read_cell("local", {"train": dict(batch_size=32, shuffle=True)}, flags="--data train=ds",
+                                 epochs=1))
+    assert result.error_in_exec is None, result.error_in_exec
+    assert_exactly_once(result.result.values, "train", list(range(DATA_ROWS)))
+    assert "data train: staging Ray Dataset ds: written once as Parquet by Ray Data" in capsys.readouterr().out
+    staging_area().shutdown()  # (the module's copies; at a kernel's exit)

@@ -7,7 +7,8 @@ the next run's workers waiting (a standby, docs/warm-reruns.md), so most runs he
 ahead: "nothing left" means nothing of the finished run, and only the standby's processes, which the launcher
 names (`SparkLauncher.standby_processes`); tests that prove clean-up release the standby and check that
 nothing at all is left.
-Measured times to first step are printed (``pytest -s``) and kept in ``TIMES``.
+Measured times to first step are printed (``pytest -s``) and kept in ``TIMES``. ``--data`` with a Spark DataFrame
+(docs/data.md) runs on the local session and, last, on the local-cluster, where each barrier task reads its share.
 """
 
 import os
@@ -18,8 +19,10 @@ import time
 import psutil
 import pytest
 
+from data_workloads import assert_exactly_once, read_cell
 from dtrain_magic.config import RunConfig
-from dtrain_magic.errors import ConfigError, RunInterrupted, RunTimeout, WorkerError
+from dtrain_magic.data.staging import staging_area
+from dtrain_magic.errors import CaptureError, ConfigError, RunInterrupted, RunTimeout, WorkerError
 from dtrain_magic.launchers import get_launcher
 from workloads import (
     EVERY,
@@ -523,6 +526,57 @@ def test_runs_in_a_row_leave_nothing_growing(spark_launcher, shell):
     assert_no_spark_job_running(spark_launcher)
 
 
+# -- --data: a Spark DataFrame, never collected (docs/data.md) ---------------------------------------------------
+DATA_ROWS = 1001
+DATA_OPTIONS = {"train": dict(batch_size=32, shuffle=True)}
+
+
+def data_frame(spark_launcher, master=None):
+    """A DataFrame of DATA_ROWS ids (3 partitions) with a float and a string column, on the module's session."""
+    from pyspark.sql import functions as F
+
+    spark = spark_launcher.session(RunConfig(backend="spark", spark_master=master))
+    return (spark.range(DATA_ROWS, numPartitions=3).withColumn("x", F.col("id").cast("float") / 10)
+            .withColumn("label", F.lit("text")))
+
+
+def test_a_dataframe_as_data_is_written_once_read_once_per_epoch_then_reused_on_local(spark_launcher, shell,
+                                                                                      capsys):
+    """Spark's executors write the DataFrame once as Parquet; each epoch the ranks read every row once (up to the
+    even-split rule); the same DataFrame built again, on the local backend, is read from that copy, not written."""
+    shell.user_ns["df"] = data_frame(spark_launcher)
+    result = shell.run(read_cell("spark", DATA_OPTIONS, flags="--data train=df[id,x]"))
+    assert result.error_in_exec is None, result.error_in_exec
+    assert_exactly_once(result.result.values, "train", list(range(DATA_ROWS)))
+    out = capsys.readouterr().out
+    assert "data train: staging Spark DataFrame df[id,x]: written once as Parquet by Spark's executors" in out
+    copy = next(iter(staging_area().copies.values())).location
+    written = sorted(os.listdir(copy))
+    assert any(name.endswith(".parquet") for name in written)
+    shell.user_ns["df"] = data_frame(spark_launcher)
+    result = shell.run(read_cell("local", DATA_OPTIONS, flags="--data train=df[id,x]", epochs=1))
+    assert result.error_in_exec is None, result.error_in_exec
+    assert_exactly_once(result.result.values, "train", list(range(DATA_ROWS)))
+    assert "data train: reusing the copy of Spark DataFrame df[id,x] an earlier run staged" in capsys.readouterr().out
+    assert sorted(os.listdir(copy)) == written
+
+
+def test_bad_dataframes_as_data_are_refused_before_launch(spark_launcher, shell):
+    df = data_frame(spark_launcher)
+    shell.user_ns.update(df=df, empty=df.limit(0).select("id"))
+    cell = "%%distribute --backend spark -n 2 --no-ui {flags}\ndef train(ctx):\n    return {body}\n"
+    result = shell.run(cell.format(flags="--data train=df", body="1"))
+    assert isinstance(result.error_in_exec, ConfigError)
+    assert "column 'label' (string) cannot become a tensor" in str(result.error_in_exec)
+    assert "--data train=df[col,...] or df.select(...)" in str(result.error_in_exec)
+    result = shell.run(cell.format(flags="--data train=empty", body="1"))
+    assert isinstance(result.error_in_exec, ConfigError) and "has no rows" in str(result.error_in_exec)
+    result = shell.run(cell.format(flags="", body="df.count()"))  # the DataFrame inside the function
+    assert isinstance(result.error_in_exec, CaptureError)
+    assert "add `--data df=df`" in str(result.error_in_exec) and "ctx.data('df'" in str(result.error_in_exec)
+    staging_area().shutdown()  # (the module's copies; at a kernel's exit)
+
+
 def test_gpu_setting_problems_are_clear_errors(spark_launcher, shell, mlflow):
     result = shell.run("%%distribute --backend spark --cluster --gpu -n 2 --no-ui\ndef train(ctx): pass\n")
     error = result.error_in_exec
@@ -649,3 +703,23 @@ def test_cluster_mode_interrupt_cancels_the_job_group_within_10_s(spark_launcher
     assert_stopped_within_10_s(result, sent, spark_launcher)
     assert_no_spark_job_running(spark_launcher)
     assert last_run(mlflow).info.status == "KILLED"
+
+
+def test_cluster_mode_barrier_tasks_read_their_share_of_a_dataframe_from_data_dir(spark_launcher, shell, tmp_path):
+    """--cluster with --data-dir (a directory every node mounts, here on this machine): the executors write the
+    DataFrame there once; each barrier task reads its share on its own executor, every row once."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shell.user_ns["df"] = data_frame(spark_launcher, CLUSTER_MASTER)
+    shell.run(EXECUTOR_HELPER)
+    cell = read_cell("spark", DATA_OPTIONS, flags=f"--cluster --spark-master {CLUSTER_MASTER} --data train=df[id,x] "
+                                                  f"--data-dir {shared}", epochs=1)
+    result = shell.run(cell.replace('return {"rank"', 'return {"executor": executor_pid(), "rank"'))
+    assert result.error_in_exec is None, result.error_in_exec
+    executors = [value["executor"] for value in result.result.values]
+    assert None not in executors and len(set(executors)) == 2, executors  # one barrier task per executor
+    assert_exactly_once(result.result.values, "train", list(range(DATA_ROWS)))
+    staged = list(shared.iterdir())
+    assert len(staged) == 1 and staged[0].name.startswith("dtrain_data_") and any(staged[0].rglob("*.parquet"))
+    staging_area().shutdown()  # (at the kernel's exit)
+    assert not any(shared.iterdir())

@@ -77,6 +77,7 @@ EVERY_KIND = [
     ch.StandbyReady(1, 4242, "node-a"),
     ch.StandbyJob(b"\x80\x05K\x01.", "/home/user/notebooks", {"MY_FLAG": "1"}, ("OLD_FLAG",), "sqlite:///x.db"),
     ch.StandbyRelease("idle for 600 s"),
+    ch.DataProgress(0, "train", 2, 120, 500),
 ]
 
 

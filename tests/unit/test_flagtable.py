@@ -13,7 +13,7 @@ import pytest
 from dtrain_magic import flagdocs, flagtable
 from dtrain_magic.config import RunConfig, quote_flag_value
 from dtrain_magic.errors import ConfigError
-from dtrain_magic.flagtable import FLAGS, NEVER, SWITCH, VALUE
+from dtrain_magic.flagtable import APPEND, FLAGS, NEVER, SWITCH, VALUE
 from dtrain_magic.notebook import flags
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,7 +26,7 @@ TEXTS = ["plain", "two words", "a  b", "it's", 'say "hi"', "'quoted'", '"double"
          "-leading-dash", "--looks-like-a-flag", "-5", "x=y,z", "ünïcode ✓", "%%distribute", "$HOME"]
 FREE_TEXT = {  # text fields, with what they need to be valid
     "experiment": {}, "tracking_uri": {}, "spark_master": {"backend": "spark"}, "ray_address": {"backend": "ray"},
-    "storage": {}, "deepspeed_config": {"strategy": "deepspeed"},
+    "storage": {}, "deepspeed_config": {"strategy": "deepspeed"}, "data_dir": {"data": {"train": "df"}},
 }
 IDENTIFIERS = {"fn", "result"}  # text fields that must be Python identifiers (no spaces or quotes possible)
 
@@ -58,6 +58,8 @@ ROUND_TRIP: dict[str, list[dict]] = {
     "pp": [{"pp": 2}, {"pp": 2, "num_processes": 4}],
     "microbatches": [{"pp": 2, "microbatches": 4}],
     "pp_schedule": [{"pp": 2, "pp_schedule": "1f1b"}],
+    "data": [{"data": {"train": "df_train"}}, {"data": (("train", "df[x,y]"), ("val", "/data/my runs/val.parquet"))},
+             {"data": ["a=s3://bucket/part-*.parquet", "b=it's"]}, {"data": {"x": "ünïcode ✓", "y": "-odd"}}],
     **{field: [{**needs, field: text} for text in TEXTS] for field, needs in FREE_TEXT.items()},
 }
 ROUND_TRIP["tracking_uri"] += [{"tracking_uri": "sqlite:////tmp/my runs/mlflow.db"},
@@ -98,7 +100,7 @@ def test_defaults_agree_with_runconfig_or_are_resolved():
 
 def test_rows_are_well_formed():
     for row in FLAGS:
-        assert row.kind in (VALUE, SWITCH, flagtable.STORE_TRUE), row.name
+        assert row.kind in (VALUE, SWITCH, flagtable.STORE_TRUE, APPEND), row.name
         assert row.line in (flagtable.ALWAYS, flagtable.CHANGED, NEVER), row.name
         assert bool(row.off_options) == (row.kind == SWITCH), row.name
         assert row.field is not None or row.line == NEVER, row.name
@@ -115,8 +117,10 @@ def test_parser_is_built_from_the_table():
     for row in FLAGS:
         for option in row.options:
             action = actions[option]
+            # a repeatable flag appends to argparse's list: its "not given" is None, RunConfig's default is empty
+            default = None if row.kind == APPEND else row.default
             assert (action.dest, action.help, action.default) == (row.field or row.name[2:].replace("-", "_"),
-                                                                   row.help, row.default), option
+                                                                   row.help, default), option
             assert action.choices == row.choices, option
         for option in row.off_options:
             off = actions[option]

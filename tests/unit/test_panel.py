@@ -22,7 +22,7 @@ def state(line: str = "--backend local", **kwargs) -> PanelState:
 def test_prefilled_from_the_flags():
     s = state("--backend local --strategy fsdp --precision bf16 -n 3 --grad-accum 4 --experiment exp1 --cpu")
     assert s.values == dict(backend="local", strategy="fsdp", zero=None, precision="bf16", num_processes=3,
-                            grad_accum=4, use_gpu=False, tp=1, pp=1, experiment="exp1")
+                            grad_accum=4, use_gpu=False, tp=1, pp=1, experiment="exp1", data="")
     assert s.to_config().flag_line() == (
         "%%distribute --backend local --strategy fsdp --precision bf16 -n 3 --cpu --grad-accum 4 "
         "--experiment exp1 --ui")
@@ -244,7 +244,7 @@ def test_controls_labels_and_options_come_from_the_flag_table():
     rows = [row for row in FLAGS if row.panel is not None]
     assert CONTROLS == tuple(row.field for row in rows)
     assert set(CONTROLS) == {"backend", "strategy", "zero", "precision", "num_processes", "grad_accum", "use_gpu",
-                             "tp", "pp", "experiment"}
+                             "tp", "pp", "experiment", "data"}
     options = PanelState(RunConfig(use_gpu=True), gpu_available=lambda: True).options()
     assert options == {"backend": [(b, b) for b in BACKENDS if b != "auto"], "strategy": [(s, s) for s in STRATEGIES],
                        "zero": [(f"ZeRO-{z}", z) for z in ZERO_STAGES], "precision": [(p, p) for p in PRECISIONS]}

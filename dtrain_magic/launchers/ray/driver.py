@@ -18,6 +18,7 @@ for the next run.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -28,6 +29,7 @@ from typing import Any, Mapping
 from ..._compat import ray as ray_compat
 from ...channel import StandbyJob
 from ...config import RunConfig, redact_uri
+from ...data.blocks import without_trainer_datasets
 from ...errors import ConfigError, LaunchError, MissingDependencyError, log_dropped, summary
 from ...worker import WorkerJob
 from ...worker.checkpoints import run_checkpoint_root, storage_path
@@ -44,7 +46,9 @@ class RayJob(StandbyLaunch):
     """One ``TorchTrainer.fit()`` in a background thread: a run's (`for_job`), or a standby's (`for_standby`: its
     workers wait for a run's job, and `attach` makes it that run's)."""
 
-    def __init__(self, config: RunConfig, emit: Emit | None, loop: Any, loop_config: dict, name: str, storage: str):
+    def __init__(self, config: RunConfig, emit: Emit | None, loop: Any, loop_config: dict, name: str, storage: str,
+                 datasets: dict[str, Any] | None = None):
+        """``datasets``: Ray Datasets for Ray Train to split among the workers (``--data NAME=ds``)."""
         import ray.train
 
         self._emit = emit
@@ -65,6 +69,7 @@ class RayJob(StandbyLaunch):
                 storage_path=self.storage,
                 failure_config=ray.train.FailureConfig(max_failures=config.max_restarts),
             ),
+            datasets=datasets or None,
         )
         self._thread = threading.Thread(target=self._fit, name="dtrain-ray-fit", daemon=True)
         self._thread.start()
@@ -74,8 +79,12 @@ class RayJob(StandbyLaunch):
         """Launch ``job``'s workers now. Ray Train's run directory is the run's checkpoint root, so its
         checkpoints and ctx's are one place."""
         name = os.path.basename(job.checkpoint_root) if job.checkpoint_root else f"dtrain_{uuid.uuid4().hex}"
+        # Ray Datasets go to Ray Train itself (each worker reads ray.train.get_dataset_shard); the job keeps where
+        # the rest is, never a Dataset object.
+        sources, datasets = without_trainer_datasets(job.data)
+        job = dataclasses.replace(job, data=sources)
         return cls(job.config, emit, _train_loop, {"job": job, "cwd": os.getcwd()}, name,
-                   storage_path(job.config.storage))
+                   storage_path(job.config.storage), datasets)
 
     @classmethod
     def for_standby(cls, config: RunConfig, standby: Standby, strategies: tuple[str, ...]) -> "RayJob":
@@ -224,6 +233,23 @@ class RayLauncher(Launcher):
             return "127.0.0.1"
         return ray.util.get_node_ip_address()
 
+    def workers_share_files(self, config: RunConfig) -> bool:
+        """A Ray whose every node is this machine (connected: its alive nodes; not yet: the local instance a run
+        would start, or an address on loopback); starts nothing."""
+        import sys
+
+        if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+            import ray
+
+            try:
+                here = ray.util.get_node_ip_address()
+                return all(node["NodeManagerAddress"] in (here, *_LOOPBACK) for node in ray.nodes() if node["Alive"])
+            except Exception as exc:  # cannot tell: staged copies then need --data-dir
+                log_dropped(__name__, "the Ray cluster's nodes", exc)
+                return False
+        address = config.ray_address or os.environ.get("RAY_ADDRESS") or None
+        return address is None or _host_port(address)[0] in _LOOPBACK
+
     def _in_use(self) -> bool:
         return any(job.running() for job in list(self._jobs))
 
@@ -249,10 +275,13 @@ class RayLauncher(Launcher):
         storage_path and FailureConfig(max_failures)."""
         where = (f"local instance {os.path.basename(self.instance.temp_dir)}" if self.instance.temp_dir
                  else redact_uri(_current_address() or "?"))
-        return Placement("ray", (
+        items: tuple[tuple[str, Any], ...] = (
             ("processes", config.num_processes), ("GPU", config.use_gpu), ("Ray", where),
             ("storage", redact_uri(storage_path(config.storage))), ("max restarts", config.max_restarts),
-        ))
+        )
+        if config.data:  # Ray Train takes its datasets when the trainer is made: such a run launches afresh
+            items += (("data", tuple(name for name, _ in config.data)),)
+        return Placement("ray", items)
 
     def claim_standby(self, config: RunConfig) -> Claim | None:
         if self.standbys.standby is None or self.instance.connected_for(config) is None:
@@ -265,7 +294,7 @@ class RayLauncher(Launcher):
         cluster only with ``--keep-warm``); nothing before Ray is up (a kernel's first run starts it after the
         cell ran: the cell may call ray.init itself)."""
         how = self.instance.connected_for(config)
-        if how is None:
+        if how is None or config.data:  # a run with --data gives Ray Train its datasets at launch: nothing ahead
             return None
         keep = keep_warm_s(config, holds_by_default=how in ("embedded", "notebook"))
         placement = self._placement(config)

@@ -683,6 +683,13 @@ class SparkLauncher(Launcher):
     def starts_before_tracking(self, config: RunConfig) -> bool:
         return config.local_mode  # on a cluster, each node's first worker records system metrics in the run
 
+    def workers_share_files(self, config: RunConfig) -> bool:
+        """Local mode, or a cluster on this machine (``local-cluster[...]``, a master on loopback)."""
+        if config.local_mode:
+            return True
+        session = self._running_session(config)
+        return is_loopback_master(session.sparkContext.master if session is not None else config.spark_master)
+
     def channel_host(self, config: RunConfig) -> str:
         if config.local_mode:
             return "127.0.0.1"

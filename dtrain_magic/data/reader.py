@@ -1,0 +1,329 @@
+"""``ctx.data(name, batch_size, ...)``: this rank's batches of one source, in the documented order.
+
+`DataBatches` reads the blocks of a `StagedSource` (`dtrain_magic.data.blocks`) in the order
+`dtrain_magic.data.split` documents, one shuffle window ahead in a background thread (decoding Parquet releases
+the GIL, so the next window is read while the current one trains), and yields each batch as a dict of tensors
+(or what ``collate_fn`` makes of it). `RayShardBatches` reads a Ray Dataset through Ray Train's own shard.
+Both remember where they are (`state`), so ``ctx.save_checkpoint`` / ``ctx.load_checkpoint`` carry the data
+position across a restart (`DataPositions`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from .blocks import StagedSource, TrainerDataset
+from .columns import row_bytes, to_numpy
+from .split import Split, plan_epoch, window_permutation
+
+# Rows of a shuffle window by default: about this many bytes of tensors, and never fewer than 16 batches.
+DEFAULT_WINDOW_BYTES = 64 << 20
+CLIENT_STATE_KEY = "dtrain_magic.data"  # where ctx.save_checkpoint keeps the data positions in client_state
+Progress = Callable[[int, int, int], None]  # (epoch, batches done, batches per epoch)
+
+
+def _check_arguments(source: StagedSource, batch_size: Any, columns: Sequence[str] | None) -> tuple[str, ...]:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"ctx.data({source.name!r}): batch_size must be an integer >= 1, got {batch_size!r}")
+    available = source.column_names
+    if columns is None:
+        return tuple(available)
+    if isinstance(columns, str):
+        columns = [columns]
+    unknown = [c for c in columns if c not in available]
+    if unknown:
+        raise ValueError(f"ctx.data({source.name!r}, columns=...): no column {unknown[0]!r}; the source has "
+                         f"{', '.join(available)}")
+    return tuple(columns)
+
+
+class DataBatches:
+    """This rank's batches of one source: iterate it once per epoch (``set_epoch(e)`` first to choose the epoch;
+    without it each full pass moves to the next). ``len()`` is the batches per epoch, the same on every rank."""
+
+    def __init__(self, source: StagedSource, rank: int, ranks: int, batch_size: int, *, shuffle: bool = False,
+                 seed: int = 0, drop_last: bool = False, columns: Sequence[str] | None = None,
+                 collate_fn: Callable[[dict], Any] | None = None, device: Any = None,
+                 shuffle_window: int | None = None, progress: Progress | None = None):
+        self.source, self.rank, self.ranks = source, rank, ranks
+        self.columns = _check_arguments(source, batch_size, columns)
+        self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, bool(shuffle), seed, bool(drop_last)
+        self.collate_fn, self.device, self._progress = collate_fn, device, progress
+        self.split = Split(source.rows, ranks, self.drop_last)
+        if len(self) == 0:
+            raise ValueError(
+                f"ctx.data({source.name!r}, batch_size={batch_size}, drop_last=True): each of the {ranks} rank(s) "
+                f"gets {self.split.rows_per_rank} row(s) of the {source.rows}, fewer than one batch; use a smaller "
+                "batch_size, or drop_last=False")
+        fields = [source.schema.field(name) for name in self.columns]
+        self._fields = fields
+        if shuffle_window is None:
+            shuffle_window = max(16 * batch_size, DEFAULT_WINDOW_BYTES // row_bytes(pa.schema(fields)))
+        self.shuffle_window = int(shuffle_window)
+        self.epoch = 0
+        self.position = (0, 0)  # (epoch, batches yielded in it)
+        self._resume: tuple[int, int] | None = None
+
+    def __len__(self) -> int:
+        return self.split.batches(self.batch_size)
+
+    @property
+    def rows_per_epoch(self) -> int:
+        """Rows this rank reads per epoch (``len(self)`` batches)."""
+        return min(self.split.rows_per_rank, len(self) * self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next pass reads (its order under ``shuffle``). A position restored by
+        ``ctx.load_checkpoint`` for this same epoch is kept: the pass resumes there."""
+        self.epoch = int(epoch)
+        if self._resume is not None and self._resume[0] != self.epoch:
+            self._resume = None
+        self.position = (self.epoch, self._resume[1] if self._resume else 0)
+
+    def state(self) -> dict[str, int]:
+        """Where this reader is: the epoch and the batches of it already yielded."""
+        return {"epoch": self.position[0], "batch": self.position[1]}
+
+    def restore(self, state: Mapping[str, int]) -> None:
+        """Resume at ``state`` (from `state`): the next pass reads that epoch from that batch on."""
+        epoch, batch = int(state.get("epoch", 0)), int(state.get("batch", 0))
+        if batch >= len(self):
+            epoch, batch = epoch + 1, 0
+        self.epoch, self.position = epoch, (epoch, batch)
+        self._resume = (epoch, batch) if batch else None
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch = self.epoch
+        skip = self._resume[1] if self._resume and self._resume[0] == epoch else 0
+        self._resume = None
+        self.position = (epoch, skip)
+        done = skip
+        for batch in self._batches(epoch, skip):
+            done += 1
+            self.position = (epoch, done)
+            if self._progress is not None:
+                self._progress(epoch, done, len(self))
+            yield batch
+        self.epoch = epoch + 1
+        self.position = (self.epoch, 0)
+
+    # -- reading -----------------------------------------------------------------------------------
+    def _batches(self, epoch: int, skip: int) -> Iterator[Any]:
+        size = self.batch_size
+        total = len(self) * size if self.drop_last else self.split.rows_per_rank
+        skip_rows, emitted = skip * size, skip * size
+        carry: dict[str, np.ndarray] | None = None
+        for arrays in self._windows(epoch, skip_rows):
+            rows = len(next(iter(arrays.values())))
+            start = 0
+            if carry is not None:
+                take = min(size - _length(carry), rows)
+                carry = {k: np.concatenate([carry[k], v[:take]]) for k, v in arrays.items()}
+                start = take
+                if _length(carry) < size:
+                    continue
+                yield self._finish(carry)
+                emitted += size
+                carry = None
+            while rows - start >= size and emitted < total:
+                yield self._finish({k: v[start:start + size] for k, v in arrays.items()})
+                start += size
+                emitted += size
+            if start < rows and emitted < total:
+                carry = {k: v[start:] for k, v in arrays.items()}
+        if carry is not None and emitted < total and not self.drop_last:
+            yield self._finish({k: v[: total - emitted] for k, v in carry.items()})
+
+    def _windows(self, epoch: int, skip_rows: int) -> Iterator[dict[str, np.ndarray]]:
+        """The rank's windows as numpy arrays (permuted under ``shuffle``), the first ``skip_rows`` rows left out
+        (whole windows before them are not read at all), read one ahead in a background thread."""
+        plan = plan_epoch(self.source.blocks.block_rows, self.rank, self.split, epoch, self.seed, self.shuffle,
+                          self.shuffle_window)
+        jobs, position = [], 0
+        for index, group in enumerate(plan):
+            rows = sum(piece.rows for piece in group)
+            if position + rows > skip_rows:
+                jobs.append((index, group, max(0, skip_rows - position)))
+            position += rows
+        pending = _Ahead(self._read_window, epoch, jobs[0]) if jobs else None
+        for next_job in [*jobs[1:], None]:
+            arrays = pending.result()
+            pending = _Ahead(self._read_window, epoch, next_job) if next_job is not None else None
+            yield arrays
+
+    def _read_window(self, epoch: int, job: tuple) -> dict[str, np.ndarray]:
+        index, group, drop = job
+        blocks = self.source.blocks
+        tables = [blocks.read(piece.block, self.columns).slice(piece.start, piece.rows) for piece in group]
+        table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+        arrays = {f.name: to_numpy(table.column(f.name), f) for f in self._fields}
+        if self.shuffle:
+            order = window_permutation(table.num_rows, self.seed, epoch, self.rank, index)
+            arrays = {k: np.take(v, order, axis=0) for k, v in arrays.items()}
+        return {k: v[drop:] for k, v in arrays.items()} if drop else arrays
+
+    def _finish(self, arrays: dict[str, np.ndarray]) -> Any:
+        import torch
+
+        batch = {}
+        for name, values in arrays.items():
+            if not values.flags.writeable:  # Arrow's own (or memory-mapped) memory: the batch gets its own copy
+                values = values.copy()
+            tensor = torch.from_numpy(values)
+            batch[name] = tensor.to(self.device) if self.device is not None and tensor.device != self.device else tensor
+        return self.collate_fn(batch) if self.collate_fn is not None else batch
+
+    def __repr__(self) -> str:
+        return (f"DataBatches({self.source.name!r}: {len(self)} batches of {self.batch_size} per epoch on rank "
+                f"{self.rank} of {self.ranks}, shuffle={self.shuffle}, epoch {self.epoch})")
+
+
+def _length(arrays: dict[str, np.ndarray]) -> int:
+    return len(next(iter(arrays.values())))
+
+
+class _Ahead:
+    """``read(epoch, job)`` in a daemon thread; `result` waits for it (and raises what it raised)."""
+
+    def __init__(self, read: Callable[..., Any], epoch: int, job: Any):
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(read, epoch, job), name="dtrain-data-read",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, read: Callable[..., Any], epoch: int, job: Any) -> None:
+        try:
+            self._value = read(epoch, job)
+        except BaseException as exc:  # noqa: BLE001 - raised in the reading thread by result()
+            self._error = exc
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class RayShardBatches:
+    """A Ray Dataset's batches on ``--backend ray``: ``ray.train.get_dataset_shard(name).iter_torch_batches``, Ray
+    Train having split the dataset among the ranks (``streaming_split(equal=True)``: every rank the same number
+    of rows, fewer than the ranks left out). Shuffling is Ray's local shuffle buffer (``shuffle_window`` rows),
+    seeded from ``--seed`` and the epoch. A restart resumes at the start of the epoch it was in."""
+
+    def __init__(self, source: StagedSource, rank: int, ranks: int, batch_size: int, *, shuffle: bool = False,
+                 seed: int = 0, drop_last: bool = False, columns: Sequence[str] | None = None,
+                 collate_fn: Callable[[dict], Any] | None = None, device: Any = None,
+                 shuffle_window: int | None = None, progress: Progress | None = None):
+        import ray.train
+
+        self.source, self.rank, self.ranks = source, rank, ranks
+        self.columns = _check_arguments(source, batch_size, columns)
+        self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, bool(shuffle), seed, bool(drop_last)
+        self.collate_fn, self.device, self._progress = collate_fn, device, progress
+        self.shuffle_window = int(shuffle_window or 16 * batch_size)
+        per_rank = source.rows // ranks
+        self._batches = per_rank // batch_size if self.drop_last else -(-per_rank // batch_size)
+        if self._batches == 0:
+            raise ValueError(
+                f"ctx.data({source.name!r}, batch_size={batch_size}, drop_last=True): each of the {ranks} rank(s) "
+                f"gets {per_rank} row(s) of the {source.rows}, fewer than one batch; use a smaller batch_size, or "
+                "drop_last=False")
+        self.shard = ray.train.get_dataset_shard(source.name)
+        self.epoch = 0
+        self.position = (0, 0)
+
+    def __len__(self) -> int:
+        return self._batches
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+        self.position = (self.epoch, 0)
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.position[0], "batch": self.position[1]}
+
+    def restore(self, state: Mapping[str, int]) -> None:
+        self.set_epoch(int(state.get("epoch", 0)))  # Ray Data cannot start mid-epoch: the epoch from its start
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch = self.epoch
+        options: dict[str, Any] = {"batch_size": self.batch_size, "drop_last": self.drop_last}
+        if self.device is not None:
+            options["device"] = self.device
+        if self.shuffle:
+            options["local_shuffle_buffer_size"] = self.shuffle_window
+            options["local_shuffle_seed"] = int(np.random.SeedSequence([self.seed, epoch]).generate_state(1)[0])
+        done = 0
+        for batch in self.shard.iter_torch_batches(**options):
+            if set(batch) != set(self.columns):
+                batch = {name: batch[name] for name in self.columns}
+            done += 1
+            self.position = (epoch, done)
+            if self._progress is not None:
+                self._progress(epoch, done, len(self))
+            yield self.collate_fn(batch) if self.collate_fn is not None else batch
+        self.epoch = epoch + 1
+        self.position = (self.epoch, 0)
+
+
+def open_batches(sources: Sequence[StagedSource], name: str, rank: int, ranks: int, **options: Any) -> Any:
+    """The reader of source ``name`` for this rank; a `KeyError`-like `ValueError` naming the run's sources."""
+    found = {source.name: source for source in sources}
+    if name not in found:
+        known = ", ".join(found) or "none (give them with --data NAME=SOURCE)"
+        raise ValueError(f"ctx.data({name!r}): this run has no data source of that name; its sources: {known}")
+    source = found[name]
+    cls = RayShardBatches if isinstance(source.blocks, TrainerDataset) else DataBatches
+    return cls(source, rank, ranks, **options)
+
+
+class DataPositions:
+    """The readers ``ctx.data`` made, by name, and their positions in a checkpoint's ``client_state``."""
+
+    def __init__(self) -> None:
+        self.readers: dict[str, Any] = {}
+        self._pending: dict[str, Mapping[str, int]] = {}
+
+    def add(self, name: str, reader: Any) -> Any:
+        self.readers[name] = reader
+        if name in self._pending:
+            reader.restore(self._pending.pop(name))
+        return reader
+
+    def client_state(self, client_state: Mapping[str, Any]) -> dict[str, Any]:
+        """``client_state`` with every reader's position added (nothing added when there is no reader)."""
+        if not self.readers:
+            return dict(client_state)
+        return {**client_state, CLIENT_STATE_KEY: {name: r.state() for name, r in self.readers.items()}}
+
+    def restore(self, client_state: dict | None) -> dict | None:
+        """Take the positions out of a restored ``client_state`` and apply them (to readers made later too)."""
+        if not client_state or CLIENT_STATE_KEY not in client_state:
+            return client_state
+        client_state = dict(client_state)
+        for name, state in client_state.pop(CLIENT_STATE_KEY).items():
+            if name in self.readers:
+                self.readers[name].restore(state)
+            else:
+                self._pending[name] = state
+        return client_state
+
+
+class ProgressSender:
+    """Rank 0's data progress to the notebook: the first batch, every ``every_s`` seconds, and the last one."""
+
+    def __init__(self, send: Callable[[str, int, int, int], None], name: str, every_s: float = 0.5):
+        self._send, self._name, self._every_s = send, name, every_s
+        self._last = 0.0
+
+    def __call__(self, epoch: int, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done in (1, total) or now - self._last >= self._every_s:
+            self._last = now
+            self._send(self._name, epoch, done, total)

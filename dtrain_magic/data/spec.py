@@ -1,0 +1,96 @@
+"""``--data NAME=SOURCE``: how a run names its data sources, as text (pure; `RunConfig` validates with it).
+
+``NAME`` is what the function reads (``ctx.data("train", ...)``); ``SOURCE`` is a notebook variable (a Spark
+DataFrame, a Ray Dataset, a pandas DataFrame, a pyarrow Table, a numpy array, a torch tensor, a dict of
+arrays) or a path/URI of Parquet files. A ``[col,col]`` suffix keeps only those columns of the source
+(``--data train=df[x,y]``), for sources that also hold columns no tensor can be made of (strings, dates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any, Iterable, Mapping
+
+from ..errors import ConfigError
+
+FLAG = "--data"
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_COLUMNS = re.compile(r"^(?P<source>.+)\[(?P<columns>[^\[\]]*)\]$")
+
+DataSpecs = tuple[tuple[str, str], ...]
+
+
+def parse_item(text: str) -> tuple[str, str]:
+    """One ``NAME=SOURCE`` → ``(name, source)``; argparse's ``type`` for ``--data`` (its error names the form)."""
+    name, sep, source = _unquote(str(text).strip()).partition("=")
+    name, source = name.strip(), _unquote(source.strip())
+    if not sep or not name or not source:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=SOURCE (e.g. --data train=df_train)")
+    return name, source
+
+
+def _unquote(text: str) -> str:
+    """IPython splits a magic's line keeping quotes: ``'val=/my data'`` (as a flag line writes it) or
+    ``val='/my data'`` (as a user may) lose one pair."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
+def normalize(value: Any) -> DataSpecs:
+    """What `RunConfig` keeps of ``data``: ``((name, source), ...)`` in the order given.
+
+    Takes None, a mapping ``{name: source}``, ``"NAME=SOURCE"`` strings or ``(name, source)`` pairs; a name
+    given twice, a name that is not an identifier or an empty source is a `ConfigError` naming ``--data``."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    items: Iterable[Any] = value.items() if isinstance(value, Mapping) else value
+    specs: list[tuple[str, str]] = []
+    for item in items:
+        if isinstance(item, str):
+            try:
+                item = parse_item(item)
+            except argparse.ArgumentTypeError as exc:
+                raise ConfigError(FLAG, str(exc)) from None
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise ConfigError(FLAG, f"got {item!r}; give NAME=SOURCE (a name and a notebook variable, path or URI)")
+        name, source = item
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ConfigError(FLAG, f"got the name {name!r}; a data name must be a Python identifier "
+                                    "(letters, digits, _), as ctx.data(NAME) reads it")
+        if not isinstance(source, str) or not source.strip():
+            raise ConfigError(FLAG, f"{name}={source!r}: the source must be a notebook variable's name, a path or "
+                                    "a URI")
+        specs.append((name, source.strip()))
+    names = [name for name, _ in specs]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ConfigError(FLAG, f"{', '.join(twice)} given twice; each data name once")
+    for name, source in specs:
+        split_columns(name, source)  # a malformed [col,...] suffix is an error now
+    return tuple(specs)
+
+
+def split_columns(name: str, source: str) -> tuple[str, tuple[str, ...] | None]:
+    """``"df[x, y]"`` → ``("df", ("x", "y"))``; a source without the suffix → ``(source, None)``."""
+    match = _COLUMNS.match(source)
+    if match is None:
+        return source, None
+    columns = tuple(c.strip() for c in match.group("columns").split(",") if c.strip())
+    if not columns:
+        raise ConfigError(FLAG, f"{name}={source}: name the columns to keep between the brackets, e.g. "
+                                f"{name}={match.group('source')}[x,y]")
+    return match.group("source").strip(), columns
+
+
+def as_text(specs: DataSpecs) -> str:
+    """``train=df val=/data/val``: the specs as one line (MLflow's param, the panel's text box)."""
+    return " ".join(f"{name}={source}" for name, source in specs)
+
+
+def from_text(text: str) -> DataSpecs:
+    """The panel's text box back into specs: ``NAME=SOURCE`` items separated by spaces."""
+    return normalize(text.split())
