@@ -149,11 +149,37 @@ class Strategy(ABC):
         """Say (rank 0, once) that a deferred build gives a whole model here, and why."""
         if self.rank == 0 and not getattr(self, "_noted_whole_copy", False):
             self._noted_whole_copy = True
-            print(WHOLE_COPY_NOTE.format(what=f"--strategy {self.label(self.config.zero)}",
-                                         why=self.whole_copy_reason()), flush=True)
+            print(WHOLE_COPY_NOTE.format(what=self.label(self.config.zero), why=self.whole_copy_reason()), flush=True)
 
     def whole_copy_reason(self) -> str:
         return "every rank trains a whole copy of the model"
+
+    def prepared_optimizer(self, optimizer: Any, model: torch.nn.Module, old_names: Mapping[int, str]) -> Any:
+        """The optimizer for the prepared ``model``: a factory's, called with its parameters; or the user's, pointed
+        at the new parameters when preparing replaced them (sharded, or given storage)."""
+        from ..parallel.state import repoint_optimizer
+        from ..weights.deferred import optimizer_for
+
+        if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+            current = {id(p) for p in model.parameters()}
+            if optimizer is not None and any(id(p) not in current for g in optimizer.param_groups for p in g["params"]):
+                repoint_optimizer(optimizer, old_names, model, strategy=f"--strategy {self.name}")
+            return optimizer
+        return optimizer_for(optimizer, model.parameters())
+
+    def fill_whole(self, model: torch.nn.Module, weights: Any) -> None:
+        """A whole model on this rank: parameters built without storage get it (then their values from the
+        checkpoint or their own init), and a checkpoint is read whole."""
+        from ..weights import deferred, loading
+
+        if deferred.has_meta_parameters(model):
+            self.note_whole_copy()
+            pristine = None if weights is not None else deferred.pristine_copy(model)
+            deferred.materialize(model, self.device)
+            if pristine is not None:
+                deferred.initialise(model, pristine)
+        if weights is not None:
+            loading.load(model, weights)
 
     def stream_full_state(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         """The whole model's fp32 state, ``(name, tensor)`` per state-dict key of the plain model, the tensor on rank
@@ -295,33 +321,6 @@ class TorchStrategy(Strategy):
 
     def whole_copy_reason(self) -> str:
         return "DDP keeps a whole copy of the parameters, gradients and optimizer states on every rank"
-
-    def prepared_optimizer(self, optimizer: Any, model: torch.nn.Module, old_names: Mapping[int, str]) -> Any:
-        """The optimizer for the prepared ``model``: a factory's, called with its parameters; or the user's, pointed
-        at the new parameters when preparing replaced them (sharded, or given storage)."""
-        from ..parallel.state import repoint_optimizer
-        from ..weights.deferred import optimizer_for
-
-        if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
-            current = {id(p) for p in model.parameters()}
-            if optimizer is not None and any(id(p) not in current for g in optimizer.param_groups for p in g["params"]):
-                repoint_optimizer(optimizer, old_names, model, strategy=f"--strategy {self.name}")
-            return optimizer
-        return optimizer_for(optimizer, model.parameters())
-
-    def fill_whole(self, model: torch.nn.Module, weights: Any) -> None:
-        """A whole model on this rank: parameters built without storage get it (then their values from the
-        checkpoint or their own init), and a checkpoint is read whole."""
-        from ..weights import deferred, loading
-
-        if deferred.has_meta_parameters(model):
-            self.note_whole_copy()
-            pristine = None if weights is not None else deferred.pristine_copy(model)
-            deferred.materialize(model, self.device)
-            if pristine is not None:
-                deferred.initialise(model, pristine)
-        if weights is not None:
-            loading.load(model, weights)
 
     def fill_shards(self, model: torch.nn.Module, weights: Any, pristine: torch.nn.Module | None,
                     views: Mapping[str, Any] | None = None) -> None:

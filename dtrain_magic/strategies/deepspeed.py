@@ -326,12 +326,19 @@ class DeepSpeedStrategy(Strategy):
         import deepspeed
 
         if not self.config.use_gpu:
-            load_deepspeed_cpu_ops()  # zero.Init joins DeepSpeed's communication, which would JIT-build it
+            load_deepspeed_cpu_ops()  # DeepSpeed's communication would JIT-build it
+        # zero.Init reads the config before it joins DeepSpeed's communication, which deepspeed.initialize would
+        # join anyway: joined first, the config's batch arithmetic sees the run's world size, not 1
+        deepspeed.init_distributed(dist_backend=self.process_group_backend(self.config.use_gpu),
+                                   dist_init_required=False)
         # mem_efficient_linear=False: DeepSpeed would otherwise replace torch.nn.functional.linear for the process
         return deepspeed.zero.Init(config_dict_or_path=build_config(self.config, self.world_size),
                                    mem_efficient_linear=False)
 
     def whole_copy_reason(self) -> str:
+        if self.stage == 3:  # a model built on the meta device by hand, not inside deepspeed.zero.Init
+            return ("a model built on the meta device outside ctx.init_model() is not partitioned as it is built; "
+                    "build it in ctx.init_model() or give ctx.prepare a factory")
         return "ZeRO 0-2 keep the whole parameters on every rank (only gradients and optimizer states are sharded)"
 
     def wrap(self, model: torch.nn.Module, optimizer: Any, weights: Any = None) -> tuple[Any, Any]:
@@ -372,25 +379,6 @@ class DeepSpeedStrategy(Strategy):
             dtype = torch.bfloat16 if self.config.precision == "bf16" else torch.float16
             self._hooks.append(engine.module.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True))
         return engine, ds_optimizer
-
-    def fill_whole(self, model: torch.nn.Module, weights: Any) -> None:
-        """A model built on meta by hand (not through ``ctx.init_model()``): storage and values for all of it."""
-        from ..weights import deferred, loading
-
-        self.note_whole_copy()
-        pristine = None if weights is not None else deferred.pristine_copy(model)
-        deferred.materialize(model, self.device)
-        if pristine is not None:
-            deferred.initialise(model, pristine)
-        if weights is not None:
-            loading.load(model, weights)
-
-    def prepared_optimizer(self, optimizer: Any, model: torch.nn.Module, old_names: Mapping[int, str]) -> Any:
-        from ..parallel.state import repoint_optimizer
-
-        if isinstance(optimizer, torch.optim.Optimizer):
-            repoint_optimizer(optimizer, old_names, model, strategy="--strategy deepspeed")
-        return optimizer
 
     # -- training --------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:

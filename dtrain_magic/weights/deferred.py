@@ -78,6 +78,18 @@ def has_meta_parameters(module: nn.Module) -> bool:
     return False
 
 
+def refuse_meta_buffers(module: nn.Module) -> None:
+    """A model built under ``torch.device("meta")`` has buffers without values (masks, rotary frequencies its
+    ``__init__`` computed), which nothing could restore: a `WeightsError` names them."""
+    names = [name for name, buffer in module.named_buffers() if buffer.is_meta]
+    if names:
+        raise WeightsError(
+            f"{len(names)} buffer(s) of {type(module).__name__} are on the meta device, without values: "
+            f"{', '.join(names[:8])}{', ...' if len(names) > 8 else ''}. Build the model with ctx.init_model() or give "
+            "ctx.prepare a factory (lambda: Net()): they put the parameters alone on the meta device"
+        )
+
+
 def materialize(module: nn.Module, device: torch.device) -> None:
     """Give every parameter of ``module`` (this rank's shards) storage on ``device``, uninitialised. The real buffers
     keep their values and tied parameters stay tied (``to_empty`` alone would empty the one and untie the other)."""

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from ..channel import Message, Metric, Total
 from ..config import RunConfig
 from ..strategies.base import Strategy
-from ..weights.deferred import is_factory
+from ..weights.deferred import is_factory, refuse_meta_buffers
 from ..weights.loading import match
 from ..weights.saving import DEFAULT_SHARD_BYTES, write_safetensors
 from ..weights.sources import open_weights
@@ -147,6 +147,7 @@ class TrainContext:
                 raise TypeError(f"ctx.prepare: the model factory returned {type(built).__name__}, not a "
                                 "torch.nn.Module")
             model = built
+        refuse_meta_buffers(model)
         plan = None
         if weights is not None:
             plan = match(model, open_weights(weights))  # on every rank alike, before any collective

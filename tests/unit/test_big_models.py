@@ -291,7 +291,7 @@ def test_ddp_streams_its_whole_model_from_rank_0(capsys):
     with strategy.init_context():
         built = make()
     assert not deferred.has_meta_parameters(built)  # DDP keeps a whole copy: a plain build, said once
-    assert "builds the whole model on every rank: DDP keeps a whole copy" in capsys.readouterr().out
+    assert "under ddp builds the whole model on every rank: DDP keeps a whole copy" in capsys.readouterr().out
 
 
 # -- DeepSpeed sized to the model -----------------------------------------------------------------------------
@@ -382,6 +382,11 @@ def test_ctx_prepare_takes_a_factory_and_refuses_what_cannot_work(tmp_path, caps
     model, opt = ctx.prepare(make, lambda params: torch.optim.SGD(params, lr=0.1), weights=tmp_path)
     assert_same(model.state_dict(), seeded().state_dict())
     assert [p for g in opt.param_groups for p in g["params"]] == list(model.parameters())
+    with torch.device("meta"):
+        everything_on_meta = make()
+    with pytest.raises(WeightsError, match="1 buffer.* on the meta device, without values: scale. Build the model "
+                                           "with ctx.init_model"):
+        ctx.prepare(everything_on_meta, None, weights=tmp_path)
     files = ctx.save_weights(tmp_path / "out")
     assert [f.rsplit("/", 1)[1] for f in files] == ["model.safetensors"]
     assert_same(load_file(tmp_path / "out" / "model.safetensors"), dict(model.state_dict()))
