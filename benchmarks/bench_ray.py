@@ -86,8 +86,8 @@ def run_magic(shell, args) -> dict:
         _PROBES = Probes("ray")
     shell.user_ns.update(STEPS=args.steps, LOG=True)
     device = "--gpu" if args.gpu else "--cpu"
-    # --keep-warm: on Ray the next run's workers wait only when a run asks (docs/backends.md#warm-re-runs-standbys)
-    flags = f"-n {args.n} {device} --keep-warm 600 --no-ui --experiment bench_ray"
+    # no --keep-warm: the next run's workers wait by default on this machine's Ray (docs/backends.md#warm-re-runs)
+    flags = f"-n {args.n} {device} --no-ui --experiment bench_ray"
     cell = f"%%distribute --backend ray {flags}\n" + MAGIC_BODY
     _PROBES.reset()
     start = time.time()
@@ -124,6 +124,57 @@ def run_raw(args, workdir: str, index: int) -> dict:
         first = json.load(handle)
     return {"ttfs": first["first_step"] - start, "total": end - start, "entry": first["entered"] - start,
             "steps_per_s": first["steps_per_s"], "parts": raw_parts(start, first)}
+
+
+def notebook_own_ray(shell, args, workdir: str, one) -> dict:
+    """The notebook's own ``ray.init()`` first (Ray's docs' first line), then the magic's cells with no flag about
+    waiting workers, against raw ``TorchTrainer.fit`` on that same Ray: call → function entry of each re-run. The
+    magic's first run takes over the workers it launched while the cell was captured (a whole launch); each re-run,
+    those launched after the previous run (issue 23: before, a Ray the notebook started itself held nothing unless
+    ``--keep-warm``)."""
+    import ray
+
+    from dtrain_magic.launchers import get_launcher
+
+    launcher = get_launcher("ray")
+    ray.init(num_cpus=max(4, args.n + 1), include_dashboard=False, log_to_driver=False)
+    out: dict[str, list] = {"magic": [], "raw": []}
+    try:
+        first = one("magic")  # the kernel's first run on it: its workers launched while the cell was captured
+        print(f"  notebook's own ray.init(), the first run: function entry {first['entry']:.2f} s", file=sys.stderr,
+              flush=True)
+        standby = launcher.standbys.standby
+        if standby is not None:
+            standby.all_ready.wait(300)
+        for _ in range(args.repeats):
+            claims = launcher.standbys.claims
+            sample = one("magic")
+            sample["claimed"] = launcher.standbys.claims > claims
+            out["magic"].append(sample)
+            standby = launcher.standbys.standby
+            if standby is not None:
+                standby.all_ready.wait(300)
+        launcher.release_standby("benchmark: raw runs on the notebook's own Ray")
+        for _ in range(args.repeats):
+            out["raw"].append(one("raw"))
+    finally:
+        launcher.shutdown()
+        ray.shutdown()
+    for side, samples in out.items():
+        entries = ", ".join(f"{s['entry']:.2f}" for s in samples)
+        print(f"  notebook's own ray.init(), {side}: function entry {entries} s", file=sys.stderr, flush=True)
+    own = {side: {"entry": workload.summarize([s["entry"] for s in samples]),
+                  "claimed": sum(1 for s in samples if s.get("claimed"))} for side, samples in out.items()}
+    own["first_entry_s"] = first["entry"]
+    return own
+
+
+def print_own_ray(own: dict) -> None:
+    magic, raw = own["magic"]["entry"], own["raw"]["entry"]
+    print(f"  after the notebook's own ray.init(): call → function entry of a re-run, magic {magic['median']:.2f} s "
+          f"({magic['min']:.2f}-{magic['max']:.2f}; took waiting workers {own['magic']['claimed']}/{magic['n']}) vs "
+          f"TorchTrainer.fit {raw['median']:.2f} s = {magic['median'] / raw['median']:.3f} × raw (the first run "
+          f"{own['first_entry_s']:.2f} s)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,13 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     from dtrain_magic.launchers import get_launcher
 
     get_launcher("ray").shutdown()
+    own = notebook_own_ray(shell, args, workdir, one)
 
     report = {
         "backend": "ray", "n": args.n, "gpu": args.gpu, "steps": args.steps, "repeats": args.repeats,
         "warm_runs": args.repeats, "cold_runs": args.cold_runs, "raw_api": "TorchTrainer.fit",
         "cpu_count": os.cpu_count(),
         "ray_init_s": {m: statistics.median(v) for m, v in inits.items()}, "new_tracking_db_s": new_db_s,
-        "samples": samples, "standby": standby_section(series),
+        "samples": samples, "standby": standby_section(series), "own_ray": own,
     }
     finish_report(report, {"cold": samples["cold"], "warm": samples["warm"]}, began, load_start)
 
@@ -199,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     print_comparison(report, "TorchTrainer.fit")
     print_backend_launch(report, "Ray Train's own launch")
     print_standby(report, "TorchTrainer.fit", 0.05)
+    print_own_ray(own)
     print(f"  (ray.init, not included: magic's instance {report['ray_init_s'].get('magic', 0):.1f} s, raw's "
           f"{report['ray_init_s'].get('raw', 0):.1f} s; "
           f"load average {load_start:.1f} → {report['load_average']['end']:.1f})")

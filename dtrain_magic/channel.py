@@ -40,6 +40,8 @@ from multiprocessing.connection import Client, Connection, Listener
 from operator import attrgetter
 from typing import Any, Callable, ClassVar
 
+from .errors import log_dropped
+
 
 class Message:
     """One channel message: a frozen dataclass with a ``KIND`` tag, sent as its `wire` tuple."""
@@ -267,15 +269,15 @@ class AuthenticatedListener:
         self._acceptor.join(2)
         try:
             self._listener.close()
-        except Exception:
-            pass
+        except Exception as exc:
+            log_dropped(__name__, "close", exc)
         with self._lock:
             for conn in self._connections:
                 _hang_up(conn)
                 try:
                     conn.close()
-                except Exception:
-                    pass
+                except Exception as exc:
+                    log_dropped(__name__, "close", exc)
 
 
 def _hang_up(conn: Connection) -> None:
@@ -381,5 +383,5 @@ class WorkerLink:
         with self._lock:
             try:
                 self._conn.close()
-            except Exception:
-                pass
+            except Exception as exc:
+                log_dropped(__name__, "close", exc)

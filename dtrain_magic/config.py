@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
-from .errors import ConfigError
+from .errors import ConfigError, log_dropped
 from .flagtable import BY_FIELD, DEFAULT_EXPERIMENT, FLAGS, SWITCH
 from .registry import BACKENDS, STRATEGIES
 
@@ -323,7 +323,8 @@ def cuda_available() -> bool:
         import torch
 
         return bool(torch.cuda.is_available())
-    except Exception:  # torch missing or broken CUDA runtime: treat as no GPU
+    except Exception as exc:  # torch missing or broken CUDA runtime: treat as no GPU
+        log_dropped(__name__, "cuda_available", exc)
         return False
 
 
@@ -332,7 +333,8 @@ def cuda_device_count() -> int:
         import torch
 
         return torch.cuda.device_count()
-    except Exception:
+    except Exception as exc:
+        log_dropped(__name__, "cuda_device_count", exc)
         return 0
 
 

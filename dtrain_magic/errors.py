@@ -142,3 +142,12 @@ def summary(exc: BaseException, limit: int | None = None, sentence: bool = False
     if limit is not None and len(line) > limit:
         return line[: limit - 1] + "…"
     return line
+
+
+def log_dropped(module: str, where: str, exc: BaseException) -> None:
+    """An error deliberately not raised (cleanup after a peer is gone, a best-effort probe with a fallback): logged
+    at debug level with its reason, under the module's logger (``logging.getLogger("dtrain_magic").setLevel(
+    logging.DEBUG)`` shows them all)."""
+    import logging
+
+    logging.getLogger(module).debug("%s: ignored %s", where, summary(exc))

@@ -212,11 +212,13 @@ FLAGS: tuple[Flag, ...] = (
          doc="stop every worker and fail the run after S seconds"),
     Flag(("--keep-warm",), "keep_warm", WHERE, type=seconds, default=None, placeholder="S",
          help="spark, ray: keep the next run's workers waiting S seconds for it (0: hold nothing; None means 600 s "
-              "on what the magic started or what runs on this machine, 0 on a cluster you brought)",
+              "on what the magic or the notebook's own ray.init() started, or what runs on this machine; 0 on a "
+              "cluster you brought)",
          doc="spark, ray: the next run's workers, launched after each run, wait S seconds for it (0: hold nothing; "
              "see [warm re-runs](backends.md#warm-re-runs-standbys))",
          default_doc="600 s (`$DTRAIN_MAGIC_KEEP_WARM`) on what the magic started or what runs on this machine; "
-                     "0 on a SparkSession's executors or a Ray cluster you brought"),
+                     "0 on a SparkSession's executors or a Ray cluster you brought (a local Ray your `ray.init()` "
+                     "started is this machine's: held)"),
     # -- model parallelism (docs/model-parallel.md) ---------------------------------------------------
     Flag(("--tp",), "tp", MODEL_PARALLEL, type=int, default=1, placeholder="N",
          help="tensor-parallel degree: each layer's weights split over this many processes (ddp, fsdp)",

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import cloudpickle
 
 from ._compat import cloudpickle as cloudpickle_compat
-from .errors import CaptureError
+from .errors import CaptureError, log_dropped
 
 
 @dataclass(frozen=True)
@@ -175,28 +175,32 @@ def serialize(
     """Pickle ``fn`` by value (and the call form's arguments); an object that cannot be pickled is named."""
     takes_ctx = takes_context(fn) if call is None else call.takes_ctx
     call_args = None if call is None else _pickle_arguments(call)
-    module = getattr(fn, "__module__", None)
-    registered = None
-    ours = module == __package__ or (module or "").startswith(__package__ + ".")  # every worker imports these
-    if module and module not in ("__main__", "builtins") and not ours and inspect.getmodule(fn) is not None:
-        # A function from an importable module would be pickled by reference and fail on workers
-        # that lack the module: ship that module by value too.
-        mod = inspect.getmodule(fn)
-        if mod is not None and not _is_installed(mod):
-            cloudpickle.register_pickle_by_value(mod)
-            registered = mod
     try:
-        data = dumps(fn)
+        data = dumps_by_value(fn)
     except Exception as exc:  # cloudpickle raises TypeError, PicklingError, AttributeError, ...
         raise CaptureError(_unpicklable_message(fn, exc)) from None
-    finally:
-        if registered is not None:
-            cloudpickle.unregister_pickle_by_value(registered)
     return Payload(
         data, getattr(fn, "__name__", "fn"), takes_ctx, _notebook_sources(fn, cell_files), labels or {},
         call_args=call_args, call_text=None if call is None else call.text, uses_ray_train=refers_to_ray_train(fn),
         argv=argv,
     )
+
+
+def dumps_by_value(obj: Any) -> bytes:
+    """`dumps`, with ``obj``'s own module pickled by value when the workers may lack it: a function or class from an
+    importable module would be pickled by reference and fail on a worker without that module (the notebook's
+    project, a test file). Installed libraries and dtrain_magic itself, which every worker imports, stay by
+    reference."""
+    module = getattr(obj, "__module__", None)
+    ours = module == __package__ or (module or "").startswith(__package__ + ".")
+    mod = inspect.getmodule(obj) if module and module not in ("__main__", "builtins") and not ours else None
+    if mod is None or _is_installed(mod):
+        return dumps(obj)
+    cloudpickle.register_pickle_by_value(mod)
+    try:
+        return dumps(obj)
+    finally:
+        cloudpickle.unregister_pickle_by_value(mod)
 
 
 def _is_installed(module: Any) -> bool:
@@ -224,7 +228,8 @@ def _find_unpicklable_global(fn: Callable[..., Any]) -> tuple[str, Any] | None:
     for name, obj in {**closure.globals, **closure.nonlocals}.items():
         try:
             cloudpickle.dumps(obj)
-        except Exception:
+        except Exception as exc:
+            log_dropped(__name__, "_find_unpicklable_global", exc)
             return name, obj
     return None
 
@@ -245,8 +250,8 @@ class CallForm:
 def _pickle_arguments(call: CallForm) -> bytes:
     try:
         return dumps((call.args, call.kwargs))
-    except Exception:
-        pass
+    except Exception as exc:
+        log_dropped(__name__, "_pickle_arguments", exc)
     named = [(f"argument {i + 1}", a) for i, a in enumerate(call.args)] + [(k, v) for k, v in call.kwargs.items()]
     for label, obj in named:
         try:

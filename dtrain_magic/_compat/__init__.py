@@ -27,7 +27,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from ..errors import UnsupportedVersionError
+from ..errors import UnsupportedVersionError, log_dropped
 
 OPT_IN_ENV = "DTRAIN_MAGIC_UNTESTED_VERSIONS"
 _EVERY_LIBRARY = {"1", "true", "yes", "all", "*"}
@@ -43,7 +43,8 @@ def installed_version(distribution: str, module: str) -> str | None:
         pass
     try:
         loaded = sys.modules.get(module) or importlib.import_module(module)
-    except Exception:
+    except Exception as exc:
+        log_dropped(__name__, "installed_version", exc)
         return None
     version = getattr(loaded, "__version__", None)
     return str(version) if version else None

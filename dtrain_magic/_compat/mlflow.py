@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import log_dropped
 from . import Library
 
 MLFLOW = Library(key="mlflow", title="MLflow", module="mlflow", known=("3.17",), tested="3.17.2",
@@ -32,7 +33,8 @@ def has_store_for(uri: str) -> bool | None:
         return None
     try:
         _tracking_store_registry.get_store_builder(uri)
-    except Exception:
+    except Exception as exc:
+        log_dropped(__name__, "has_store_for", exc)
         return False
     return True
 

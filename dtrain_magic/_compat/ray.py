@@ -25,7 +25,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from ..errors import UnsupportedVersionError
+from ..errors import UnsupportedVersionError, log_dropped
 from . import Library
 
 RAY = Library(
@@ -125,12 +125,13 @@ def abort(controller: Any, wait_s: float = ABORT_WAIT_S) -> bool:
         ray.get(controller.abort.remote(), timeout=wait_s)  # returns at once when the run is already over
     except ray.exceptions.GetTimeoutError:
         finished = False
-    except Exception:  # RayActorError: it exited, as abort does once the workers and their group are gone
+    except Exception as exc:  # RayActorError: it exited, as abort does once the workers and their group are gone
+        log_dropped(__name__, "abort", exc)
         return True
     try:
         ray.kill(controller, no_restart=True)
-    except Exception:
-        pass
+    except Exception as exc:
+        log_dropped(__name__, "abort", exc)
     return finished
 
 
@@ -169,5 +170,6 @@ def started_by_this_process() -> bool:
 
         node = worker._global_node
         return node is not None and bool(node.is_head())
-    except Exception:
+    except Exception as exc:
+        log_dropped(__name__, "started_by_this_process", exc)
         return False

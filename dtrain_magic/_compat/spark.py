@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import log_dropped
 from . import Library
 
 PYSPARK = Library(key="pyspark", title="pyspark", module="pyspark", known=("4.3",), tested="4.3.0",
@@ -36,7 +37,8 @@ def default_session() -> Any:
     if active is not None:
         try:
             return active()
-        except Exception:  # PySparkRuntimeError NO_ACTIVE_OR_DEFAULT_SESSION
+        except Exception as exc:  # PySparkRuntimeError NO_ACTIVE_OR_DEFAULT_SESSION
+            log_dropped(__name__, "default_session", exc)
             return None
     return SparkSession.getActiveSession() or getattr(SparkSession, "_instantiatedSession", None)
 
@@ -56,7 +58,8 @@ def task_slots(context: Any) -> tuple[int, int] | None:
         executors = max(0, len(jsc.statusTracker().getExecutorInfos()) - 1)  # minus the driver
         slots = jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile())
         return executors, int(slots)
-    except Exception:
+    except Exception as exc:
+        log_dropped(__name__, "task_slots", exc)
         return None
 
 
@@ -64,5 +67,5 @@ def clear_job_group(context: Any) -> None:
     """Forget the job group ``setJobGroup`` set on this thread."""
     try:
         context.setLocalProperty("spark.jobGroup.id", None)
-    except Exception:
-        pass
+    except Exception as exc:
+        log_dropped(__name__, "clear_job_group", exc)

@@ -12,6 +12,7 @@ Both are optimisations with a fallback, so no torch version is refused:
 
 from __future__ import annotations
 
+from ..errors import log_dropped
 from . import Library
 
 TORCH = Library(key="torch", title="torch", module="torch", known=("2.13",), tested="2.13.0",
@@ -24,5 +25,5 @@ def preload_compiler() -> None:
     try:
         import sympy  # noqa: F401
         import torch._dynamo  # noqa: F401
-    except Exception:  # an optional speed-up only
-        pass
+    except Exception as exc:  # an optional speed-up only
+        log_dropped(__name__, "preload_compiler", exc)

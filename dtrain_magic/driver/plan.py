@@ -33,6 +33,7 @@ class RunPlan:
 
     config: RunConfig
     launcher: Launcher
+    strategy: type  # the `Strategy` class (`check` looked it up; it travels with the job)
     tracking_uri: str
     store_stage: str | None
     starts_before_tracking: bool
@@ -60,11 +61,12 @@ def check(config: RunConfig) -> RunPlan:
     if not early:
         preload_mlflow()  # the run will need MLflow first: import it meanwhile (a SparkSession start, the capture)
     launcher.check(config)
-    get_strategy(config.strategy).check(config)
+    strategy = get_strategy(config.strategy)
+    strategy.check(config)
     check_tracking_uri(config)  # it may wait up to a few seconds for an http(s) server
     if stage == "deleted":
         raise deleted_experiment_error(config, uri)
-    return RunPlan(config, launcher, uri, stage, early)
+    return RunPlan(config, launcher, strategy, uri, stage, early)
 
 
 def check_payload(config: RunConfig, payload: Payload) -> None:

@@ -21,7 +21,7 @@ from ..channel import Channel
 from ..config import RunConfig
 from ..errors import DistributeError, LaunchError, RunInterrupted
 from ..launchers import Launcher
-from ..payload import Payload
+from ..payload import Payload, dumps_by_value
 from ..result import RunResult
 from ..tracking import RunOpening, RunTracker
 from ..worker import WorkerJob
@@ -153,7 +153,8 @@ class _Run:
     def _launch_and_pump(self, channel: Channel) -> tuple[RunTracker, list[Any]]:
         """Start the workers (on the claimed standby, or fresh), pump until they end; the tracker and every
         rank's value. The next run's workers are launched ahead whatever became of this one."""
-        job = WorkerJob(self.payload, self.config, channel.address, checkpoint_root=self.root)
+        job = WorkerJob(self.payload, self.config, channel.address, checkpoint_root=self.root,
+                        strategy=dumps_by_value(self.plan.strategy))
         tracker = None if self.early else self.opening.wait()
         self.pump = Pump(self.config, channel, self.observer, self.started)
         if tracker is not None:

@@ -26,6 +26,7 @@ import os
 import sys
 from typing import Any, Callable, Mapping
 
+from ..errors import log_dropped
 from . import compat_dist
 
 _hooks: "_PostImportHooks | None" = None
@@ -153,7 +154,7 @@ def uninstall() -> None:
     while _undo:
         try:
             _undo.pop()()
-        except Exception:
-            pass
+        except Exception as exc:
+            log_dropped(__name__, "uninstall", exc)
     _sink = None
     compat_dist.restore()

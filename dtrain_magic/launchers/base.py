@@ -14,16 +14,13 @@ import signal
 import socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping, Protocol
 
 from ..channel import Message
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..registry import BACKENDS
 from ..worker import WorkerJob
-
-if TYPE_CHECKING:
-    from .standby import Claim
 
 # Variables read once, when torch and numpy load (thread pools, preloaded libraries, hashing): a process that
 # imported them ahead of its job (the local fork server, a standby's workers) was started with the values of
@@ -105,6 +102,18 @@ class RunningJob(ABC):
         """Stop every worker now and release what the run holds (processes, jobs, ports). Idempotent."""
 
 
+class StandbyClaim(Protocol):
+    """Workers launched ahead, reserved for one run (`standby.Claim` is the one implementation)."""
+
+    checkpoint_root: str
+
+    def start(self, job: WorkerJob, emit: Emit) -> RunningJob:
+        """Send the run's job to the waiting workers; the run's `RunningJob`."""
+
+    def abandon(self) -> None:
+        """Give the workers back (the run stopped before its launch): they wait for the next run."""
+
+
 class Launcher(ABC):
     """One backend: its facts (class attributes, `validate`, `in_use`) and how it starts a run's workers.
 
@@ -169,7 +178,7 @@ class Launcher(ABC):
     def start(self, job: WorkerJob, emit: Emit) -> RunningJob:
         """Start the workers and return at once."""
 
-    def claim_standby(self, config: RunConfig) -> "Claim | None":
+    def claim_standby(self, config: RunConfig) -> "StandbyClaim | None":
         """A launch started ahead for a run with ``config``'s placement (a standby, docs/warm-reruns.md), now
         reserved for the caller's run; None when there is none. The runner names the run after it
         (`Claim.checkpoint_root`) and starts it with `Claim.start` instead of `start`, or gives it back

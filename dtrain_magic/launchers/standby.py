@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 
 from ..channel import AuthenticatedListener, Message, StandbyJob, StandbyReady, StandbyRelease, decode
 from ..config import RunConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, log_dropped
 from .base import Emit, LaunchState, RunningJob
 
 DEFAULT_KEEP_WARM_S = 600.0
@@ -146,8 +146,8 @@ class Standby:
                     self.all_ready.set()
         try:
             conn.recv()  # a waiting worker never sends more: this returns (EOF) when it closes or dies
-        except Exception:
-            pass
+        except Exception as exc:
+            log_dropped(__name__, "_serve", exc)
         with self._lock:
             if not entry.answered and self.released is None and self._waiting.get(ready.rank) is entry:
                 self.lost = self.lost or f"rank {ready.rank}'s worker ended while waiting"
@@ -158,8 +158,8 @@ class Standby:
         entry.answered = True
         try:
             entry.conn.send(message.wire())
-        except Exception:  # it died meanwhile: the launch reports it (a run's failure, or a lost standby)
-            pass
+        except Exception as exc:  # it died meanwhile: the launch reports it (a run's failure, or a lost standby)
+            log_dropped(__name__, "_answer", exc)
 
     # -- the launcher's side ------------------------------------------------------------------------------
     def usable(self) -> bool:
@@ -168,7 +168,8 @@ class Standby:
             return False
         try:
             state = self.launch.poll()
-        except Exception:
+        except Exception as exc:
+            log_dropped(__name__, "usable", exc)
             return False
         return not state.finished and not state.failures
 
@@ -231,7 +232,8 @@ def _seconds(value: float) -> str:
 def _finished(launch: RunningJob) -> bool:
     try:
         return launch.poll().finished
-    except Exception:
+    except Exception as exc:
+        log_dropped(__name__, "_finished", exc)
         return True
 
 

@@ -16,6 +16,7 @@ from multiprocessing.connection import Client
 from typing import Any
 
 from ..channel import StandbyJob, StandbyReady, decode
+from ..errors import log_dropped
 
 StandbyAddress = tuple  # (host, port, authkey): where a standby's listener is, and its secret
 
@@ -26,18 +27,20 @@ def wait_for_job(address: StandbyAddress, rank: int) -> StandbyJob | None:
     host, port, authkey = address
     try:
         conn = Client((host, port), authkey=authkey)
-    except Exception:  # the listener closed (released before this worker came up), or the notebook is gone
+    except Exception as exc:  # the listener closed (released before this worker came up), or the notebook is gone
+        log_dropped(__name__, "wait_for_job", exc)
         return None
     try:
         conn.send(StandbyReady(rank, os.getpid(), socket.gethostname()).wire())
         message = decode(conn.recv())
-    except Exception:  # EOF: the notebook closed its side
+    except Exception as exc:  # EOF: the notebook closed its side
+        log_dropped(__name__, "wait_for_job", exc)
         return None
     finally:
         try:
             conn.close()
-        except Exception:
-            pass
+        except Exception as exc:
+            log_dropped(__name__, "wait_for_job", exc)
     return message if isinstance(message, StandbyJob) else None
 
 

@@ -24,6 +24,7 @@ import linecache
 from typing import Any, Callable
 
 from .._compat import cloudpickle as cloudpickle_compat
+from ..config import RunConfig
 from ..errors import CaptureError, short_traceback, summary
 from ..payload import CTX, CallForm, Payload, serialize
 
@@ -99,6 +100,11 @@ def cell_labels(shell: Any) -> dict[str, str]:
         if label:
             labels[name] = " ".join(label)
     return labels
+
+
+def payload_maker(cell: str, shell: Any) -> Callable[[RunConfig], Payload]:
+    """What the ``--configure`` panel's Run calls (on the kernel's thread): ``cell`` captured for the config."""
+    return lambda config: capture(cell, shell.user_ns, config.fn, shell)[0]
 
 
 def capture(cell: str, namespace: dict, fn_name: str | None = None, shell: Any = None) -> tuple[Payload, Callable]:

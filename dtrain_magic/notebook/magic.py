@@ -15,7 +15,7 @@ from ..driver import runner
 from ..errors import MissingDependencyError
 from ..result import RunResult
 from . import flags
-from .capture import capture
+from .capture import capture, payload_maker
 
 
 def _in_frontend(shell: Any) -> bool:
@@ -40,7 +40,10 @@ class DistributeMagics(Magics):
                     "Install them with `pip install ipywidgets plotly anywidget` (or dtrain_magic[ui]), or run "
                     "with flags only; nothing was launched"
                 ) from None
-            return show_panel(config, cell, self.shell)
+            from .model_of_cell import model_of_cell
+
+            model = model_of_cell(cell, self.shell.user_ns, config.fn)
+            return show_panel(config, cell, self.shell, model=model, make_payload=payload_maker(cell, self.shell))
         namespace = self.shell.user_ns
         prepared = runner.prepare(config, lambda: capture(cell, namespace, config.fn, self.shell)[0], namespace)
         if config.dry_run:

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import ast
 import builtins
-from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..strategies.memory import model_facts
+from ..strategies.memory import CellModel, model_facts
 
 _SAME_MODULE_METHODS = frozenset({"to", "cuda", "cpu", "float", "double", "half", "bfloat16", "train", "eval",
                                   "requires_grad_", "type", "to_empty"})
@@ -20,20 +19,6 @@ _SAME_MODULE_METHODS = frozenset({"to", "cuda", "cpu", "float", "double", "half"
 _LOADS_WEIGHTS = frozenset({"from_pretrained", "load", "load_state_dict", "hf_hub_download"})
 _EXPR_NODES = (ast.Call, ast.Attribute, ast.Name, ast.Constant, ast.keyword, ast.Tuple, ast.List, ast.Dict,
                ast.BinOp, ast.UnaryOp, ast.operator, ast.unaryop, ast.Load, ast.Starred, ast.Subscript, ast.Slice)
-
-
-@dataclass(frozen=True)
-class CellModel:
-    """The parameter count of the model a cell's training function prepares, when it can be known
-    without training (``num_params``), and where it came from or why it is unknown (``description``)."""
-
-    num_params: int | None
-    description: str
-    facts: Any = None  # the model's `memory.ModelFacts` (largest parameter and block, hidden size), when built
-
-    @property
-    def found(self) -> bool:
-        return self.num_params is not None
 
 
 class _Unknown(Exception):

@@ -132,7 +132,7 @@ class Strategy(ABC):
                 per_device = 1
             else:
                 per_device = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world_size)))
-            print(report(model, self.config.strategy, self.config.zero, self.config.precision, self.world_size,
+            print(report(model, type(self), self.config.zero, self.config.precision, self.world_size,
                          self.device, per_device, tp=self.config.tp, pp=self.config.pp, settings=settings),
                   flush=True)
         except Exception as exc:  # an estimate must never break a run

@@ -36,8 +36,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import io
 import json
 import os
+import re
+import sys
 import warnings
 from types import MappingProxyType
 from typing import Any, Iterator, Mapping
@@ -67,6 +70,9 @@ def model_sizes(hidden: int, stage: int) -> dict[str, int]:
         sizes.update(stage3_prefetch_bucket_size=int(0.9 * square), stage3_param_persistence_threshold=10 * hidden,
                      stage3_max_live_parameters=square, stage3_max_reuse_distance=square, sub_group_size=square)
     return sizes
+
+# "DeepSpeed deepspeed_shm_comm built successfully": printed by DeepSpeed's comm start whether it compiled or loaded
+_OP_LOADED = re.compile(r"^DeepSpeed \S+ built successfully$")
 
 _FLAG_KEYS = (
     "zero_optimization.stage", "fp16.enabled", "bf16.enabled", "gradient_accumulation_steps",
@@ -329,8 +335,9 @@ class DeepSpeedStrategy(Strategy):
             load_deepspeed_cpu_ops()  # DeepSpeed's communication would JIT-build it
         # zero.Init reads the config before it joins DeepSpeed's communication, which deepspeed.initialize would
         # join anyway: joined first, the config's batch arithmetic sees the run's world size, not 1
-        deepspeed.init_distributed(dist_backend=self.process_group_backend(self.config.use_gpu),
-                                   dist_init_required=False)
+        with dropping_lines(_OP_LOADED):
+            deepspeed.init_distributed(dist_backend=self.process_group_backend(self.config.use_gpu),
+                                       dist_init_required=False)
         # mem_efficient_linear=False: DeepSpeed would otherwise replace torch.nn.functional.linear for the process
         return deepspeed.zero.Init(config_dict_or_path=build_config(self.config, self.world_size),
                                    mem_efficient_linear=False)
@@ -369,9 +376,10 @@ class DeepSpeedStrategy(Strategy):
         optimizer = deferred.optimizer_for(optimizer, model.parameters())
         if not self.config.use_gpu:
             load_deepspeed_cpu_ops()  # what initialize would JIT-build, under a lock that cannot go stale
-        engine, ds_optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=copy.deepcopy(self.ds_config), dist_init_required=False
-        )
+        with dropping_lines(_OP_LOADED):  # DeepSpeed prints it on every start, even for the op built at set-up
+            engine, ds_optimizer, _, _ = deepspeed.initialize(
+                model=model, optimizer=optimizer, config=copy.deepcopy(self.ds_config), dist_init_required=False
+            )
         self.engine = engine
         self.model = engine
         self.optimizer = ds_optimizer
@@ -483,3 +491,42 @@ def _cast_inputs(dtype: torch.dtype):
         return cast(args), cast(kwargs)
 
     return hook
+
+
+class _LineFilter(io.TextIOBase):
+    """A text stream that passes whole lines to ``target`` unless they match ``pattern``."""
+
+    def __init__(self, target: Any, pattern: re.Pattern):
+        self.target, self.pattern, self.pending = target, pattern, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        complete, _, self.pending = self.pending.rpartition("\n")
+        if _:
+            kept = [line for line in complete.split("\n") if not self.pattern.match(line)]
+            if kept:
+                self.target.write("\n".join(kept) + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending and not self.pattern.match(self.pending):
+            self.target.write(self.pending)
+        self.pending = ""
+        self.target.flush()
+
+
+@contextlib.contextmanager
+def dropping_lines(pattern: re.Pattern) -> Any:
+    """Within the block, drop the lines of ``sys.stdout`` that match ``pattern`` (a library's noise)."""
+    original = sys.stdout
+    sys.stdout = _LineFilter(original, pattern)
+    try:
+        yield
+    finally:
+        try:
+            sys.stdout.flush()
+        finally:
+            sys.stdout = original

@@ -85,7 +85,7 @@ def op_build_guard(name: str, announce: bool = True, wait_s: float = _WAIT_S) ->
                         f"waited {wait_s:.0f} s for another process building DeepSpeed's {name} op (lock "
                         f"{guard_path}); if no such build is running, delete {build_dir} and run again"
                     ) from None
-                if announce and not said:
+                if announce and not said and not _built(build_dir, name):  # a built op loads in well under a second
                     print(f"dtrain_magic: waiting for another process to finish building DeepSpeed's {name} op",
                           flush=True)
                     said = True

@@ -41,11 +41,26 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .._compat import deepspeed as deepspeed_compat
-from ..errors import ConfigError
+from ..errors import ConfigError, log_dropped
+from ..flagtable import BY_FIELD
 from ..registry import STRATEGIES
 
 ADAM_MIXED_K = 12  # fp32 master weights + momentum + variance, bytes per parameter
 ADAM_MOMENTS_FP32 = 8  # momentum + variance in fp32
+
+
+@dataclass(frozen=True)
+class CellModel:
+    """The parameter count of the model a cell's training function prepares, when it can be known
+    without training (``num_params``), and where it came from or why it is unknown (``description``)."""
+
+    num_params: int | None
+    description: str
+    facts: Any = None  # the model's `ModelFacts` (largest parameter and block, hidden size), when it was built
+
+    @property
+    def found(self) -> bool:
+        return self.num_params is not None
 
 
 @dataclass(frozen=True)
@@ -90,6 +105,7 @@ class MemoryEstimate:
     optimizer_moments: float  # the part of ``optimizer`` that is Adam's momentum + variance
     tp: int = 1
     pp: int = 1
+    strategy_label: str = ""  # as the strategy names itself (``deepspeed ZeRO-2``)
     buffer_parts: tuple[tuple[str, float], ...] = field(default=())  # (what, bytes): the strategy's own buffers
 
     @property
@@ -108,7 +124,7 @@ class MemoryEstimate:
 
     @property
     def label(self) -> str:
-        label = STRATEGIES.load(self.strategy).label(self.zero)
+        label = self.strategy_label or self.strategy
         degrees = (("tp", self.tp), ("pp", self.pp))
         return label + "".join(f" x {name} {degree}" for name, degree in degrees if degree > 1)
 
@@ -128,15 +144,21 @@ class MemoryEstimate:
         return text
 
 
-def memory_model(strategy: str, zero: int | None, precision: str) -> MemoryModel:
-    """The registered strategy's `MemoryModel` for ``zero`` and ``precision``."""
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise ValueError(f"unknown precision {precision!r}")
+def strategy_class(strategy: str | type) -> Any:
+    """A `Strategy` class, or the one registered under that name (`ValueError` when none is)."""
+    if isinstance(strategy, type):
+        return strategy
     try:
-        cls = STRATEGIES.load(strategy)
+        return STRATEGIES.load(strategy)
     except ConfigError:
         raise ValueError(f"unknown strategy {strategy!r}") from None
-    return cls.memory_model(zero, precision)
+
+
+def memory_model(strategy: str | type, zero: int | None, precision: str) -> MemoryModel:
+    """The strategy's `MemoryModel` for ``zero`` and ``precision`` (``strategy``: its class or registered name)."""
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"unknown precision {precision!r}")
+    return strategy_class(strategy).memory_model(zero, precision)
 
 
 def bytes_per_param(strategy: str, zero: int | None, precision: str) -> tuple[int, int, int, int]:
@@ -145,7 +167,7 @@ def bytes_per_param(strategy: str, zero: int | None, precision: str) -> tuple[in
     return model.param_bytes, model.grad_bytes, model.optimizer_bytes, model.moment_bytes
 
 
-def estimate(num_params: int, strategy: str = "ddp", zero: int | None = None, precision: str = "fp32",
+def estimate(num_params: int, strategy: str | type = "ddp", zero: int | None = None, precision: str = "fp32",
              world_size: int = 1, k: int | None = None, tp: int = 1, pp: int = 1, facts: ModelFacts | None = None,
              settings: Mapping[str, Any] | None = None) -> MemoryEstimate:
     """Per-process bytes for parameters, gradients and optimizer states; ``k`` overrides K. With ``tp``/``pp``
@@ -167,23 +189,25 @@ def estimate(num_params: int, strategy: str = "ddp", zero: int | None = None, pr
     grads = g * psi / (n if stage >= 2 else 1)
     optimizer = kk * psi / (n if stage >= 1 else 1)
     optimizer_moments = moments * psi / (n if stage >= 1 else 1)
-    cls = STRATEGIES.load(strategy)
-    owns_zero = "zero" in cls.own_fields  # ZeRO's stage, as DeepSpeed numbers it
+    cls = strategy_class(strategy)
+    zero = (zero or 0) if "zero" in cls.own_fields else None  # ZeRO's stage, as DeepSpeed numbers it
     parts: tuple[tuple[str, float], ...] = ()
     if facts is not None:
         parts = tuple((what, float(size)) for what, size in cls.memory_buffers(
             facts, zero, precision, world_size, tp=tp, pp=pp, settings=settings or {}) if size > 0)
-    return MemoryEstimate(strategy, (zero or 0) if owns_zero else None, precision, world_size,
-                          int(num_params), params, grads, optimizer, optimizer_moments, tp, pp, parts)
+    return MemoryEstimate(cls.name, zero, precision, world_size, int(num_params), params, grads, optimizer,
+                          optimizer_moments, tp, pp, cls.label(zero), parts)
 
 
 def table(num_params: int, precision: str = "fp32", world_size: int = 2, tp: int = 1, pp: int = 1) -> str:
     """A text table of the estimate for every strategy and stage (for the dry run or the docs); with ``tp``/``pp``,
     the strategies that support them (ddp, fsdp)."""
-    rows = [estimate(num_params, "ddp", None, precision, world_size, tp=tp, pp=pp),
-            estimate(num_params, "fsdp", None, precision, world_size, tp=tp, pp=pp)]
-    if tp == 1 and pp == 1:
-        rows += [estimate(num_params, "deepspeed", s, precision, world_size) for s in (0, 1, 2, 3)]
+    rows = []
+    for cls in STRATEGIES.classes().values():  # every registered strategy; each ZeRO stage of the one that owns --zero
+        if (tp > 1 or pp > 1) and cls.model_parallel_refusal:
+            continue
+        stages = BY_FIELD["zero"].choices if "zero" in cls.own_fields else (None,)
+        rows += [estimate(num_params, cls, stage, precision, world_size, tp=tp, pp=pp) for stage in stages]
     header = f"{'strategy':<22}{'params':>12}{'grads':>12}{'optimizer':>12}{'total':>12}"
     lines = [f"memory per process: {num_params:,} parameters, {precision}, {world_size} processes", header]
     for r in rows:
@@ -208,13 +232,14 @@ def device_memory_bytes(device: Any = None, processes_per_device: int = 1) -> in
         if device is not None and getattr(device, "type", str(device)) == "cuda" and torch.cuda.is_available():
             index = getattr(device, "index", None) or 0
             return int(torch.cuda.get_device_properties(index).total_memory)
-    except Exception:
-        pass
+    except Exception as exc:
+        log_dropped(__name__, "device_memory_bytes", exc)
     try:
         import psutil
 
         return int(psutil.virtual_memory().total // max(1, processes_per_device))
-    except Exception:
+    except Exception as exc:
+        log_dropped(__name__, "device_memory_bytes", exc)
         return None
 
 
@@ -235,7 +260,7 @@ def count_parameters(model: Any) -> int:
     return sum(_numel(param) for param in {id(p): p for p in model.parameters()}.values())
 
 
-def report(model: Any, strategy: str, zero: int | None, precision: str, world_size: int,
+def report(model: Any, strategy: str | type, zero: int | None, precision: str, world_size: int,
            device: Any = None, processes_per_device: int = 1, tp: int = 1, pp: int = 1,
            settings: Mapping[str, Any] | None = None) -> str:
     """The estimate line for ``model`` (and the warning when it does not fit), as printed by wrap()."""

@@ -11,6 +11,8 @@ import sys
 import threading
 from typing import Any
 
+from ..errors import log_dropped
+
 _import_thread: threading.Thread | None = None
 _import_threads: list[threading.Thread] = []  # every background import, MLflow's and others', in start order
 _import_lock = threading.RLock()
@@ -52,8 +54,8 @@ def _import_mlflow() -> None:
         from mlflow import MlflowClient  # noqa: F401
         from mlflow.entities import Metric, Param  # noqa: F401
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor  # noqa: F401
-    except Exception:  # not installed or broken: the run's own import says so, in the notebook's thread
-        pass
+    except Exception as exc:  # not installed or broken: the run's own import says so, in the notebook's thread
+        log_dropped(__name__, "_import_mlflow", exc)
 
 
 def wait_for_preload() -> None:

@@ -10,7 +10,7 @@ import time
 from typing import Any, Mapping
 
 from ..config import RunConfig, redact_uri
-from ..errors import ConfigError, summary
+from ..errors import ConfigError, log_dropped, summary
 from .preload import wait_for_preload
 from .system_metrics import SYSTEM_METRICS_INTERVAL_S, finish_monitor, quiet_mlflow, start_monitor
 from .uri import NOTHING_LAUNCHED, WORKERS_STOPPED, deleted_experiment_error, resolve_tracking_uri, tracking_uri_error
@@ -92,8 +92,8 @@ class RunTracker:
         for monitor in self._monitors:
             try:
                 finish_monitor(monitor)
-            except Exception:
-                pass
+            except Exception as exc:
+                log_dropped(__name__, "finish", exc)
         self._monitors.clear()
         self.flush()
         tags = dict(tags or {})

@@ -20,6 +20,7 @@ import threading
 from typing import Any
 
 from .._compat import ipykernel as ipykernel_compat
+from ..errors import log_dropped
 
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -31,7 +32,8 @@ def _kernel() -> Any:
         from IPython import get_ipython
 
         shell = get_ipython()
-    except Exception:
+    except Exception as exc:
+        log_dropped(__name__, "_kernel", exc)
         return None
     kernel = getattr(shell, "kernel", None)
     if kernel is None or not ipykernel_compat.supports_subshells(kernel):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .._compat import plotly as plotly_compat
+from ..errors import log_dropped
 
 _log = logging.getLogger(__name__)
 
@@ -370,8 +371,8 @@ class RunCharts:
             frame.children = (fresh,)
             try:
                 figure.close()
-            except Exception:
-                pass
+            except Exception as exc:
+                log_dropped(__name__, "_sync_initial_state", exc)
 
     def _draw(self, figure: Any, source: dict[str, Series], keys: list[str], names: dict[str, str] | None = None,
               visible_default: str | None = None) -> None:

@@ -37,6 +37,7 @@ import traitlets
 
 from ..config import RunConfig
 from ..driver.observer import RunObserver, TextObserver, plan_with_backend, prefix_lines
+from ..errors import log_dropped
 from . import _kernel
 from .charts import preload_plotly
 
@@ -341,8 +342,8 @@ class MonitorObserver(RunObserver):
             self._dirty.clear()
             try:
                 self._flush()
-            except Exception:
-                pass
+            except Exception as exc:
+                log_dropped(__name__, "_flush_loop", exc)
             if self._closed.is_set():
                 return
             time.sleep(self._flush_s)

@@ -31,10 +31,11 @@ import anywidget
 import traitlets
 
 from ..config import RunConfig, cuda_available
-from ..errors import ConfigError, DistributeError
+from ..errors import ConfigError, DistributeError, log_dropped
 from ..flagtable import CHECKBOX, DROPDOWN, INT_BOX, TEXT, Flag, panel_rows
-from ..notebook.model_of_cell import CellModel
+from ..payload import Payload
 from ..registry import STRATEGIES
+from ..strategies.memory import CellModel
 
 CONTROLS = tuple(row.field for row in panel_rows())  # the RunConfig fields the panel sets, from the flag table
 DEFAULT_PARAMS = 125_000_000  # the memory estimate's what-if size when the cell's model is not known
@@ -191,7 +192,8 @@ class PanelState:
                     from ..strategies import get_strategy
 
                     settings = get_strategy(self.values["strategy"]).memory_settings(self._build(), facts)
-                except Exception:  # a combination the panel shows as a problem: states only
+                except Exception as exc:  # a combination the panel shows as a problem: states only
+                    log_dropped(__name__, "memory_line", exc)
                     facts = None
             est = memory.estimate(self.num_params, self.values["strategy"], self.values["zero"],
                                   self.values["precision"], int(self.values["num_processes"]),
@@ -205,6 +207,7 @@ class PanelState:
                 line += "\n" + warning
             return line
         except Exception as exc:  # a half-written estimate module must not break the panel
+            log_dropped(__name__, "memory_line", exc)
             return f"memory estimate unavailable: {type(exc).__name__}: {exc}"
 
     def cell_text(self, body: str) -> str | None:
@@ -229,20 +232,18 @@ class ConfigurePanel:
     """The widgets of ``--configure`` around a `PanelState`."""
 
     def __init__(self, config: RunConfig, cell: str, shell: Any, checker: Callable[[RunConfig], None] | None = None,
-                 model: CellModel | None = None):
-        """``model``: the cell's model (default: `memory.model_of_cell` over the notebook's namespace)."""
+                 model: CellModel | None = None, make_payload: Callable[[RunConfig], Payload] | None = None):
+        """``model``: the cell's model as the magic found it (`notebook.model_of_cell`), for the estimate;
+        ``make_payload``: what Run calls on the kernel's thread to capture the cell for the chosen config (the
+        magic gives `notebook.capture.payload_maker`); without it the panel configures and writes cells only."""
         import ipywidgets as w
 
         if checker is None:
             from ..driver.runner import check as checker
-        if model is None:
-            from ..notebook.model_of_cell import model_of_cell
-
-            model = model_of_cell(cell, getattr(shell, "user_ns", None) or {}, config.fn)
         from .charts import preload_plotly
 
         preload_plotly()  # the live charts' first figure costs seconds in a fresh kernel: meanwhile the user chooses
-        self.cell, self.shell = cell, shell
+        self.cell, self.shell, self.make_payload = cell, shell, make_payload
         self.state = PanelState(config, checker=checker, model=model)
         opts = self.state.options()
         v = self.state.values
@@ -347,11 +348,12 @@ class ConfigurePanel:
         """Prepare the run as the magic does (check, the next run's workers ahead, the cell captured on this
         thread), then execute it in a background thread; the monitor appears under the panel."""
         from ..driver import runner
-        from ..notebook.capture import capture
         from .monitor import MonitorObserver
 
         if self.running:
             return
+        if self.make_payload is None:
+            raise RuntimeError("this panel has no cell to run (make_payload); it configures and writes cells only")
         config = self.state.to_config(ui=True)
         self.output.outputs = ()
         self.cell_output.clear_output()
@@ -360,8 +362,7 @@ class ConfigurePanel:
         namespace = self.shell.user_ns
         try:
             with self.cell_output:  # the cell runs in the notebook first: its own prints land here
-                prepared = runner.prepare(
-                    config, lambda: capture(self.cell, namespace, config.fn, self.shell)[0], namespace)
+                prepared = runner.prepare(config, lambda: self.make_payload(config), namespace)
         except DistributeError as exc:
             text.write(f"{type(exc).__name__}: {exc}\n", stream="stderr")
             text.close()
@@ -469,17 +470,18 @@ class _OutputWriter:
             self._dirty.clear()
             try:
                 self.flush()
-            except Exception:
-                pass
+            except Exception as exc:
+                log_dropped(__name__, "_loop", exc)
             self._closed.wait(self._every_s)
 
 
-def show_panel(config: RunConfig, cell: str, shell: Any) -> None:
+def show_panel(config: RunConfig, cell: str, shell: Any, model: CellModel | None = None,
+               make_payload: Callable[[RunConfig], Payload] | None = None) -> None:
     """Display the configure panel for ``cell`` (called by ``%%distribute --configure``); the panel object
     is ``_distribute_panel`` in the notebook."""
     from IPython.display import display
 
-    panel = ConfigurePanel(config, cell, shell)
+    panel = ConfigurePanel(config, cell, shell, model=model, make_payload=make_payload)
     display(panel.widget)
     shell.user_ns["_distribute_panel"] = panel
     return None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import cloudpickle
+
 from ..channel import ChannelAddress
 from ..config import RunConfig
 from ..payload import Payload
@@ -20,6 +22,16 @@ class WorkerJob:
     run_id: str | None = None
     checkpoint_root: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+    # The strategy class, pickled in the notebook (`payload.dumps_by_value`): one registered there from the user's
+    # own code (`registry.STRATEGIES.register`) reaches workers whose registry never heard of it.
+    strategy: bytes | None = None
+
+    def strategy_class(self) -> type:
+        if self.strategy is not None:
+            return cloudpickle.loads(self.strategy)
+        from ..strategies import get_strategy
+
+        return get_strategy(self.config.strategy)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import datetime
 import os
 from typing import Any
 
+from ..errors import log_dropped
 from .job import RankInfo, rank_from_env
 
 
@@ -67,12 +68,12 @@ def leave_process_group(use_gpu: bool, finished: bool) -> None:
     if finished:
         try:
             barrier(device_for(use_gpu, rank_from_env().local_rank))
-        except Exception:
-            pass
+        except Exception as exc:
+            log_dropped(__name__, "leave_process_group", exc)
     try:
         dist.destroy_process_group()
-    except Exception:
-        pass
+    except Exception as exc:
+        log_dropped(__name__, "leave_process_group", exc)
 
 
 def barrier(device: Any) -> None:

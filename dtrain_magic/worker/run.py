@@ -20,7 +20,7 @@ import cloudpickle
 
 from .. import integrations
 from ..channel import Error, Hello, Result, Status, WorkerLink
-from ..errors import short_traceback, summary
+from ..errors import log_dropped, short_traceback, summary
 from .job import RankInfo, WorkerJob, rank_from_env
 from .process_group import barrier, device_for, ensure_process_group
 from .streams import ChannelStream
@@ -58,8 +58,8 @@ def run_worker(job: WorkerJob, ranks: RankInfo | None = None, checkpoints: Any =
             # the notebook stop this worker; its result is already sent.
             try:
                 barrier(device)
-            except Exception:
-                pass
+            except Exception as exc:
+                log_dropped(__name__, "run_worker", exc)
         return value
     except BaseException as exc:
         _report_failure(rank, exc)
@@ -83,7 +83,8 @@ def _connect(job: WorkerJob, ranks: RankInfo) -> _Rank:
 def _join(rank: _Rank) -> Any:
     """Join the process group (unless the backend did) and return this rank's device."""
     config = rank.job.config
-    rank.owns_group = ensure_process_group(config.process_group_backend, rank.ranks, config.timeout)
+    backend = rank.job.strategy_class().process_group_backend(config.use_gpu)
+    rank.owns_group = ensure_process_group(backend, rank.ranks, config.timeout)
     device = device_for(config.use_gpu, rank.ranks.local_rank)
     if rank.owns_group:
         # init_process_group has no barrier of its own: without one, a rank whose function needs no
@@ -94,13 +95,11 @@ def _join(rank: _Rank) -> Any:
 
 def _build_context(rank: _Rank, device: Any, checkpoints: Any) -> Any:
     """The strategy and the `TrainContext` the user's function gets; integrations installed around it."""
-    from ..strategies import get_strategy
     from .checkpoints import checkpoint_store
     from .context import TrainContext
 
     job, ranks = rank.job, rank.ranks
-    rank.strategy = get_strategy(job.config.strategy)(job.config, ranks.rank, ranks.local_rank, ranks.world_size,
-                                                      device)
+    rank.strategy = job.strategy_class()(job.config, ranks.rank, ranks.local_rank, ranks.world_size, device)
     ctx = TrainContext(
         job.config, rank.strategy, ranks.rank, ranks.local_rank, ranks.world_size, device,
         send=rank.link.send,
@@ -142,8 +141,8 @@ def _report_failure(rank: _Rank, exc: BaseException) -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:
-            pass
+        except Exception as exc:
+            log_dropped(__name__, "_report_failure", exc)
     number = rank.ranks.rank
     rank.link.send(Error(number, summary(exc), short_traceback(exc, rank.job.payload.labels), time.time()))
     rank.link.send(Status(number, "failed", summary(exc)))
@@ -159,13 +158,13 @@ def _teardown(rank: _Rank) -> None:
     if rank.strategy is not None:
         try:
             rank.strategy.teardown()
-        except Exception:
-            pass
+        except Exception as exc:
+            log_dropped(__name__, "_teardown", exc)
     if rank.owns_group and dist.is_initialized():
         try:
             dist.destroy_process_group()
-        except Exception:
-            pass
+        except Exception as exc:
+            log_dropped(__name__, "_teardown", exc)
     rank.link.close()
 
 
@@ -200,8 +199,8 @@ def preload(strategies: tuple[str, ...] = ("ddp",)) -> None:
     for name in strategies:
         try:
             get_strategy(name)
-        except Exception:  # an optional speed-up only: the job imports it and reports what goes wrong
-            pass
+        except Exception as exc:  # an optional speed-up only: the job imports it and reports what goes wrong
+            log_dropped(__name__, "preload", exc)
 
 
 def run_job_file(path: str) -> int:
@@ -213,6 +212,7 @@ def run_job_file(path: str) -> int:
         job: WorkerJob = cloudpickle.load(handle)
     try:
         run_worker(job)
-    except BaseException:
+    except BaseException as exc:
+        log_dropped(__name__, "run_job_file", exc)
         return 1
     return 0

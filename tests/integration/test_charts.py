@@ -167,11 +167,12 @@ def test_stop_event_stops_the_run_cleanly(shell, mlflow):
 def test_configure_panel_runs_in_the_background(shell, mlflow):
     """Run in the --configure panel: the chosen RunConfig, launched in a background thread, result bound."""
     from dtrain_magic.notebook import flags
+    from dtrain_magic.notebook.capture import payload_maker
     from dtrain_magic.ui.panel import ConfigurePanel
 
     cell = _cell(5, 0.01).split("\n", 1)[1]
     config = flags.config_from_line("--backend local -n 2 --result res", gpu_available=lambda: False)
-    panel = ConfigurePanel(config, cell, shell)
+    panel = ConfigurePanel(config, cell, shell, make_payload=payload_maker(cell, shell))
     panel.controls["num_processes"].value = 3
     panel.controls["grad_accum"].value = 2
     assert panel.flag_line.value == (
@@ -247,10 +248,12 @@ def test_configure_panel_shows_the_monitor_stops_and_runs_again(shell, mlflow):
     the run as KILLED; Run works again after it."""
     from dtrain_magic.errors import RunInterrupted
     from dtrain_magic.notebook import flags
+    from dtrain_magic.notebook.capture import payload_maker
     from dtrain_magic.ui.panel import ConfigurePanel
 
     config = flags.config_from_line("--backend local -n 2", gpu_available=lambda: False)
-    panel = ConfigurePanel(config, _cell(1000, 0.05).split("\n", 1)[1], shell)
+    cell = _cell(1000, 0.05).split("\n", 1)[1]
+    panel = ConfigurePanel(config, cell, shell, make_payload=payload_maker(cell, shell))
     panel.run()
     obs = panel.observer
     assert panel.monitor_box.children == (obs.container,)  # a child of the panel, not display data in an Output

@@ -622,6 +622,15 @@ def test_ray_train_loop_runs_unchanged_with_report_checkpoints_and_restarts(shel
     assert mlflow.get_run(result.result.run_id).info.status == "FINISHED"
 
 
+def test_a_function_the_cell_imports_runs_on_ray_train(shell, tmp_path, monkeypatch):
+    """``from my_project.train import fit`` / ``fit(...)``: the call runs on the Ray Train workers, never in the
+    notebook, and trains one process's weights (fp32, 1e-5)."""
+    from workloads import assert_imported_call_run, imported_call_cell, write_project
+
+    monkeypatch.syspath_prepend(write_project(tmp_path))
+    assert_imported_call_run(shell.run(imported_call_cell("ray")), tmp_path)
+
+
 def test_torchdistributor_style_and_accelerate_run_unchanged_on_ray(shell, mlflow):
     """Ray Train has joined the group already: the function's own init_process_group (with device_id) is
     adopted and its destroy deferred; then an accelerate loop in the same Ray instance. Both match one process."""

@@ -353,6 +353,15 @@ def test_tensor_and_pipeline_parallel_through_torchdistributor(spark_launcher, s
 
 
 # -- existing code, unchanged (issue #13; the local backend's: test_existing_code.py) -------------------
+def test_a_function_the_cell_imports_runs_through_torchdistributor(spark_launcher, shell, tmp_path, monkeypatch):
+    """``from my_project.train import fit`` / ``fit(...)``: the call runs on the torchrun workers,
+    never in the notebook, and trains one process's weights (fp32, 1e-5)."""
+    from workloads import assert_imported_call_run, imported_call_cell, write_project
+
+    monkeypatch.syspath_prepend(write_project(tmp_path))
+    assert_imported_call_run(shell.run(imported_call_cell("spark")), tmp_path)
+
+
 def test_torchdistributor_style_and_accelerate_run_unchanged(spark_launcher, shell, mlflow):
     """A function as written for TorchDistributor.run (its own init_process_group("gloo", env://), DDP,
     destroy_process_group, arguments from the cell's call), then an accelerate loop: both on the shared

@@ -653,3 +653,57 @@ def hf_reference(kind: str) -> tuple[dict, list[float], object]:
         opt.step()
         losses.append(loss.item())
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, namespace["make_hf"](kind)
+
+
+# The way most projects keep their code (issue #23): the training function lives in the project's own module and the
+# cell imports it, then calls it on its last line. The call form ships it; it must never run in the notebook (there
+# RANK is unset: the function then leaves a marker file instead of training).
+PROJECT_MODULE = EXISTING_HELPERS + '''
+import os
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+
+def fit(lr, epochs=1):
+    if "RANK" not in os.environ:  # the notebook process: the call form must never get here
+        open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "RAN_IN_NOTEBOOK"), "w").close()
+        return None
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = DDP(make_model())
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    data = make_data()
+    loader = DataLoader(data, batch_size=16 // world, sampler=DistributedSampler(data, world, rank, shuffle=False))
+    for _ in range(epochs):
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+'''
+
+
+def write_project(root) -> str:
+    """``root/my_project/train.py`` with `PROJECT_MODULE`; the folder to put on ``sys.path``."""
+    package = root / "my_project"
+    package.mkdir(exist_ok=True)
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text(PROJECT_MODULE)
+    return str(root)
+
+
+def imported_call_cell(backend: str, flags: str = "") -> str:
+    return (f"%%distribute --backend {backend} -n 2 --no-ui {flags}\nfrom my_project.train import fit\n"
+            f"fit({EXISTING_LR}, epochs={EXISTING_EPOCHS})\n")
+
+
+def assert_imported_call_run(result, root) -> None:
+    """Every rank trained one process's weights (fp32, 1e-5), and nothing ran in the notebook."""
+    assert result.error_in_exec is None, result.error_in_exec
+    assert not (root / "my_project" / "RAN_IN_NOTEBOOK").exists(), "the imported function ran in the notebook"
+    assert result.result.config.backend and result.result.values[1] is not None
+    assert_close(result.result.value, existing_reference(), atol=1e-5, rtol=0)
+    assert_close(result.result.values[1], result.result.value, atol=0, rtol=0)

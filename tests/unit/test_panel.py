@@ -145,7 +145,7 @@ def test_paths_with_spaces_survive_the_flag_line():
 
 
 def test_estimate_uses_the_cells_model_and_says_what_if_otherwise():
-    from dtrain_magic.notebook.model_of_cell import CellModel
+    from dtrain_magic.strategies.memory import CellModel
 
     model = CellModel(1153, "`Net()` from the cell, built on the meta device")
     s = state(model=model)
@@ -167,7 +167,10 @@ def test_panel_counts_the_cells_model():
     cell = ("import torch\ndef train(ctx):\n    model = torch.nn.Linear(10, 5)\n"
             "    model, opt = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))\n")
     config = flags.config_from_line("--backend local", gpu_available=lambda: False)
-    panel = ConfigurePanel(config, cell, shell=None, checker=lambda c: None)
+    from dtrain_magic.notebook.model_of_cell import model_of_cell
+
+    # what %%distribute --configure gives the panel: the cell's model, counted on the meta device
+    panel = ConfigurePanel(config, cell, shell=None, checker=lambda c: None, model=model_of_cell(cell, {}, config.fn))
     assert panel.state.num_params == 55 and panel.params.value == pytest.approx(55 / 1e6)
     assert "model: 55 parameters" in panel.memory.value
     panel.params.value = 2.0  # the user types 2 M: a what-if, said as such

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..._compat import ray as ray_compat
 from ...config import RunConfig
-from ...errors import LaunchError, summary
+from ...errors import LaunchError, log_dropped, summary
 from ...state import kernel_state
 
 _INSTANCE_ENV = "DTRAIN_RAY_INSTANCE"  # set while the local instance starts: every process of it inherits it
@@ -169,8 +169,8 @@ class RayInstance:
         try:
             sweeper.stdin.close()
             sweeper.wait(10)
-        except Exception:
-            pass
+        except Exception as exc:
+            log_dropped(__name__, "_stop_sweeper", exc)
 
     def _start(self, num_cpus: int, attempts: int = 2) -> None:
         """Start the local instance; one more try when a loaded machine makes Ray's 30 s raylet wait time out."""
@@ -217,7 +217,8 @@ def _current_address() -> str | None:
 
     try:
         return ray.get_runtime_context().gcs_address
-    except Exception:
+    except Exception as exc:
+        log_dropped(__name__, "_current_address", exc)
         return None
 
 
@@ -226,7 +227,8 @@ def _current_job() -> str | None:
 
     try:
         return ray.get_runtime_context().get_job_id()
-    except Exception:
+    except Exception as exc:
+        log_dropped(__name__, "_current_job", exc)
         return None
 
 

@@ -12,6 +12,7 @@ import tempfile
 from typing import Any
 
 from ..._compat import ray as ray_compat
+from ...errors import log_dropped
 from ...worker import RankInfo
 
 
@@ -75,7 +76,8 @@ def _is_local_fs(checkpoint: Any) -> bool:
         import pyarrow.fs
 
         return isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem)
-    except Exception:
+    except Exception as exc:
+        log_dropped(__name__, "_is_local_fs", exc)
         return False
 
 

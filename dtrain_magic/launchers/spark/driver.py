@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping
 from ..._compat import spark as spark_compat
 from ...channel import AuthenticatedListener, RankDone, StandbyJob, decode
 from ...config import RunConfig, redact_uri
-from ...errors import ConfigError, LaunchError, MissingDependencyError
+from ...errors import ConfigError, LaunchError, MissingDependencyError, log_dropped
 from ...state import kernel_state
 from ...worker import WorkerJob
 from ..base import IMPORT_TIME_ENV, Emit, Failure, Launcher, LaunchState, RunningJob, import_time_environment
@@ -78,8 +78,8 @@ class _RankWatch:
             while True:
                 message = decode(conn.recv())
                 rank, done = message.rank, done or isinstance(message, RankDone)
-        except Exception:  # the connection closed (or sent what no watchdog sends)
-            pass
+        except Exception as exc:  # the connection closed (or sent what no watchdog sends)
+            log_dropped(__name__, "_read", exc)
         if rank is not None and not done and not self._listener.closed.is_set():
             self.dead.setdefault(rank, _DIED)
 
@@ -171,7 +171,8 @@ class SparkJob(StandbyLaunch):
                 if info is not None and info.status in ("RUNNING", "UNKNOWN"):
                     running.append(job_id)
             return running
-        except Exception:
+        except Exception as exc:
+            log_dropped(__name__, "active_jobs", exc)
             return []
 
     def release(self) -> None:
@@ -201,8 +202,8 @@ class SparkJob(StandbyLaunch):
         if self._thread.is_alive() or self.active_jobs():
             try:
                 self._sc.cancelJobGroup(self.group)
-            except Exception:
-                pass
+            except Exception as exc:
+                log_dropped(__name__, "_cancel_job_group", exc)
 
     def _wait_for_jobs(self, deadline: float) -> None:
         while self.active_jobs() and time.monotonic() < deadline:
@@ -260,7 +261,8 @@ def _process_trees(worker_pids: Any) -> set[int]:
 def _is_torchrun(proc: Any) -> bool:
     try:
         command = " ".join(proc.cmdline())
-    except Exception:
+    except Exception as exc:
+        log_dropped(__name__, "_is_torchrun", exc)
         return False
     return spark_compat.TORCHRUN_WRAPPER_MODULE in command or "torch.distributed.run" in command
 
@@ -270,7 +272,8 @@ def _child_pids() -> set[int]:
         import psutil
 
         return {p.pid for p in psutil.Process().children(recursive=True)}
-    except Exception:
+    except Exception as exc:
+        log_dropped(__name__, "_child_pids", exc)
         return set()
 
 
@@ -354,7 +357,8 @@ class SparkLauncher(Launcher):
         try:
             if spark_compat.context_stopped(session.sparkContext):
                 return None
-        except Exception:
+        except Exception as exc:
+            log_dropped(__name__, "_active_session", exc)
             return None
         return session
 
@@ -384,7 +388,8 @@ class SparkLauncher(Launcher):
     def _alive(session: Any) -> bool:
         try:
             return not spark_compat.context_stopped(session.sparkContext)
-        except Exception:
+        except Exception as exc:
+            log_dropped(__name__, "_alive", exc)
             return False
 
     @staticmethod
@@ -415,8 +420,8 @@ class SparkLauncher(Launcher):
             self.standbys.release("dtrain_magic's SparkSession stops")
             try:
                 self._session.stop()
-            except Exception:
-                pass
+            except Exception as exc:
+                log_dropped(__name__, "_stop_own", exc)
             self._session = None
 
     def shutdown(self, at_exit: bool = False) -> None:
@@ -429,8 +434,8 @@ class SparkLauncher(Launcher):
             if at_exit and self._session is not None and self._alive(self._session):
                 try:
                     self._session.sparkContext.setLogLevel("OFF")
-                except Exception:
-                    pass
+                except Exception as exc:
+                    log_dropped(__name__, "shutdown", exc)
             self._stop_own()
 
     # -- Launcher interface -------------------------------------------------------------------------
@@ -601,8 +606,8 @@ class SparkLauncher(Launcher):
         active = None
         try:
             active = self._active_session() if "pyspark" in sys.modules else None
-        except Exception:
-            pass
+        except Exception as exc:
+            log_dropped(__name__, "describe", exc)
         if active is not None and active is self._session:
             master = f"dtrain_magic's SparkSession ({active.sparkContext.master}, reused)"
         elif active is not None:

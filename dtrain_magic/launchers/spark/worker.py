@@ -8,6 +8,7 @@ import sys
 import threading
 from typing import Any
 
+from ...errors import log_dropped
 from ...worker import WorkerJob
 from ..base import loopback_interface
 
@@ -77,7 +78,8 @@ def _run_job(job: WorkerJob, tracking_uri: str | None) -> bool:
     try:
         run_worker(job)
         return True
-    except BaseException:
+    except BaseException as exc:
+        log_dropped(__name__, "_run_job", exc)
         return False  # already reported over the channel by run_worker
     finally:
         _finish_node_metrics(monitor)
@@ -94,8 +96,8 @@ def _skip_teardown_at_exit() -> None:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
-            except Exception:
-                pass
+            except Exception as exc:
+                log_dropped(__name__, "leave", exc)
         os._exit(0)
 
     atexit.register(leave)
@@ -108,8 +110,8 @@ def _ended_in_python(guard: Any) -> None:
     try:
         guard.stdin.write(b"done\n")
         guard.stdin.flush()
-    except Exception:
-        pass
+    except Exception as exc:
+        log_dropped(__name__, "_ended_in_python", exc)
 
 
 def _start_watchdog(watch: tuple, rank: int) -> Any:
@@ -163,5 +165,5 @@ def _finish_node_metrics(node: _NodeMetrics | None) -> None:
         from ...tracking.system_metrics import finish_monitor
 
         finish_monitor(monitor)
-    except Exception:
-        pass
+    except Exception as exc:
+        log_dropped(__name__, "_finish_node_metrics", exc)
