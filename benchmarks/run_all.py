@@ -31,7 +31,7 @@ RESULTS = os.path.join(HERE, "results")
 sys.path.insert(0, HERE)
 from workload import PART_LABELS, SUB_PARTS  # noqa: E402
 
-ORDER = ("local_n2", "local_n1", "spark", "ray", "chart_lag", "strategies", "ctx_log", "data")
+ORDER = ("local_n2", "local_n1", "spark", "ray", "chart_lag", "strategies", "ctx_log", "data", "big_mlp", "big_large")
 LOG_COST_LIMIT, LOG_COST_RATE = 0.02, 1500.0  # issue 25: ctx.log every step costs <= 2 % at >= 1500 steps/s
 
 
@@ -42,12 +42,14 @@ def benchmarks(args: argparse.Namespace) -> dict[str, tuple[str, list[str], floa
     spark_cold, ray_cold = args.spark_cold_runs, args.ray_cold_runs
     # -n 1 runs about 3500 steps/s on a core: 3000 steps give it as long a steady-state window as -n 2's 1000.
     local_steps = {n: [], 1: ["--steps", "3000"]}
-    small = {"local": [], "backend": [], "chart": [], "strategies": [], "log": [], "data": []}
+    small = {"local": [], "backend": [], "chart": [], "strategies": [], "log": [], "data": [], "big_mlp": [],
+             "big_large": []}
     if args.quick:  # does everything run? (the numbers mean nothing)
         local_steps = {n: ["--steps", "200"], 1: ["--steps", "200"]}
         small = {"local": [], "backend": ["--steps", "50"], "chart": ["--steps", "40"],
                  "strategies": ["--only", "ddp,zero3", "--width", "256", "--steps", "4"], "log": ["--steps", "1500"],
-                 "data": ["--gb", "0.05", "--ray-gb", "0.02", "--spark-rows", "300000", "--repeats", "1"]}
+                 "data": ["--gb", "0.05", "--ray-gb", "0.02", "--spark-rows", "300000", "--repeats", "1"],
+                 "big_mlp": ["--width", "512", "--steps", "2"], "big_large": ["--width", "512", "--steps", "2"]}
     return {
         # setup (tracking DB, imports alone) + cold pairs (two fresh interpreters) + 3 kinds of warm calls
         f"local_n{n}": ("bench_local.py", ["-n", str(n), "--repeats", str(r), *local_steps[n], *gpu],
@@ -70,6 +72,9 @@ def benchmarks(args: argparse.Namespace) -> dict[str, tuple[str, list[str], floa
                     (20 + 30 + 60) + 3 * 2 * (1 + 2 * (r + 2)) * 5),
         # ≥ 1 GB of Parquet generated, read three ways; a Ray comparison; a ≥ 1 GB Spark DataFrame on every backend
         "data": ("bench_data.py", ["--repeats", str(r), *small["data"]], 120 if args.quick else 420),
+        # issue 26: per-rank peak memory, CPU (8 runs of a 134 M-parameter MLP; 4 of a 0.5 B one, 8.5 GiB at -n 1)
+        "big_mlp": ("bench_big_models.py", ["--part", "mlp", *small["big_mlp"]], 120 if args.quick else 600),
+        "big_large": ("bench_big_models.py", ["--part", "large", *small["big_large"]], 120 if args.quick else 600),
     }
 
 
@@ -355,6 +360,7 @@ def targets(results: dict, n: int) -> list[dict]:
                                                                    else "") + ".")
             rows.append(row)
     data_targets(results, add)
+    big_model_targets(results, add)
     lags = _data(results, "chart_lag") or {}
     for key, which in (("chart_lag", "a kernel's first run"), ("chart_lag_later", "later runs")):
         lag = lags.get(key, {})
@@ -411,6 +417,46 @@ def data_section(data: dict) -> list[str]:
             lines.append(f"| {label}: notebook RSS growth, rows trained, run time | {run['rss_growth_mb']:.0f} MB, "
                          f"{run['rows_trained']:,}, {run['seconds']:.1f} s ({staged}) |")
     return lines
+def _rows(results: dict, name: str) -> dict[str, dict]:
+    data = _data(results, name) or {}
+    return {row["name"]: row for row in data.get("rows", []) if "error" not in row}
+
+
+def big_model_targets(results: dict, add: callable) -> None:
+    """Issue 26: peak memory per rank (bench_big_models.py) against DDP / one process, and the estimate's error."""
+    def ratio(rows: dict, name: str, base: str) -> float | None:
+        return rows[name]["peak"] / rows[base]["peak"] if name in rows and base in rows else None
+
+    def why(rows: dict, name: str) -> str:
+        row = rows.get(name, {})
+        parts = ", ".join(f"{what} {size / 2**20:.0f} MiB" for what, size in row.get("est_parts", []))
+        return (f"peak {row.get('peak', 0) / 2**30:.2f} GiB against an estimate of {row.get('estimate', 0) / 2**30:.2f}"
+                f" GiB (states {row.get('est_states', 0) / 2**30:.2f} GiB; buffers: {parts or 'none'})")
+
+    def worst_estimate(rows: dict) -> tuple[float | None, str]:
+        errors = {name: abs(row["estimate"] / row["peak"] - 1) for name, row in rows.items() if row.get("peak")}
+        if not errors:
+            return None, ""
+        name = max(errors, key=errors.get)
+        return 100 * errors[name], name
+
+    mlp = _rows(results, "big_mlp")
+    for name, wanted in (("zero3", 0.6), ("zero3_deferred", 0.6), ("fsdp", 0.55), ("fsdp_deferred", 0.55)):
+        built = "built deferred" if name.endswith("deferred") else "built the plain way"
+        add(f"134 M-param MLP, 2 processes: {name.split('_')[0].upper().replace('ZERO3', 'ZeRO-3')} peak per rank "
+            f"({built}) / DDP's", f"≤ {wanted}", ratio(mlp, name, "ddp"), wanted, False, "",
+            lambda n=name: why(mlp, n))
+    worst, name = worst_estimate(mlp)
+    add("134 M-param MLP: the estimate within ±25 % of the measured peak, every strategy (worst)", "≤ 25 %", worst,
+        25.0, False, " %", lambda n=name: f"worst: {n}: {why(mlp, n)}", "{:.0f}")
+    large = _rows(results, "big_large")
+    for name, label, wanted in (("fsdp_deferred", "FSDP", 0.35), ("zero3_deferred", "ZeRO-3", 0.35),
+                                ("tp2_deferred", "--tp 2", 0.6)):
+        add(f"0.5 B-param MLP, 4 processes: {label} (deferred build, sharded load) peak per rank / one process's",
+            f"≤ {wanted}", ratio(large, name, "one_process"), wanted, False, "", lambda n=name: why(large, n))
+    worst, name = worst_estimate(large)
+    add("0.5 B-param MLP: the estimate within ±25 % of the measured peak (worst)", "≤ 25 %", worst, 25.0, False,
+        " %", lambda n=name: f"worst: {n}: {why(large, n)}", "{:.0f}")
 
 
 # -- report ----------------------------------------------------------------------------------------------

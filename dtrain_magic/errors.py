@@ -111,6 +111,14 @@ class UnsupportedCodeError(DistributeError, RuntimeError):
     title = "UnsupportedCodeError"
 
 
+class WeightsError(DistributeError, ValueError):
+    """Weights given to ``ctx.prepare(..., weights=PATH)`` cannot be loaded: the path is missing or holds no
+    checkpoint, or its tensor names or shapes do not match the model (all of them are listed). Raised in every
+    worker before anything is loaded or trained."""
+
+    title = "WeightsError"
+
+
 # -- short tracebacks: the user's frames only, notebook cells shown as ``Cell In[N], line L`` --------------
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))

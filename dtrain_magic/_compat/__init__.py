@@ -1,8 +1,8 @@
 """Third-party private APIs: every use sits behind a function in one module per library.
 
-`ray`, `cloudpickle`, `mlflow`, `spark` (pyspark), `ipython`, `ipykernel`, `plotly`, `deepspeed` and `torch`
-each name, in a `Library`, the versions their private uses were written against (the release series of
-the versions in ``constraints.txt``: "2.60" stands for 2.60.0, 2.60.1, ...), and say per use what happens
+`ray`, `cloudpickle`, `mlflow`, `spark` (pyspark), `ipython`, `ipykernel`, `plotly`, `deepspeed`, `torch` and
+`transformers` each name, in a `Library`, the versions their private uses were written against (the release series
+of the versions in ``constraints.txt``: "2.60" stands for 2.60.0, 2.60.1, ...), and say per use what happens
 on any other version:
 
 - **required**: the magic cannot do its job without it (stopping a Ray Train run; keeping the cell's line

@@ -119,8 +119,10 @@ def dry_run_text(plan: RunPlan, payload: Payload, model: Any = None) -> str:
     if plan.data is not None:
         lines += plan.data.dry_run_lines()
     if model is not None and model.found:
+        facts = getattr(model, "facts", None)
+        settings = get_strategy(config.strategy).memory_settings(config, facts) if facts is not None else None
         est = estimate(model.num_params, config.strategy, config.zero, config.precision, config.num_processes,
-                       tp=config.tp, pp=config.pp)
+                       tp=config.tp, pp=config.pp, facts=facts, settings=settings)
         lines += [f"  model: {model.num_params:,} parameters, {model.description}", f"  {est.line()}"]
     elif model is not None:
         lines.append(f"  memory estimate: the model is not known before training ({model.description}); "

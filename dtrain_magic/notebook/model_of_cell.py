@@ -11,7 +11,7 @@ import ast
 import builtins
 from typing import Any, Mapping
 
-from ..strategies.memory import CellModel, count_parameters
+from ..strategies.memory import CellModel, model_facts
 
 _SAME_MODULE_METHODS = frozenset({"to", "cuda", "cpu", "float", "double", "half", "bfloat16", "train", "eval",
                                   "requires_grad_", "type", "to_empty"})
@@ -64,7 +64,8 @@ def model_of_cell(cell: str, namespace: Mapping[str, Any] | None = None, fn: str
     except _Unknown as exc:
         extra = f" ({'; '.join(problems)})" if problems else ""
         return CellModel(None, f"{exc}{extra}")
-    return CellModel(count_parameters(model), how)
+    facts = model_facts(model)
+    return CellModel(facts.num_params, how, facts)
 
 
 def _run_definitions(tree: ast.Module, func: ast.AST, scratch: dict) -> list[str]:
@@ -121,10 +122,15 @@ class _Resolver:
         while (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute)
                and expr.func.attr in _SAME_MODULE_METHODS):
             expr = expr.func.value  # `.to(ctx.device)`: the same parameters
+        if isinstance(expr, ast.Lambda) and not (expr.args.args or expr.args.posonlyargs or expr.args.vararg):
+            return self.model(expr.body)  # a factory, ctx.prepare(lambda: Net(), ...): what it builds
         if isinstance(expr, ast.Name) and self.local(expr.id) is None and expr.id not in self.other_params:
             value = self.scratch.get(expr.id)
             if isinstance(value, torch.nn.Module):
                 return value, f"the notebook's `{expr.id}` ({type(value).__name__})"
+            if callable(value) and not isinstance(value, type):  # a factory function: ctx.prepare(make_model, ...)
+                call = ast.fix_missing_locations(ast.copy_location(ast.Call(func=expr, args=[], keywords=[]), expr))
+                return self.model(call)
         if isinstance(expr, ast.Name) and (local := self.local(expr.id)) is not None:
             self.depth += 1
             if self.depth > 10:

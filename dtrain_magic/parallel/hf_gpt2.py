@@ -29,6 +29,8 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from ..weights.deferred import View
+
 _QKV = ("q", "k", "v")
 
 
@@ -112,11 +114,13 @@ def is_gpt2(model: nn.Module) -> bool:
     return any(type(m).__name__ == "GPT2Attention" for m in model.modules())
 
 
-def gpt2_plan(model: nn.Module, tp: int) -> tuple[dict[str, Any], dict[str, list[str]]]:
+def gpt2_plan(model: nn.Module, tp: int) -> tuple[dict[str, Any], dict[str, list[str]], dict[str, View]]:
     """Prepare ``model``'s GPT-2 blocks for ``tp``-way tensor parallelism (in place, before sharding) and return
-    the ``parallelize_module`` plan and the parameter renames (``c_attn.weight`` -> its q, k, v parts)."""
+    the ``parallelize_module`` plan, the parameter renames (``c_attn.weight`` -> its q, k, v parts) and each part as
+    a slice of the fused parameter (columns of the weight, entries of the bias)."""
     styles: dict[str, Any] = {}
     renames: dict[str, list[str]] = {}
+    views: dict[str, View] = {}
     for name, module in list(model.named_modules()):
         kind = type(module).__name__
         if kind == "GPT2Attention":
@@ -133,6 +137,9 @@ def gpt2_plan(model: nn.Module, tp: int) -> tuple[dict[str, Any], dict[str, list
             styles[f"{name}.c_proj"] = Conv1DRowwiseParallel()
             for param in ("weight", "bias"):
                 renames[f"{name}.c_attn.{param}"] = [f"{name}.c_attn.{part}.{param}" for part in _QKV]
+                dim = 1 if param == "weight" else 0  # Conv1D's weight is (in, out): q, k, v are column blocks
+                for index, part in enumerate(_QKV):
+                    views[f"{name}.c_attn.{part}.{param}"] = View(f"{name}.c_attn.{param}", dim, index * hidden, hidden)
             # what the attention's forward reads, now per rank: its heads and its share of each of q, k, v
             module.num_heads = heads // tp
             module.split_size = hidden // tp
@@ -142,7 +149,7 @@ def gpt2_plan(model: nn.Module, tp: int) -> tuple[dict[str, Any], dict[str, list
                 raise ValueError(f"--tp {tp}: {name} has an inner width of {inner}, not divisible by {tp}")
             styles[f"{name}.c_fc"] = Conv1DColwiseParallel()
             styles[f"{name}.c_proj"] = Conv1DRowwiseParallel()
-    return styles, renames
+    return styles, renames, views
 
 
 def plain_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -5,22 +5,31 @@ pipeline stage out of it (`pipeline_split`), shards it over the tensor-parallel 
 strategy shard it over the data-parallel ranks (FSDP's ``fully_shard``; without one, gradients are averaged over
 the replicas at the optimizer step, as DDP would) and points the optimizer at the result. The strategy keeps
 what it owns (precision, accumulation, the optimizer step, checkpoints); this class knows no backend.
+
+A model built on the meta device (``ctx.init_model()``) goes through the same steps without storage: no rank builds
+or broadcasts it whole; the strategy's ``fill`` then gives this rank's shards of its stage storage and values (from a
+checkpoint, or the model's own init run on an untouched copy, `weights.deferred`). `stream_full_state` gives the
+whole plain model to rank 0 one tensor at a time.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..config import RunConfig
+from ..weights import deferred
 from . import pipeline_split, tensor_parallel
 from .mesh import ParallelDims, build_mesh
 from .pipeline import Pipeline, PipelineStageModel
 from .state import average_gradients, broadcast_from_rank0, gather_full_state, repoint_optimizer
 
 ShardFn = Callable[[nn.Module, Any], None]
+FillFn = Callable[[nn.Module, Any, "nn.Module | None", Mapping[str, Any]], None]
 
 
 class ModelParallel:
@@ -34,6 +43,8 @@ class ModelParallel:
         self.module: nn.Module | None = None  # this rank's part, named as in the whole model
         self.pipeline: Pipeline | None = None
         self.to_plain: list[Callable[[dict], dict]] = []
+        self.renames: dict[str, list[str]] = {}
+        self.plain_keys: list[tuple[str, tuple[int, ...], torch.dtype]] = []  # the whole model's state, in order
         self._shards_data_parallel = False
 
     @property
@@ -50,14 +61,20 @@ class ModelParallel:
         return self.mesh
 
     def prepare(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, tp_plan: Mapping[str, Any] | None = None,
+        self, model: nn.Module, optimizer: Any, tp_plan: Mapping[str, Any] | None = None,
         pp_split: Sequence[str | int] | None = None, shard_data_parallel: ShardFn | None = None,
+        fill: FillFn | None = None, weights: Any = None,
     ) -> tuple[nn.Module, Any]:
         """Split ``model`` for this rank; returns what user code holds (the model, or the pipeline stage wrapper)
-        and the optimizer, re-pointed in place."""
+        and the optimizer (re-pointed in place, or made by the factory given). ``fill(module, weights, pristine,
+        views)``: gives the rank's part storage and values (a model built on meta, or ``weights`` to load)."""
         mesh = self._get_mesh()
-        model = model.to(self.device)
-        broadcast_from_rank0(model)
+        is_deferred = deferred.has_meta_parameters(model)
+        pristine = deferred.pristine_copy(model) if is_deferred and weights is None else None
+        self.plain_keys = [(key, tuple(value.shape), value.dtype) for key, value in model.state_dict().items()]
+        if not is_deferred:
+            model = model.to(self.device)
+            broadcast_from_rank0(model)
         old_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         notes = [f"model parallel: {self.dims.describe()} (rank {self.rank}: stage {self.coords['pp']}, "
                  f"replica {self.coords['dp']}, shard {self.coords['tp']})"]
@@ -75,16 +92,24 @@ class ModelParallel:
             if needs_check:
                 check = called
         renames: dict[str, list[str]] = {}
+        views: dict[str, Any] = {}
         self.to_plain = []
         if self.dims.tp > 1:
-            plan = tensor_parallel.plan_for(model, self.dims.tp, tp_plan, skip_missing=self.dims.pp > 1)
+            with deferred.parameters_on_meta() if is_deferred else contextlib.nullcontext():  # GPT-2's q/k/v too
+                plan = tensor_parallel.plan_for(model, self.dims.tp, tp_plan, skip_missing=self.dims.pp > 1)
             tensor_parallel.apply(model, mesh["tp"], plan)
-            renames, self.to_plain = plan.renames, list(plan.to_plain)
+            renames, self.to_plain, views = plan.renames, list(plan.to_plain), dict(plan.views)
             notes.append(f"tensor parallel: {plan.description}")
+        self.renames = renames
         self._shards_data_parallel = shard_data_parallel is not None
         if shard_data_parallel is not None:
             shard_data_parallel(model, mesh["dp"])
-        repoint_optimizer(optimizer, old_names, model, renames, f"--strategy {self.strategy}")
+        if fill is not None and (is_deferred or weights is not None):
+            fill(model, weights, pristine, views)
+        if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+            repoint_optimizer(optimizer, old_names, model, renames, f"--strategy {self.strategy}")
+        else:
+            optimizer = deferred.optimizer_for(optimizer, model.parameters())
         self.module = model
         if self.rank == 0:
             print("\n".join(notes), flush=True)
@@ -109,3 +134,54 @@ class ModelParallel:
         """The whole model, in the plain model's layout, on every rank (a collective)."""
         pp_group = self._get_mesh()["pp"].get_group() if self.dims.pp > 1 else None
         return gather_full_state(self.module, pp_group, self.to_plain)
+
+    def stream_full_state(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """The whole plain model to rank 0, one tensor at a time (see `Strategy.stream_full_state`): each stage's
+        tensors gathered within the stage (its tensor-parallel and FSDP shards), stage 0's kept by rank 0, the other
+        stages' sent to rank 0 by their first rank; every rank iterates it all."""
+        leader = self.coords["dp"] == 0 and self.coords["tp"] == 0  # of stage 0: rank 0
+        own = self._stage_items(keep=leader)
+        # nccl sends only device tensors; gloo, CPU ones
+        wire = self.device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
+        if self.coords["pp"] == 0:
+            yield from own
+        else:
+            if leader:
+                stage_keys = set(self._stage_keys())
+                dist.send_object_list([[item for item in self.plain_keys if item[0] in stage_keys]], dst=0)
+            for _, tensor in own:
+                if leader:
+                    dist.send(tensor.contiguous().to(wire), dst=0)
+        if self.rank != 0:
+            return
+        for stage in range(1, self.dims.pp):
+            source = self.dims.rank_of(stage, 0, 0)
+            box: list[Any] = [None]
+            dist.recv_object_list(box, src=source)
+            for key, shape, dtype in box[0]:
+                tensor = torch.empty(shape, dtype=dtype, device=wire)
+                dist.recv(tensor, src=source)
+                yield key, tensor.cpu()
+
+    def _stage_keys(self) -> list[str]:
+        """The plain model's state keys this rank's stage holds (under their plain names)."""
+        state = self.module.state_dict(keep_vars=True)
+        return [key for key, _, _ in self.plain_keys if all(part in state for part in self.renames.get(key, [key]))]
+
+    def _stage_items(self, keep: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """This stage's tensors gathered whole (a collective within the stage), in the plain layout; on the CPU where
+        ``keep``, else None."""
+        state = self.module.state_dict(keep_vars=True)
+        for key in self._stage_keys():
+            parts = {}
+            for part in self.renames.get(key, [key]):
+                value = state[part]
+                with torch.no_grad():
+                    whole = value.full_tensor() if hasattr(value, "full_tensor") else value
+                parts[part] = whole.detach().cpu() if keep else None
+            if not keep:
+                yield key, None
+                continue
+            for convert in self.to_plain:
+                parts = convert(parts)
+            yield key, parts[key]

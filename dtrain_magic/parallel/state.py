@@ -11,17 +11,30 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+AVERAGE_CHUNK_ELEMENTS = 1 << 22  # elements per flat buffer a collective runs on (16 MiB in fp32)
 
-def _flat_groups(tensors: Iterable[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+
+def _flat_groups(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Tensors of one dtype together, in chunks of at most `AVERAGE_CHUNK_ELEMENTS` (a bigger tensor alone)."""
+    by_dtype: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+    filled: dict[torch.dtype, int] = {}
     for tensor in tensors:
-        groups.setdefault(tensor.dtype, []).append(tensor)
-    return groups
+        chunks = by_dtype.setdefault(tensor.dtype, [[]])
+        if chunks[-1] and filled.get(tensor.dtype, 0) + tensor.numel() > AVERAGE_CHUNK_ELEMENTS:
+            chunks.append([])
+            filled[tensor.dtype] = 0
+        chunks[-1].append(tensor)
+        filled[tensor.dtype] = filled.get(tensor.dtype, 0) + tensor.numel()
+    return [chunk for chunks in by_dtype.values() for chunk in chunks if chunk]
 
 
 def _coalesced(tensors: Sequence[torch.Tensor], collective: Callable[[torch.Tensor], None]) -> None:
-    """Run ``collective`` on one flat buffer per dtype and copy the result back (one message, not one per tensor)."""
-    for group in _flat_groups(tensors).values():
+    """Run ``collective`` on flat buffers of a few tensors each and copy the result back: few messages, and at most
+    one chunk's extra memory rather than a second copy of them all."""
+    for group in _flat_groups(tensors):
+        if len(group) == 1 and group[0].is_contiguous():
+            collective(group[0].view(-1))  # in place, no copy
+            continue
         flat = torch.cat([t.reshape(-1) for t in group])
         collective(flat)
         offset = 0

@@ -48,13 +48,15 @@ ELEMENTWISE = (
 @dataclass
 class TensorParallelPlan:
     """``styles`` for ``parallelize_module``; ``renames``: parameter names of the user's model that the plan's
-    module changes replaced (old name -> new names, for the optimizer); ``to_plain``: turns a gathered state dict
-    back into the user's model's layout; ``description`` for the run's output."""
+    module changes replaced (old name -> new names, for the optimizer); ``views``: each new name as a slice of the
+    old one (`weights.deferred.View`: for loading a checkpoint of the user's model, and initialising); ``to_plain``:
+    turns a gathered state dict back into the user's model's layout; ``description`` for the run's output."""
 
     styles: dict[str, ParallelStyle]
     description: str
     renames: dict[str, list[str]] = field(default_factory=dict)
     to_plain: list[Callable[[dict], dict]] = field(default_factory=list)
+    views: dict[str, Any] = field(default_factory=dict)
 
 
 def matching_modules(model: nn.Module, pattern: str) -> list[str]:
@@ -155,9 +157,9 @@ def plan_for(model: nn.Module, tp: int, user_plan: Mapping[str, Any] | None = No
         styles = user_styles(model, user_plan, skip_missing)
         return TensorParallelPlan(styles, f"tp_plan from ctx.prepare: {len(styles)} entries")
     if hf_gpt2.is_gpt2(model):
-        styles, renames = hf_gpt2.gpt2_plan(model, tp)
+        styles, renames, views = hf_gpt2.gpt2_plan(model, tp)
         return TensorParallelPlan(styles, f"GPT-2 plan: {len(styles)} projections sharded (q/k/v per head group)",
-                                  renames, [hf_gpt2.plain_state_dict])
+                                  renames, [hf_gpt2.plain_state_dict], views)
     styles = hf_config_styles(model, tp)
     if styles is not None:
         return TensorParallelPlan(styles, f"{kind}'s Hugging Face base_model_tp_plan ({len(styles)} entries)")

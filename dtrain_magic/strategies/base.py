@@ -6,6 +6,12 @@ autocast for bf16/fp16 (with a GradScaler for fp16), gradient accumulation that 
 by the number of micro-steps, so N accumulated micro-batches give the update of one N-times bigger batch,
 and model parallelism (``--tp``/``--pp``, `dtrain_magic.parallel.ModelParallel`). `Strategy.train_step` is the
 one-call training step every strategy offers; under ``--pp`` it runs the pipeline schedule instead.
+
+Models bigger than one process (`dtrain_magic.weights`): `Strategy.init_context` is how this strategy builds a model
+without holding it whole (``ctx.init_model()``: parameters on the meta device for FSDP and ``--tp``/``--pp``,
+``deepspeed.zero.Init`` for ZeRO-3, a plain build where every rank keeps a whole copy anyway); `wrap` takes such a
+model and the checkpoint to fill it from (``weights``), and `stream_full_state` gives the whole model to rank 0 one
+tensor at a time.
 """
 
 from __future__ import annotations
@@ -14,13 +20,19 @@ import contextlib
 import os
 from abc import ABC, abstractmethod
 from types import MappingProxyType
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
 import torch
 
 from ..config import RunConfig
 from . import sharded_checkpoint
-from .memory import MemoryModel
+from .memory import MemoryModel, ModelFacts
+
+ADAM_TEMPORARIES = 2  # Adam's step: sqrt(exp_avg_sq), then its quotient, each the size of the tensor stepped
+WHOLE_COPY_NOTE = (
+    "a deferred build (ctx.init_model() or a model factory) under {what} builds the whole model on every rank: "
+    "{why}. To build only this rank's part use --strategy fsdp, --zero 3, --tp or --pp"
+)
 
 
 class Strategy(ABC):
@@ -52,6 +64,19 @@ class Strategy(ABC):
     def memory_model(cls, zero: int | None, precision: str) -> MemoryModel:
         """How this strategy stores each parameter (`memory.MemoryModel`): replicated, fp32 (DDP's)."""
         return MemoryModel(stage=0)
+
+    @classmethod
+    def memory_buffers(cls, facts: ModelFacts, zero: int | None, precision: str, world_size: int, tp: int = 1,
+                       pp: int = 1, settings: Mapping[str, Any] | None = None) -> list[tuple[str, float]]:
+        """The buffers this strategy allocates beyond the model states, as (what, bytes per process) for a model
+        with ``facts`` (`memory.estimate` adds them). Default (one process, plain torch): Adam's step temporaries."""
+        return [("Adam's step temporaries", ADAM_TEMPORARIES * 4 * facts.largest_param / (tp * pp))]
+
+    @classmethod
+    def memory_settings(cls, config: RunConfig, facts: ModelFacts) -> Mapping[str, Any]:
+        """The sizes this strategy would use for a model with ``facts`` under ``config`` (`memory_buffers`'s
+        ``settings``), for an estimate made before launch. Default: none."""
+        return {}
 
     @classmethod
     def label(cls, zero: int | None = None) -> str:
@@ -95,8 +120,9 @@ class Strategy(ABC):
     def data_parallel_size(self) -> int:
         return self.world_size
 
-    def report_memory(self, model: torch.nn.Module) -> None:
-        """Print (rank 0) the per-process memory estimate for ``model`` under this run's settings."""
+    def report_memory(self, model: torch.nn.Module, settings: Mapping[str, Any] | None = None) -> None:
+        """Print (rank 0) the per-process memory estimate for ``model`` under this run's settings (``settings``: the
+        strategy's own sizes, for its buffers)."""
         if self.rank != 0:
             return
         try:
@@ -107,13 +133,71 @@ class Strategy(ABC):
             else:
                 per_device = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world_size)))
             print(report(model, type(self), self.config.zero, self.config.precision, self.world_size,
-                         self.device, per_device, tp=self.config.tp, pp=self.config.pp), flush=True)
+                         self.device, per_device, tp=self.config.tp, pp=self.config.pp, settings=settings),
+                  flush=True)
         except Exception as exc:  # an estimate must never break a run
             print(f"memory estimate unavailable: {exc}", flush=True)
 
+    # -- models bigger than one process ------------------------------------------------------------
+    def init_context(self) -> contextlib.AbstractContextManager:
+        """What ``ctx.init_model()`` enters: how this strategy builds a model without holding it whole. Default: a
+        plain build (`note_whole_copy` says so)."""
+        self.note_whole_copy()
+        return contextlib.nullcontext()
+
+    def note_whole_copy(self) -> None:
+        """Say (rank 0, once) that a deferred build gives a whole model here, and why."""
+        if self.rank == 0 and not getattr(self, "_noted_whole_copy", False):
+            self._noted_whole_copy = True
+            print(WHOLE_COPY_NOTE.format(what=self.label(self.config.zero), why=self.whole_copy_reason()), flush=True)
+
+    def whole_copy_reason(self) -> str:
+        return "every rank trains a whole copy of the model"
+
+    def prepared_optimizer(self, optimizer: Any, model: torch.nn.Module, old_names: Mapping[int, str]) -> Any:
+        """The optimizer for the prepared ``model``: a factory's, called with its parameters; or the user's, pointed
+        at the new parameters when preparing replaced them (sharded, or given storage)."""
+        from ..parallel.state import repoint_optimizer
+        from ..weights.deferred import optimizer_for
+
+        if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+            current = {id(p) for p in model.parameters()}
+            if optimizer is not None and any(id(p) not in current for g in optimizer.param_groups for p in g["params"]):
+                repoint_optimizer(optimizer, old_names, model, strategy=f"--strategy {self.name}")
+            return optimizer
+        return optimizer_for(optimizer, model.parameters())
+
+    def fill_whole(self, model: torch.nn.Module, weights: Any) -> None:
+        """A whole model on this rank: parameters built without storage get it (then their values from the
+        checkpoint or their own init), and a checkpoint is read whole."""
+        from ..weights import deferred, loading
+
+        if deferred.has_meta_parameters(model):
+            self.note_whole_copy()
+            pristine = None if weights is not None else deferred.pristine_copy(model)
+            deferred.materialize(model, self.device)
+            if pristine is not None:
+                deferred.initialise(model, pristine)
+        if weights is not None:
+            loading.load(model, weights)
+
+    def stream_full_state(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """The whole model's fp32 state, ``(name, tensor)`` per state-dict key of the plain model, the tensor on rank
+        0 only (None elsewhere); every rank must iterate it all (each item may be a collective). A tensor tied to
+        another is the same object under both names. Default: the model is whole on every rank."""
+        from ..weights.saving import stream
+
+        module = getattr(self.model, "module", self.model)
+        yield from stream(module.state_dict(keep_vars=True), lambda value: value, self.rank == 0)
+
     @abstractmethod
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Any, Any]:
-        """Wrap ``model`` (and ``optimizer``) for this strategy; returns what user code should use."""
+    def wrap(self, model: torch.nn.Module, optimizer: Any, weights: Any = None) -> tuple[Any, Any]:
+        """Wrap ``model`` (and ``optimizer``) for this strategy; returns what user code should use.
+
+        ``model`` may have been built by `init_context` (on the meta device, or partitioned by ZeRO-3): only this
+        rank's part is then given storage. ``optimizer``: an optimizer, None, or a factory called with the prepared
+        parameters (`weights.deferred.optimizer_for`). ``weights``: a `weights.loading.LoadPlan` to fill the model
+        from, each rank reading only what it holds."""
 
     @abstractmethod
     def backward(self, loss: torch.Tensor) -> None:
@@ -157,8 +241,21 @@ class Strategy(ABC):
         model = getattr(self.model, "module", self.model)
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
+    def rank0_state_dict(self) -> dict[str, torch.Tensor]:
+        """`full_state_dict` on rank 0 only, streamed one tensor at a time (``{}`` on the other ranks)."""
+        from ..weights.saving import collect
+
+        return collect(self.stream_full_state())
+
     def teardown(self) -> None:
         """Release what the strategy holds (engines, hooks) before the process group goes."""
+
+
+@torch.no_grad()
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole (a collective over its mesh); a plain tensor as it is."""
+    full_tensor = getattr(value, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else value
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -210,6 +307,33 @@ class TorchStrategy(Strategy):
     @property
     def pipeline(self) -> Any:
         return self.parallel.pipeline if self.parallel is not None else None
+
+    # -- models bigger than one process ------------------------------------------------------------
+    def init_context(self) -> contextlib.AbstractContextManager:
+        """FSDP and ``--tp``/``--pp``: parameters on the meta device (`weights.deferred.parameters_on_meta`); each
+        rank gives storage to its own shards or stage only, in `wrap`. Plain DDP: a whole build (every rank holds a
+        whole copy to train it anyway), which it says."""
+        if self.parallel is not None or self.sharded_checkpoints:
+            from ..weights.deferred import parameters_on_meta
+
+            return parameters_on_meta()
+        return super().init_context()
+
+    def whole_copy_reason(self) -> str:
+        return "DDP keeps a whole copy of the parameters, gradients and optimizer states on every rank"
+
+    def fill_shards(self, model: torch.nn.Module, weights: Any, pristine: torch.nn.Module | None,
+                    views: Mapping[str, Any] | None = None) -> None:
+        """After sharding: storage for this rank's shards of a model built without it, then their values (the
+        checkpoint's regions this rank holds, or the model's own init through ``pristine``)."""
+        from ..weights import deferred, loading
+
+        if deferred.has_meta_parameters(model):
+            deferred.materialize(model, self.device)
+            if weights is None:
+                deferred.initialise(model, pristine, views)
+        if weights is not None:
+            loading.load(model, weights, views)
 
     def _refuse_under_pipeline(self, call: str) -> None:
         if self.pipeline is not None:
@@ -276,11 +400,12 @@ class TorchStrategy(Strategy):
 
     def wrap_model_parallel(
         self, model: torch.nn.Module, optimizer: Any,
-        shard_data_parallel: Callable[[torch.nn.Module, Any], None] | None = None,
+        shard_data_parallel: Callable[[torch.nn.Module, Any], None] | None = None, weights: Any = None,
     ) -> tuple[Any, Any]:
         """``--tp``/``--pp``: split ``model`` for this rank (see `ModelParallel.prepare`)."""
         self.report_memory(model)
-        model, optimizer = self.parallel.prepare(model, optimizer, self.tp_plan, self.pp_split, shard_data_parallel)
+        model, optimizer = self.parallel.prepare(model, optimizer, self.tp_plan, self.pp_split, shard_data_parallel,
+                                                 fill=self.fill_shards, weights=weights)
         self.model, self.optimizer = model, optimizer
         return model, optimizer
 
@@ -348,4 +473,16 @@ class TorchStrategy(Strategy):
 
             return gather_full_state(self.model)
         return super().full_state_dict()
+
+    def stream_full_state(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """As `Strategy.stream_full_state`: shards gathered one tensor at a time (every rank holds that one tensor
+        for the moment, rank 0 keeps it), pipeline stages sent to rank 0."""
+        if self.parallel is not None:
+            yield from self.parallel.stream_full_state()
+        elif self.sharded_checkpoints:
+            from ..weights.saving import stream
+
+            yield from stream(self.model.state_dict(keep_vars=True), _whole, self.rank == 0)
+        else:
+            yield from super().stream_full_state()
 

@@ -9,22 +9,41 @@ during accumulation) amounts to.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ..parallel.state import AVERAGE_CHUNK_ELEMENTS
 from .base import TorchStrategy
+from .memory import ModelFacts
 
 
 class DDPStrategy(TorchStrategy):
     name = "ddp"
 
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Any, Any]:
+    @classmethod
+    def memory_buffers(cls, facts: ModelFacts, zero: int | None, precision: str, world_size: int, tp: int = 1,
+                       pp: int = 1, settings: Mapping[str, Any] | None = None) -> list[tuple[str, float]]:
+        """DDP's reducer keeps its gradient buckets beside the gradients (``gradient_as_bucket_view`` off): a second
+        copy of every gradient. With ``--tp``/``--pp`` the replicas' gradients are averaged in chunks instead."""
+        share = facts.num_params / (tp * pp)
+        parts = super().memory_buffers(facts, zero, precision, world_size, tp, pp, settings)
+        if world_size // (tp * pp) > 1:
+            if tp * pp == 1:
+                parts.append(("DDP's gradient buckets", 4 * share))
+            else:
+                parts.append(("gradient averaging chunk", 4 * min(share, AVERAGE_CHUNK_ELEMENTS)))
+        return parts
+
+    def wrap(self, model: torch.nn.Module, optimizer: Any, weights: Any = None) -> tuple[Any, Any]:
         if self.parallel is not None:
-            return self.wrap_model_parallel(model, optimizer)
+            return self.wrap_model_parallel(model, optimizer, weights=weights)
         self.report_memory(model)
+        old_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        self.fill_whole(model, weights)
         model = model.to(self.device)
+        optimizer = self.prepared_optimizer(optimizer, model, old_names)
         if self.world_size > 1:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             model = DistributedDataParallel(model, device_ids=device_ids)

@@ -14,6 +14,19 @@ sets it (DeepSpeed clips at 1.0 by default, which DDP and FSDP do not). The user
 passed to ``deepspeed.initialize`` as the client optimizer (a config ``optimizer`` section would make
 DeepSpeed JIT-compile FusedAdam, ~40 s on CPU).
 
+Buffer sizes follow the model (`model_sizes`), as Hugging Face's integration sizes its ``"auto"`` values: with the
+model's hidden size H, ``reduce_bucket_size`` and ``allgather_bucket_size`` H², ZeRO-3's
+``stage3_prefetch_bucket_size`` 0.9·H² and ``stage3_param_persistence_threshold`` 10·H; besides, ZeRO-3's
+``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` H² (DeepSpeed's 1e9 keeps every parameter a
+backward pass will reuse gathered, so ZeRO-3 peaked above DDP) and ``sub_group_size`` H² (Adam's step temporaries
+are the size of the flat group it steps at once). DeepSpeed's defaults (5e8-element buckets, 1e9) are sized for
+billion-parameter models. A key given in ``--deepspeed-config`` wins; one set to ``"auto"`` takes the derived value.
+
+Under ZeRO-3, ``ctx.init_model()`` (and a model factory given to ``ctx.prepare``) builds the model inside
+``deepspeed.zero.Init``: each module is partitioned as soon as it is built, so no rank holds the whole model, and
+``weights=`` writes each rank's flat partitions from the rows of the checkpoint they cover before
+``deepspeed.initialize``. ZeRO 0-2 keep whole parameters on every rank: a deferred build is a whole one there.
+
 ``import deepspeed`` happens only inside the worker (in `wrap`), never when the notebook imports this
 module; ``DS_ACCELERATOR=cpu`` is set before it when the run is not on GPUs.
 """
@@ -30,16 +43,33 @@ import re
 import sys
 import warnings
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Iterator, Mapping
 
 import torch
 
 from .._compat import deepspeed as deepspeed_compat
 from ..config import RunConfig, check_batch_arithmetic
 from ..errors import ConfigError, MissingDependencyError
-from .base import Strategy
+from .base import ADAM_TEMPORARIES, Strategy
 from .extensions import load_deepspeed_cpu_ops, use_private_extensions_dir
-from .memory import ADAM_MIXED_K, MemoryModel
+from .memory import ADAM_MIXED_K, MemoryModel, ModelFacts
+
+# DeepSpeed's own defaults (deepspeed/runtime/zero/config.py), for the estimate when a size is not set
+DEEPSPEED_DEFAULTS = {
+    "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7,
+    "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9, "sub_group_size": 1e9,
+}
+MIN_BUCKET = 1 << 20  # elements: a tiny model's H² would mean one collective per few parameters
+
+
+def model_sizes(hidden: int, stage: int) -> dict[str, int]:
+    """The ``zero_optimization`` sizes derived from the model's hidden size (see the module docstring)."""
+    square = max(MIN_BUCKET, hidden * hidden)
+    sizes = {"reduce_bucket_size": square, "allgather_bucket_size": square}
+    if stage == 3:
+        sizes.update(stage3_prefetch_bucket_size=int(0.9 * square), stage3_param_persistence_threshold=10 * hidden,
+                     stage3_max_live_parameters=square, stage3_max_reuse_distance=square, sub_group_size=square)
+    return sizes
 
 # "DeepSpeed deepspeed_shm_comm built successfully": printed by DeepSpeed's comm start whether it compiled or loaded
 _OP_LOADED = re.compile(r"^DeepSpeed \S+ built successfully$")
@@ -93,8 +123,10 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def build_config(config: RunConfig, world_size: int | None = None, loader_batch: int | None = None) -> dict:
-    """The DeepSpeed config for ``config``: the flags' keys, then ``--deepspeed-config`` merged on top.
+def build_config(config: RunConfig, world_size: int | None = None, loader_batch: int | None = None,
+                 hidden: int | None = None) -> dict:
+    """The DeepSpeed config for ``config``: the flags' keys, the buffer sizes for a model of ``hidden`` size
+    (`model_sizes`; DeepSpeed's defaults without it), then ``--deepspeed-config`` merged on top.
 
     Raises `ConfigError` when the user's config contradicts a flag or the batch arithmetic does not hold.
     """
@@ -174,9 +206,17 @@ def build_config(config: RunConfig, world_size: int | None = None, loader_batch:
     if built["zero_optimization"]["stage"] > 0:
         # the magic passes plain torch optimizers; DeepSpeed only "tests" its own under ZeRO
         built["zero_allow_untested_optimizer"] = True
+    sizes = model_sizes(hidden, built["zero_optimization"]["stage"]) if hidden else {}
+    built["zero_optimization"].update(sizes)
     merged = _merge(built, user)
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         merged[key] = built[key]  # "auto" and agreeing values resolve to the checked numbers
+    zero = merged.get("zero_optimization", {})
+    for key in [k for k, v in zero.items() if v == "auto"]:
+        if key in sizes:
+            zero[key] = sizes[key]  # "auto": the size derived from the model
+        else:
+            del zero[key]  # not known (no model yet, or not a size): DeepSpeed's own default
     return merged
 
 
@@ -198,9 +238,45 @@ class DeepSpeedStrategy(Strategy):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
         if precision != "fp32":
             return MemoryModel(stage, param_bytes=2, grad_bytes=2, optimizer_bytes=ADAM_MIXED_K)
-        if stage >= 1:
+        if stage in (1, 2):
             return MemoryModel(stage, optimizer_bytes=ADAM_MIXED_K)
+        # ZeRO-3 in fp32 steps its fp32 parameter partitions themselves (DeepSpeed 0.19's stage3.py keeps no second
+        # copy when the dtypes agree); ZeRO-0 is plain Adam
         return MemoryModel(stage)
+
+    @classmethod
+    def memory_buffers(cls, facts: ModelFacts, zero: int | None, precision: str, world_size: int, tp: int = 1,
+                       pp: int = 1, settings: Mapping[str, Any] | None = None) -> list[tuple[str, float]]:
+        """What DeepSpeed allocates beside the model states, from its ``zero_optimization`` sizes (``settings``;
+        DeepSpeed's defaults where unset), each capped by the model: ZeRO-0 flattens gradients into all-reduce
+        buckets; ZeRO-1/2 keep a reduce bucket and an all-gather bucket, and step one flat partition (Adam's
+        temporaries are its size); ZeRO-3 keeps a reduce bucket, up to ``stage3_max_live_parameters`` gathered (at
+        least one block, and the next prefetched), a block's unsharded gradient, and steps sub-groups of
+        ``sub_group_size``."""
+        stage = 0 if zero is None else int(zero)
+        sizes = {**DEEPSPEED_DEFAULTS, **{k: v for k, v in (settings or {}).items() if isinstance(v, (int, float))}}
+        n, psi = max(1, world_size), facts.num_params
+        low = 2 if precision != "fp32" else 4  # bytes of a gathered parameter or a gradient
+        bucket = min(sizes["reduce_bucket_size"], psi)
+        if stage == 0:
+            return [("all-reduce bucket", low * bucket),
+                    ("Adam's step temporaries", ADAM_TEMPORARIES * 4 * facts.largest_param)]
+        if stage in (1, 2):
+            return [("reduce bucket", low * bucket),
+                    ("all-gather bucket", low * min(sizes["allgather_bucket_size"], psi)),
+                    ("Adam's step temporaries (one flat partition)", ADAM_TEMPORARIES * 4 * psi / n)]
+        live = max(min(sizes["stage3_max_live_parameters"], psi), facts.largest_block)
+        prefetch = min(sizes["stage3_prefetch_bucket_size"], psi)
+        group = max(min(sizes["sub_group_size"], psi), facts.largest_param)
+        return [("reduce bucket", low * bucket),
+                ("gathered parameters (live, prefetched)", low * min(psi, live + prefetch)),
+                ("a block's unsharded gradient", low * facts.largest_block),
+                ("Adam's step temporaries (one sub-group)", ADAM_TEMPORARIES * 4 * group / n)]
+
+    @classmethod
+    def memory_settings(cls, config: RunConfig, facts: ModelFacts) -> Mapping[str, Any]:
+        """The ``zero_optimization`` section the run would use for this model (derived sizes, the user's keys)."""
+        return build_config(config, config.num_processes, hidden=facts.hidden).get("zero_optimization", {})
 
     @classmethod
     def label(cls, zero: int | None = None) -> str:
@@ -241,19 +317,63 @@ class DeepSpeedStrategy(Strategy):
         build_config(config, config.num_processes)
 
     # -- wrapping --------------------------------------------------------------------------------
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Any, Any]:
+    @property
+    def stage(self) -> int:
+        stage = self.config.zero
+        if stage is None:
+            stage = _get(parse_user_config(self.config.deepspeed_config), "zero_optimization.stage", 0)
+        return int(stage or 0)
+
+    def init_context(self) -> contextlib.AbstractContextManager:
+        """ZeRO-3: ``deepspeed.zero.Init``, each module partitioned over the ranks as soon as it is built (its own
+        init run on rank 0's values, broadcast); ZeRO 0-2 keep whole parameters, so a plain build."""
+        if self.stage != 3:
+            return super().init_context()
         import deepspeed
 
+        if not self.config.use_gpu:
+            load_deepspeed_cpu_ops()  # DeepSpeed's communication would JIT-build it
+        # zero.Init reads the config before it joins DeepSpeed's communication, which deepspeed.initialize would
+        # join anyway: joined first, the config's batch arithmetic sees the run's world size, not 1
+        with dropping_lines(_OP_LOADED):
+            deepspeed.init_distributed(dist_backend=self.process_group_backend(self.config.use_gpu),
+                                       dist_init_required=False)
+        # mem_efficient_linear=False: DeepSpeed would otherwise replace torch.nn.functional.linear for the process
+        return deepspeed.zero.Init(config_dict_or_path=build_config(self.config, self.world_size),
+                                   mem_efficient_linear=False)
+
+    def whole_copy_reason(self) -> str:
+        if self.stage == 3:  # a model built on the meta device by hand, not inside deepspeed.zero.Init
+            return ("a model built on the meta device outside ctx.init_model() is not partitioned as it is built; "
+                    "build it in ctx.init_model() or give ctx.prepare a factory")
+        return "ZeRO 0-2 keep the whole parameters on every rank (only gradients and optimizer states are sharded)"
+
+    def wrap(self, model: torch.nn.Module, optimizer: Any, weights: Any = None) -> tuple[Any, Any]:
+        import deepspeed
+
+        from ..weights import deferred, loading
+        from .memory import model_facts
+
         self._release_engine()
-        self.report_memory(model)
         loader_batch = None
         for loader in self.loaders:
             loader_batch = getattr(loader, "batch_size", None)
             if loader_batch:
                 break
-        self.ds_config = build_config(self.config, self.world_size, loader_batch)
+        self.ds_config = build_config(self.config, self.world_size, loader_batch, hidden=model_facts(model).hidden)
+        self.report_memory(model, settings=self.ds_config.get("zero_optimization"))
         if optimizer is None:
             raise ValueError("--strategy deepspeed needs an optimizer: ctx.prepare(model, optimizer, ...)")
+        partitioned = any(deepspeed_compat.is_partitioned(p) for p in model.parameters())
+        if deferred.has_meta_parameters(model):  # built on meta by hand: ZeRO needs it whole first
+            old_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+            self.fill_whole(model, weights)
+            optimizer = self.prepared_optimizer(optimizer, model, old_names)
+        elif weights is not None and partitioned:
+            loading.load_zero3_partitions(model, weights, self.rank)
+        elif weights is not None:
+            loading.load(model, weights)
+        optimizer = deferred.optimizer_for(optimizer, model.parameters())
         if not self.config.use_gpu:
             load_deepspeed_cpu_ops()  # what initialize would JIT-build, under a lock that cannot go stale
         with dropping_lines(_OP_LOADED):  # DeepSpeed prints it on every start, even for the op built at set-up
@@ -301,27 +421,40 @@ class DeepSpeedStrategy(Strategy):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 weights of the whole model on every rank: ZeRO partitions and ZeRO-3 shards are gathered
         from the optimizer's fp32 master copy (a collective: every rank must call it)."""
-        from deepspeed.utils import safe_get_full_fp32_param
-
         module = self.engine.module
-        out: dict[str, torch.Tensor] = {}
         params = dict(module.named_parameters(remove_duplicate=False))
+        out: dict[str, torch.Tensor] = {}
         for name, value in module.state_dict(keep_vars=True).items():
             param = params.get(name)
-            if param is not None:
-                full = safe_get_full_fp32_param(param)
-                if full is None:
-                    if deepspeed_compat.is_partitioned(param):  # ZeRO-3 param without an fp32 master (no optimizer)
-                        from deepspeed import zero
-
-                        with zero.GatheredParameters([param]):
-                            full = param.detach().clone()
-                    else:
-                        full = param.detach()
-                out[name] = full.detach().float().cpu().clone()
-            else:
-                out[name] = value.detach().cpu().clone()
+            out[name] = (self._full_fp32(param) if param is not None else value.detach()).cpu().clone()
         return out
+
+    def stream_full_state(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """As `Strategy.stream_full_state`: one parameter's fp32 master gathered at a time, kept by rank 0."""
+        from ..weights.saving import stream
+
+        module = self.engine.module
+        params = dict(module.named_parameters(remove_duplicate=False))
+        state = {name: params.get(name, value) for name, value in module.state_dict(keep_vars=True).items()}
+        is_param = {id(p) for p in params.values()}
+        yield from stream(state, lambda value: self._full_fp32(value) if id(value) in is_param else value.detach(),
+                          self.rank == 0)
+
+    @staticmethod
+    def _full_fp32(param: torch.nn.Parameter) -> torch.Tensor:
+        """One parameter whole in fp32, from the optimizer's master partitions (a collective under ZeRO 1-3)."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        full = safe_get_full_fp32_param(param)
+        if full is None:
+            if deepspeed_compat.is_partitioned(param):  # ZeRO-3 param without an fp32 master (no optimizer)
+                from deepspeed import zero
+
+                with zero.GatheredParameters([param]):
+                    full = param.detach().clone()
+            else:
+                full = param.detach()
+        return full.detach().float()
 
     def teardown(self) -> None:
         self._release_engine()

@@ -11,8 +11,17 @@ reduce-scatter on the micro-batches before a boundary (``set_requires_gradient_s
 (created on the plain model before ``ctx.prepare``) is pointed at the new parameters in place; its
 hyper-parameters and param groups are kept.
 
+The units are the model's blocks (`memory.blocks`: each direct child with parameters, the entries of a
+``ModuleList``, a transformer's blocks inside its trunk), then the root: all-gathering one unit at a time is what
+keeps a rank from ever holding the whole model.
+
+A model built on the meta device (``ctx.init_model()``, a factory given to ``ctx.prepare``) is sharded while it has
+no storage; each rank then gives storage to its own shards only and fills them from the checkpoint (the regions it
+holds) or with the model's own init, one module at a time (`dtrain_magic.weights`).
+
 Checkpoints are sharded (``torch.distributed.checkpoint``: every rank writes its shards); ``full_state_dict``
-gathers the whole fp32 model on every rank for a rank-0 ``torch.save`` that loads into the plain model.
+gathers the whole fp32 model on every rank for a rank-0 ``torch.save`` that loads into the plain model, and
+``stream_full_state`` gives it to rank 0 alone, one tensor at a time.
 
 With ``--tp N`` this is 2-D parallelism: the model is tensor-parallel over N ranks and FSDP shards it over the
 ``world / N`` data-parallel ranks (the ``dp`` dimension of a 2-D device mesh; `dtrain_magic.parallel`). With
@@ -22,12 +31,14 @@ With ``--tp N`` this is 2-D parallelism: the model is tensor-parallel over N ran
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
-from .base import TorchStrategy
-from .memory import MemoryModel
+from .base import ADAM_TEMPORARIES, TorchStrategy
+from .memory import MemoryModel, ModelFacts, blocks
+
+UNSHARDED_BLOCKS = 3  # the block in use, the next one prefetched, and the block's unsharded gradient
 
 
 class FSDPStrategy(TorchStrategy):
@@ -38,20 +49,33 @@ class FSDPStrategy(TorchStrategy):
         """Full sharding, like ZeRO-3; autocast keeps parameters, gradients and Adam's moments in fp32."""
         return MemoryModel(stage=3)
 
+    @classmethod
+    def memory_buffers(cls, facts: ModelFacts, zero: int | None, precision: str, world_size: int, tp: int = 1,
+                       pp: int = 1, settings: Mapping[str, Any] | None = None) -> list[tuple[str, float]]:
+        """FSDP all-gathers one block at a time (and prefetches the next), and reduce-scatters its unsharded
+        gradient; Adam steps each sharded parameter."""
+        dp = world_size // (tp * pp)
+        return [("unsharded blocks (in use, prefetched, gradient)", UNSHARDED_BLOCKS * 4 * facts.largest_block / tp),
+                ("Adam's step temporaries", ADAM_TEMPORARIES * 4 * facts.largest_param / (tp * dp))]
+
     sharded_checkpoints = True
 
-    def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Any, Any]:
+    def wrap(self, model: torch.nn.Module, optimizer: Any, weights: Any = None) -> tuple[Any, Any]:
         if self.parallel is not None:
-            return self.wrap_model_parallel(model, optimizer, shard_data_parallel=_fully_shard)
+            return self.wrap_model_parallel(model, optimizer, shard_data_parallel=_fully_shard, weights=weights)
         from torch.distributed.device_mesh import init_device_mesh
 
-        from ..parallel.state import repoint_optimizer
+        from ..weights.deferred import has_meta_parameters, pristine_copy
 
         self.report_memory(model)
-        model = model.to(self.device)
+        deferred = has_meta_parameters(model)
+        pristine = pristine_copy(model) if deferred and weights is None else None
+        if not deferred:
+            model = model.to(self.device)
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         _fully_shard(model, init_device_mesh(self.device.type, (self.world_size,)))
-        repoint_optimizer(optimizer, names, model, strategy="--strategy fsdp")
+        self.fill_shards(model, weights, pristine)
+        optimizer = self.prepared_optimizer(optimizer, model, names)
         self.model, self.optimizer = model, optimizer
         return model, optimizer
 
@@ -69,10 +93,10 @@ class FSDPStrategy(TorchStrategy):
 
 
 def _fully_shard(model: torch.nn.Module, mesh: Any) -> None:
-    """Each direct child with parameters its own FSDP unit, then the root, over ``mesh`` (1-D)."""
+    """Each of the model's blocks (`memory.blocks`) its own FSDP unit, then the root, over ``mesh`` (1-D)."""
     from torch.distributed.fsdp import fully_shard
 
-    for child in model.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh)
+    for block in blocks(model):
+        fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+

@@ -23,14 +23,22 @@ tensor-parallel plan keeps replicated (embeddings, norms, biases of row-wise lay
 pipeline's in-flight micro-batches (a stage holds the activations of up to --microbatches of them, GPipe, or
 about P, 1F1B) and its idle time (bubbles), which costs time rather than memory.
 
-Everything here is pure arithmetic except :func:`device_memory_bytes`, :func:`optimizer_state_bytes` and
-:func:`model_of_cell` (which builds the cell's model on torch's meta device to count its parameters).
+Beyond the model states, each strategy allocates buffers of its own, which set the peak a process really reaches:
+DDP's gradient buckets (a second copy of every gradient), FSDP's unsharded blocks (the one in use, the next one
+prefetched, and the unsharded gradient), DeepSpeed's reduce and all-gather buckets and ZeRO-3's gathered parameters,
+and Adam's step temporaries (about two copies of the largest tensor it steps at once: a parameter, or ZeRO-1/2's
+whole flat partition). Given the model's `ModelFacts` (its largest parameter and block, its hidden size), `estimate`
+adds each strategy's `Strategy.memory_buffers` to the states; without them (a size typed in the panel) it gives the
+states alone. Activations are not counted.
+
+Everything here is pure arithmetic except :func:`device_memory_bytes`, :func:`optimizer_state_bytes`,
+:func:`model_facts` and :func:`blocks` (which look at a model, real or on the meta device).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from .._compat import deepspeed as deepspeed_compat
 from ..errors import ConfigError, log_dropped
@@ -48,6 +56,7 @@ class CellModel:
 
     num_params: int | None
     description: str
+    facts: Any = None  # the model's `ModelFacts` (largest parameter and block, hidden size), when it was built
 
     @property
     def found(self) -> bool:
@@ -68,6 +77,20 @@ class MemoryModel:
 
 
 @dataclass(frozen=True)
+class ModelFacts:
+    """What the buffers of the strategies depend on, read from a model (real, on meta, or ZeRO-3 partitioned):
+    ``largest_param`` and ``largest_block`` in elements (a block: what FSDP wraps as a unit and ZeRO-3 gathers at
+    once, see `blocks`), ``hidden`` (the model config's ``hidden_size``, else the largest smaller side of a 2-D
+    parameter: the width DeepSpeed's buckets are sized by), ``blocks`` (how many)."""
+
+    num_params: int
+    largest_param: int
+    largest_block: int
+    hidden: int
+    blocks: int = 1
+
+
+@dataclass(frozen=True)
 class MemoryEstimate:
     """Expected bytes per process for one strategy/stage/precision/world size."""
 
@@ -83,10 +106,21 @@ class MemoryEstimate:
     tp: int = 1
     pp: int = 1
     strategy_label: str = ""  # as the strategy names itself (``deepspeed ZeRO-2``)
+    buffer_parts: tuple[tuple[str, float], ...] = field(default=())  # (what, bytes): the strategy's own buffers
+
+    @property
+    def buffers(self) -> float:
+        return sum(size for _, size in self.buffer_parts)
+
+    @property
+    def states(self) -> float:
+        """Parameters, gradients and optimizer states (the ZeRO paper's model states)."""
+        return self.params + self.grads + self.optimizer
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer
+        """The expected peak per process: the model states and the strategy's buffers (activations aside)."""
+        return self.states + self.buffers
 
     @property
     def label(self) -> str:
@@ -100,7 +134,9 @@ class MemoryEstimate:
             f"memory estimate ({self.label}, {self.precision}, {self.world_size} process"
             f"{'es' if self.world_size != 1 else ''}, {self.num_params:,} parameters): "
             f"params {format_bytes(self.params)} + grads {format_bytes(self.grads)} + optimizer "
-            f"{format_bytes(self.optimizer)} = {format_bytes(self.total)} per process"
+            f"{format_bytes(self.optimizer)}"
+            + (f" + buffers {format_bytes(self.buffers)}" if self.buffer_parts else "")
+            + f" = {format_bytes(self.total)} per process"
         )
         if self.tp > 1 or self.pp > 1:
             text += (" (an even 1/" + str(self.tp * self.pp) + " of the model each; not counted: activations, "
@@ -132,9 +168,12 @@ def bytes_per_param(strategy: str, zero: int | None, precision: str) -> tuple[in
 
 
 def estimate(num_params: int, strategy: str | type = "ddp", zero: int | None = None, precision: str = "fp32",
-             world_size: int = 1, k: int | None = None, tp: int = 1, pp: int = 1) -> MemoryEstimate:
+             world_size: int = 1, k: int | None = None, tp: int = 1, pp: int = 1, facts: ModelFacts | None = None,
+             settings: Mapping[str, Any] | None = None) -> MemoryEstimate:
     """Per-process bytes for parameters, gradients and optimizer states; ``k`` overrides K. With ``tp``/``pp``
-    each process holds an even 1/(tp x pp) of the model, sharded further over the world/(tp x pp) replicas."""
+    each process holds an even 1/(tp x pp) of the model, sharded further over the world/(tp x pp) replicas. With
+    ``facts`` (the model's, `model_facts`), the strategy's own buffers too (`Strategy.memory_buffers`; ``settings``:
+    the strategy's sizes, DeepSpeed's ``zero_optimization`` section)."""
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
     if tp < 1 or pp < 1 or world_size % (tp * pp):
@@ -152,8 +191,12 @@ def estimate(num_params: int, strategy: str | type = "ddp", zero: int | None = N
     optimizer_moments = moments * psi / (n if stage >= 1 else 1)
     cls = strategy_class(strategy)
     zero = (zero or 0) if "zero" in cls.own_fields else None  # ZeRO's stage, as DeepSpeed numbers it
+    parts: tuple[tuple[str, float], ...] = ()
+    if facts is not None:
+        parts = tuple((what, float(size)) for what, size in cls.memory_buffers(
+            facts, zero, precision, world_size, tp=tp, pp=pp, settings=settings or {}) if size > 0)
     return MemoryEstimate(cls.name, zero, precision, world_size, int(num_params), params, grads, optimizer,
-                          optimizer_moments, tp, pp, cls.label(zero))
+                          optimizer_moments, tp, pp, cls.label(zero), parts)
 
 
 def table(num_params: int, precision: str = "fp32", world_size: int = 2, tp: int = 1, pp: int = 1) -> str:
@@ -212,29 +255,88 @@ def check_fits(est: MemoryEstimate, available: int | None) -> str | None:
 
 
 def count_parameters(model: Any) -> int:
-    """Number of parameters of a plain (not yet sharded) module, counting shared tensors once."""
-    seen, total = set(), 0
-    for param in model.parameters():
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
-        shape = deepspeed_compat.full_shape(param)  # a ZeRO-3 partitioned parameter
-        if shape is not None:
-            n = 1
-            for d in shape:
-                n *= d
-            total += n
-        else:
-            total += param.numel()
-    return total
+    """Number of parameters of a plain (not yet sharded) module, counting shared tensors once (a ZeRO-3
+    partitioned parameter by its whole shape)."""
+    return sum(_numel(param) for param in {id(p): p for p in model.parameters()}.values())
 
 
 def report(model: Any, strategy: str | type, zero: int | None, precision: str, world_size: int,
-           device: Any = None, processes_per_device: int = 1, tp: int = 1, pp: int = 1) -> str:
+           device: Any = None, processes_per_device: int = 1, tp: int = 1, pp: int = 1,
+           settings: Mapping[str, Any] | None = None) -> str:
     """The estimate line for ``model`` (and the warning when it does not fit), as printed by wrap()."""
-    est = estimate(count_parameters(model), strategy, zero, precision, world_size, tp=tp, pp=pp)
+    facts = model_facts(model)
+    est = estimate(facts.num_params, strategy, zero, precision, world_size, tp=tp, pp=pp, facts=facts,
+                   settings=settings)
     warning = check_fits(est, device_memory_bytes(device, processes_per_device))
     return est.line() + (f"\n{warning}" if warning else "")
+
+
+def _numel(tensor: Any) -> int:
+    shape = deepspeed_compat.full_shape(tensor)  # a ZeRO-3 partitioned parameter
+    if shape is None:
+        return int(tensor.numel())
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def blocks(model: Any) -> list[Any]:
+    """The model's blocks: what FSDP wraps as units (then the root takes the rest) and what ZeRO-3 gathers at once.
+
+    Every direct child with parameters, except that a ``ModuleList``/``ModuleDict`` gives each of its entries, and a
+    child holding such a list (a Hugging Face ``GPT2Model`` inside ``GPT2LMHeadModel``) is looked into the same way,
+    so that a transformer's blocks are units, not the whole trunk. A candidate sharing a parameter with another
+    (tied embeddings) stays with the root."""
+    import torch
+
+    containers = (torch.nn.ModuleList, torch.nn.ModuleDict)
+
+    def has_params(module: Any) -> bool:
+        return any(True for _ in module.parameters())
+
+    def holds_list(module: Any) -> bool:
+        return any(isinstance(m, containers) for m in module.modules())
+
+    def candidates(module: Any) -> list[Any]:
+        found = []
+        for child in module.children():
+            if not has_params(child):
+                continue
+            if isinstance(child, containers):
+                found += [entry for entry in child.children() if has_params(entry)]
+            elif holds_list(child):
+                found += candidates(child)
+            else:
+                found.append(child)
+        return found
+
+    chosen = candidates(model)
+    owners: dict[int, int] = {}
+    for index, block in enumerate(chosen):
+        for param in block.parameters():
+            owners.setdefault(id(param), index)
+    shared = {index for index, block in enumerate(chosen)
+              for param in block.parameters() if owners[id(param)] != index}
+    shared |= {owners[id(param)] for index in shared for param in chosen[index].parameters()}
+    return [block for index, block in enumerate(chosen) if index not in shared]
+
+
+def model_facts(model: Any) -> ModelFacts:
+    """`ModelFacts` of a plain (not yet sharded) model: on meta, real, or ZeRO-3 partitioned."""
+    params = {id(p): p for p in model.parameters()}
+    sizes = [_numel(p) for p in params.values()]
+    block_sizes = [sum(_numel(p) for p in {id(q): q for q in block.parameters()}.values()) for block in blocks(model)]
+    block_sizes.append(sum(sizes) - sum(block_sizes))  # what stays with the root: a unit of its own
+    config = getattr(model, "config", None)
+    hidden = getattr(config, "hidden_size", None)
+    if not isinstance(hidden, int) or hidden <= 0:
+        sides = [min(deepspeed_compat.full_shape(p) or tuple(p.shape)) for p in params.values()
+                 if len(deepspeed_compat.full_shape(p) or tuple(p.shape)) == 2]
+        hidden = max(sides, default=max(sizes, default=1))
+    return ModelFacts(num_params=sum(sizes), largest_param=max(sizes, default=0),
+                      largest_block=max(block_sizes + sizes, default=0), hidden=int(hidden),
+                      blocks=len([size for size in block_sizes if size > 0]) or 1)
 
 
 def _inner_optimizers(optimizer: Any):
@@ -277,7 +379,3 @@ def _local_bytes(value: Any) -> int:
         return 0  # Adam's step counter
     return value.numel() * value.element_size()
 
-
-# -- the cell's own model, without training ------------------------------------------------------------
-
-# Calls on a model that return the same module (or a copy of it) with the same parameters.

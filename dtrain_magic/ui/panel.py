@@ -210,9 +210,20 @@ class PanelState:
         except ImportError:
             return None
         try:
+            facts = getattr(self.model, "facts", None) if self.size_source == "cell" else None
+            settings = None
+            if facts is not None:  # the cell's own model: the strategy's buffers for it too
+                try:
+                    from ..strategies import get_strategy
+
+                    settings = get_strategy(self.values["strategy"]).memory_settings(self._build(), facts)
+                except Exception as exc:  # a combination the panel shows as a problem: states only
+                    log_dropped(__name__, "memory_line", exc)
+                    facts = None
             est = memory.estimate(self.num_params, self.values["strategy"], self.values["zero"],
                                   self.values["precision"], int(self.values["num_processes"]),
-                                  tp=int(self.values["tp"]), pp=int(self.values["pp"]))
+                                  tp=int(self.values["tp"]), pp=int(self.values["pp"]), facts=facts,
+                                  settings=settings)
             line = self.model_line() + "\n" + est.line()
             device = "cuda" if self.values["use_gpu"] else None
             per_device = 1 if self.values["use_gpu"] else int(self.values["num_processes"])

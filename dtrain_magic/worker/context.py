@@ -22,6 +22,10 @@ from ..channel import DataProgress, Message, Metric, ModelFacts, Total
 from ..config import RunConfig
 from ..errors import log_dropped
 from ..strategies.base import Strategy
+from ..weights.deferred import is_factory, refuse_meta_buffers
+from ..weights.loading import match
+from ..weights.saving import DEFAULT_SHARD_BYTES, write_safetensors
+from ..weights.sources import open_weights
 from . import flops
 from .pulse import Pulse
 
@@ -114,8 +118,20 @@ class TrainContext:
         return self.strategy.data_parallel_rank
 
     # -- model, optimizer, data ------------------------------------------------------------------
-    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *loaders: DataLoader,
-                tp_plan: Mapping[str, Any] | None = None, pp_split: Sequence[str | int] | None = None):
+    def init_model(self) -> contextlib.AbstractContextManager:
+        """Build the model inside this to never hold it whole: ``with ctx.init_model(): model = Net()``.
+
+        Under FSDP and ``--tp``/``--pp`` its parameters are created on torch's meta device (no storage; buffers stay
+        real) and `prepare` gives each rank storage for its own shards or stage only, filled from ``weights=`` or by
+        the model's own init (``reset_parameters``) one module at a time; under ZeRO-3 it is
+        ``deepspeed.zero.Init`` (each module partitioned as it is built). Under DDP and ZeRO 0-2, which keep a whole
+        copy on every rank, it builds the model whole (and says so).
+        """
+        return self.strategy.init_context()
+
+    def prepare(self, model: torch.nn.Module | Callable[[], torch.nn.Module], optimizer: Any = None,
+                *loaders: DataLoader, tp_plan: Mapping[str, Any] | None = None,
+                pp_split: Sequence[str | int] | None = None, weights: str | os.PathLike | None = None):
         """Wrap model and optimizer for the strategy, move them to ``device``, shard each loader.
 
         Returns ``(model, optimizer, *loaders)``, or ``(model, optimizer)`` without loaders. Loaders are sharded
@@ -123,11 +139,33 @@ class TrainContext:
         ``tp_plan`` (with ``--tp``): ``{"module.name": ColwiseParallel(), ...}`` as ``parallelize_module`` takes
         (default: an automatic plan). ``pp_split`` (with ``--pp``): the parts where stages 2, 3, ... begin
         (default: balanced by parameter count). Both are ignored without their flag.
+
+        ``model`` may be a factory (``lambda: Net()``): it is then built inside `init_model`, so no rank holds the
+        whole model under FSDP, ZeRO-3, ``--tp`` or ``--pp``; the optimizer is then a factory too, called with the
+        prepared parameters (``lambda params: torch.optim.Adam(params, lr=1e-3)``). ``weights``: a local checkpoint
+        to start from (safetensors file or directory, a Hugging Face model directory, a torch state-dict file, or a
+        checkpoint of this run's), each rank reading only the slices it holds; its names and shapes are checked
+        against the model first (`WeightsError` listing every mismatch, before anything is read or trained).
         """
+        if is_factory(model):
+            if isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(
+                    "ctx.prepare(factory, optimizer): the model does not exist before ctx.prepare builds it, so give "
+                    "the optimizer as a factory too: lambda params: torch.optim.Adam(params, lr=...)")
+            with self.init_model():
+                built = model()
+            if not isinstance(built, torch.nn.Module):
+                raise TypeError(f"ctx.prepare: the model factory returned {type(built).__name__}, not a "
+                                "torch.nn.Module")
+            model = built
+        refuse_meta_buffers(model)
+        plan = None
+        if weights is not None:
+            plan = match(model, open_weights(weights))  # on every rank alike, before any collective
         self.strategy.set_loaders(loaders)
         self.strategy.set_model_parallel_options(tp_plan=tp_plan, pp_split=pp_split)
         self._parameters = flops.count_parameters(model)
-        model, optimizer = self.strategy.wrap(model, optimizer)
+        model, optimizer = self.strategy.wrap(model, optimizer, plan)
         self._watch_batches(model)
         self._send_model_facts()
         seed = self.config.seed or 0
@@ -297,11 +335,33 @@ class TrainContext:
             client_state = self._data_positions.restore(client_state)
         return client_state
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The whole model's full-precision state dict (ZeRO-3/FSDP/tensor-parallel shards gathered, pipeline
         stages merged), loadable into the plain model; every rank must call it (it is a collective), save it on
-        rank 0."""
+        rank 0.
+
+        Memory: the whole model in fp32 on the CPU of **every** rank, besides what training holds. With
+        ``rank0_only=True`` it is assembled on rank 0 alone, one tensor at a time (each gathered, kept by rank 0,
+        dropped by the others, who hold one tensor at most) and the other ranks get ``{}``. To write it to disk
+        without holding it even on rank 0, use `save_weights`.
+        """
+        if rank0_only:
+            return self.strategy.rank0_state_dict()
         return self.strategy.full_state_dict()
+
+    def save_weights(self, directory: str | os.PathLike, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
+        """Write the whole model's fp32 weights as safetensors under ``directory``, as Hugging Face does
+        (``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` shards of at most ``max_shard_bytes`` and
+        ``model.safetensors.index.json``); every rank must call it. Rank 0 writes, holding at most one shard: each
+        tensor is gathered in turn (the other ranks hold one tensor at a time). The files load into the plain model
+        (``safetensors.torch.load_file``, ``load_state_dict``), a Hugging Face model (``from_pretrained``) and
+        ``ctx.prepare(..., weights=directory)`` under any strategy. Returns the files written (rank 0; ``[]``
+        elsewhere)."""
+        self._require_prepared("save_weights")
+        files = write_safetensors(os.fspath(directory), self.strategy.stream_full_state(), self.is_main,
+                                  max_shard_bytes)
+        self.barrier()
+        return files
 
     def _require_prepared(self, method: str) -> None:
         if self.strategy.model is None:

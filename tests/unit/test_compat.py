@@ -21,12 +21,14 @@ from dtrain_magic._compat import plotly as plotly_compat
 from dtrain_magic._compat import ray as ray_compat
 from dtrain_magic._compat import spark as spark_compat
 from dtrain_magic._compat import torch as torch_compat
+from dtrain_magic._compat import transformers as transformers_compat
 from dtrain_magic.errors import DistributeError, UnsupportedVersionError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LIBRARIES = [
     ray_compat.RAY, cloudpickle_compat.CLOUDPICKLE, mlflow_compat.MLFLOW, spark_compat.PYSPARK,
     ipykernel_compat.IPYKERNEL, plotly_compat.PLOTLY, deepspeed_compat.DEEPSPEED, torch_compat.TORCH,
+    transformers_compat.TRANSFORMERS,
 ]
 
 
