@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import logging
 import threading
 import time
 import uuid
@@ -59,12 +60,13 @@ from .protocol import (
     StopSession,
 )
 from .report import INTERRUPT_WAIT_S, duration, listed, lost_reason, raise_for, who
-from .values import PerRank, unpack
+from .values import PerRank, Unsent, unpack
 
 ERROR_GRACE_S = 3.0  # after a rank failed a cell, the others' time to finish it before they are interrupted
 STOP_WAIT_S = 30.0  # a stopped session's ranks end by themselves within this, or they are cancelled
 _POLL_S = 0.05
 _LOST_DETAIL_WAIT_S = 2.0  # a rank's connection dropped: the launcher's word on why (a signal, an exit code)
+_log = logging.getLogger(__name__)
 
 
 class Session:
@@ -204,7 +206,7 @@ class Session:
                              observer)
         self._sources.append((label, chosen, source))
         self.cells_run += 1
-        values = PerRank({rank: unpack(done[rank].pickled_value) for rank in chosen})
+        values = PerRank({rank: _rebuilt(done[rank], strict=False) for rank in chosen})
         return values if any(value is not None for value in values.values()) else None
 
     def push(self, ranks: Iterable[int] | None = None, observer: RunObserver | None = None, **values: Any) -> None:
@@ -231,7 +233,7 @@ class Session:
         chosen = self.ranks(ranks)
         done = self._command(lambda cell_id: PullValue(cell_id, expression), chosen, f"pull {expression}", None,
                              observer)
-        values = {rank: unpack(done[rank].pickled_value) for rank in chosen}
+        values = {rank: _rebuilt(done[rank], strict=True) for rank in chosen}
         return [values[rank] for rank in range(self.world_size)] if ranks is None else PerRank(values)
 
     def ranks(self, ranks: Iterable[int] | None) -> tuple[int, ...]:
@@ -411,7 +413,10 @@ class Session:
             self.links.close()
             self.channel.close()
             self.state, self.ended = "closed", reason
-            self._close_tracking(status, reason)
+            try:
+                self._close_tracking(status, reason)
+            except Exception:  # MLflow's trouble must not keep the session registered (or the ranks held)
+                _log.warning("could not end the session's MLflow run", exc_info=True)
             kernel_state().session_closed(self, f"{reason} ({what})")
             if self.monitor is not None:
                 error = None if status == "FINISHED" else SessionLost(reason)
@@ -420,7 +425,11 @@ class Session:
         return what
 
     def _ended(self) -> bool:
-        return len(self.pump.results) >= self.world_size or self.running.poll().finished
+        """Every rank returned: the launch ended, or (a backend that releases early: local, Spark) every rank's
+        result is in. Ray Train's fit() ends by itself shortly after its workers returned: waited for, not aborted."""
+        if self.running.poll().finished:
+            return True
+        return self.running.early_release and len(self.pump.results) >= self.world_size
 
     def _end_launch(self) -> None:
         try:
@@ -472,9 +481,7 @@ class Session:
             self._finish_closing(f"released after {duration(self.idle_timeout_s)} idle (--idle-timeout)",
                                  "FINISHED", Quiet(), 15.0, polite=True)
         except Exception:  # a timer thread has nobody to tell
-            import logging
-
-            logging.getLogger(__name__).warning("could not release the idle session", exc_info=True)
+            _log.warning("could not release the idle session", exc_info=True)
 
     # -- what it is ---------------------------------------------------------------------------------------------------
     def _ensure_open(self) -> None:
@@ -555,6 +562,19 @@ class Session:
 
     def __repr__(self) -> str:
         return f"Session({self.describe()}, {self.state})"
+
+
+def _rebuilt(answer: CellDone, strict: bool) -> Any:
+    """A rank's value, unpickled here. One that pickled there but cannot be rebuilt here (it needs the rank's process
+    group, a GPU, a module the notebook lacks) is a `SessionError` for a pull, its stand-in for a cell's value."""
+    try:
+        return unpack(answer.pickled_value)
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if strict:
+            raise SessionError(f"rank {answer.rank}'s value came back but cannot be rebuilt in the notebook ({why}); "
+                               "pull what it holds instead (a tensor, a state_dict(), plain data)") from None
+        return Unsent("?", f"<rank {answer.rank}'s value: cannot be rebuilt in the notebook ({why})>", why)
 
 
 def _serve_function() -> Callable[..., None]:
