@@ -76,12 +76,14 @@ class RankSession:
         self._thread = threading.get_ident()
         self._by_signal = False  # SIGINT reaches the command (main thread) rather than an asynchronous exception
         self._previous_handler: Any = None
+        self._reader: threading.Thread | None = None
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def serve(self) -> None:
         self._thread = threading.get_ident()  # commands run on the thread that serves
         self.conn.send(SessionReady(self.rank, os.getpid(), socket.gethostname()).wire())
-        threading.Thread(target=self._read, name="dtrain-session-commands", daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name="dtrain-session-commands", daemon=True)
+        self._reader.start()
         self._listen_for_sigint()
         while True:
             command = self.commands.get()
@@ -110,6 +112,15 @@ class RankSession:
                 signal.signal(signal.SIGINT, self._previous_handler)
             except (ValueError, TypeError) as exc:
                 log_dropped(__name__, "close", exc)
+        # The reader is blocked reading the connection: shut the socket down so its read ends (closing the descriptor
+        # alone would leave it reading whatever connection gets that number next), then close it.
+        try:
+            with socket.fromfd(self.conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except (OSError, ValueError) as exc:  # closed already
+            log_dropped(__name__, "close", exc)
+        if self._reader is not None:
+            self._reader.join(2.0)
         try:
             self.conn.close()
         except OSError as exc:
