@@ -7,6 +7,7 @@ rank gone.
 
 from __future__ import annotations
 
+import pickle
 import threading
 from typing import Any, Iterable
 
@@ -50,14 +51,16 @@ class RankLinks:
             self.gone.add(ready.rank)
 
     def send(self, ranks: Iterable[int], message: Message) -> None:
-        wire = message.wire()
+        """``message`` to each rank in ``ranks``, pickled once for all of them (a push of a large value is not
+        pickled again per rank); a rank's ``recv`` unpickles it as any message."""
+        data = pickle.dumps(message.wire(), protocol=pickle.HIGHEST_PROTOCOL)
         for rank in ranks:
             with self._lock:
                 conn = self._conns.get(rank)
             if conn is None:
                 continue
             try:
-                conn.send(wire)
+                conn.send_bytes(data)
             except (OSError, ValueError) as exc:  # it is gone: the session sees it as lost
                 log_dropped(__name__, "send", exc)
                 with self._lock:

@@ -307,6 +307,30 @@ def restart_frees_the_old_ranks(notebook: Notebook) -> str:
     return f"restarted in {restart_s:.1f} s"
 
 
+def a_session_starts_on_the_workers_a_run_left_waiting(notebook: Notebook) -> str:
+    """Stop the session (its ranks end), run a %%distribute cell (after it, the next run's workers are launched and
+    wait: warm re-runs), then start a session with the same placement: it takes those workers, at once."""
+    from dtrain_magic.launchers import get_launcher
+
+    old = notebook.session
+    pids = rank_pids(old)
+    notebook.printed("%distribute_session stop")
+    assert_gone(pids, 15.0)
+    assert notebook.mlflow.get_run(old.run_id).info.status == "FINISHED"
+    run = notebook.run(f"%%distribute --backend {notebook.backend} -n 2 --cpu --no-ui\ndef train(ctx):\n"
+                       "    return ctx.rank\n")
+    assert run.error_in_exec is None and run.result.values == [0, 1], run.error_in_exec
+    slot = get_launcher(notebook.backend).standbys
+    assert slot.standby is not None and slot.standby.all_ready.wait(120), "no workers waiting for the next run"
+    claims = slot.claims
+    started = time.monotonic()
+    _, out = notebook.printed(f"%distribute_session start --backend {notebook.backend} -n 2 --cpu --seed 0 --no-ui")
+    start_s = time.monotonic() - started
+    assert slot.claims == claims + 1 and "its workers were launched ahead and waiting" in out, out
+    assert dict(notebook.ok("%%ranks\nctx.rank")) == {0: 0, 1: 1}
+    return f"started in {start_s:.1f} s on the waiting workers"
+
+
 def start_again(notebook: Notebook) -> str:
     return start(notebook)
 
@@ -319,7 +343,7 @@ def plan(backend: str) -> list[tuple[str, Callable[[Notebook], Any]]]:
     extra = {
         "local": [a_rank_stuck_in_a_collective_is_named_and_a_restart_recovers,
                   stop_frees_the_ranks_and_ends_the_mlflow_run, an_idle_session_is_released, start_again],
-        "spark": [restart_frees_the_old_ranks],
+        "spark": [a_session_starts_on_the_workers_a_run_left_waiting],
         "ray": [a_run_that_does_not_fit_beside_the_session_is_refused, restart_frees_the_old_ranks],
     }[backend]
     return [(check.__name__, check) for check in shared + extra]

@@ -329,3 +329,30 @@ def test_the_panel_starts_a_session_with_the_chosen_settings():
     assert panel.session == "session" and panel.monitor_box.children == (monitor.container,)
     hidden = ConfigurePanel(config, "def f(ctx): pass", shell=None, checker=lambda c: None)
     assert hidden.session_button.layout.display == "none" and hidden.session_button.disabled
+
+
+def test_the_session_listener_takes_each_rank_once_and_sends_one_pickled_message_to_all():
+    from multiprocessing.connection import Client
+
+    from dtrain_magic.session.links import RankLinks
+
+    links = RankLinks("127.0.0.1", 2)
+    host, port, authkey = links.address
+    ranks = [Client((host, port), authkey=authkey) for _ in range(2)]
+    for rank, conn in enumerate(ranks):
+        conn.send(SessionReady(rank, 1, "h").wire())
+    assert links.all_ready.wait(5) and set(links.ready) == {0, 1}
+    ranks.append(Client((host, port), authkey=authkey))
+    ranks[2].send(SessionReady(1, 2, "h").wire())  # rank 1 again: refused
+    links.send([0, 1], PushValues(1, ("a",), b"x" * 10))
+    assert [ch.decode(conn.recv()) for conn in ranks[:2]] == [PushValues(1, ("a",), b"x" * 10)] * 2
+    with pytest.raises(EOFError):
+        ranks[2].recv()
+    ranks[0].close()
+    deadline = time.monotonic() + 5
+    while links.gone != {0} and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert links.gone == {0}
+    links.close()
+    with pytest.raises(EOFError):
+        ranks[1].recv()  # the listener's close hangs up on every rank
