@@ -356,3 +356,22 @@ def test_the_session_listener_takes_each_rank_once_and_sends_one_pickled_message
     links.close()
     with pytest.raises(EOFError):
         ranks[1].recv()  # the listener's close hangs up on every rank
+
+
+def test_the_magics_without_a_session(shell, capsys):
+    """Nothing is started: a dry run says what would start; the other magics say there is no session and how to
+    start one; a session's flags are checked as a run's are."""
+    assert shell.run("%distribute_session start --backend local -n 3 --cpu --no-ui --dry-run").error_in_exec is None
+    out = capsys.readouterr().out
+    assert "dtrain_magic dry run: nothing started." in out and "3 local process(es)" in out
+    assert "equivalent: %distribute_session start --backend local --strategy ddp --precision fp32 -n 3 --cpu" in out
+    for cell in ("%%ranks\n1", "%distribute_pull x", "x = 1\n%distribute_push x", "%distribute_session stop"):
+        error = shell.run(cell).error_in_exec
+        assert isinstance(error, SessionError) and "no session is open in this kernel" in str(error), cell
+    assert shell.run("%distribute_session status").error_in_exec is None
+    assert "no session is open" in capsys.readouterr().out
+    error = shell.run("%distribute_session start --backend local --precision fp16 --cpu").error_in_exec
+    assert isinstance(error, ConfigError) and str(error).startswith("--precision: fp16 needs a GPU")
+    assert shell.run("%distribute_session start --backend local --idle-timeout -5").error_in_exec is not None
+    assert shell.run("%distribute_session begin").error_in_exec is not None  # a UsageError naming the actions
+    assert "%distribute_session start [flags] | status | stop | restart" in capsys.readouterr().err
