@@ -9,6 +9,8 @@
    over time, Stop makes the run KILLED in MLflow and ends its worker processes, "Write cell" creates
    the equivalent cell, a second Run finishes, and ``%distribute_show RUN_ID`` draws that finished run's
    charts in a fresh kernel.
+3. An interactive session (``%distribute_session start``, ``%%ranks``): the session's monitor in the start cell,
+   each rank's output and value, JupyterLab's interrupt on a long cell, and the next cell seeing the ranks' state.
 
 Screenshots go to ``test-output/e2e/`` (git-ignored; ``$DTRAIN_TEST_OUTPUT`` overrides) and their paths
 are printed.

@@ -1,10 +1,11 @@
 """Interactive sessions, really started, on local, Spark and Ray: one notebook process per backend (a real IPython
 shell in its own process group, as a Jupyter kernel is) starts one session and runs every check of
 `session_checks.plan` on it (state kept from cell to cell, output by rank, three cells of DDP training equal to one
-``%%distribute`` run of the same code beside the session, a rank subset, a failing cell, the kernel's interrupt as
-Jupyter sends it, pull and push, then each backend's own: a rank stuck in a collective and the restart, stop and the
-idle release on local; a run that does not fit beside the session on Ray; restart on Spark and Ray), then exits with
-the session open: 15 s later no process it started (tagged, tests/leftovers.py) may be alive.
+``%%distribute`` run of the same code, a rank subset, a failing cell, the kernel's interrupt as Jupyter sends it,
+pull and push, then each backend's own: on local a rank stuck in a collective and the restart, stop, the idle
+release, the reference run beside the session; on Spark the start taking the workers the reference run left
+waiting; on Ray a run that does not fit beside the session), then exits with the session open: 15 s later no
+process it started (tagged, tests/leftovers.py) may be alive.
 
 The checks' outcomes come back as JSON; each is one test here, so a failure names its check (its traceback is the
 notebook's own).
