@@ -509,7 +509,7 @@ def test_session_cells_show_output_by_rank(chromium, jupyterlab):
                 # the start cell: the session's monitor, one row per rank
                 monitor = cells.nth(1).locator(".dtm-monitor")
                 expect(monitor).to_have_attribute("data-state", "running", timeout=90_000)
-                expect(cells.nth(1).locator(".jp-OutputArea-output")).to_contain_text("session open", timeout=90_000)
+                expect(cells.nth(1).locator(".jp-OutputArea")).to_contain_text("session open", timeout=90_000)
                 # a %%ranks cell: each rank's output on lines of its own, and the value by rank
                 hello = cells.nth(2).locator(".jp-OutputArea")
                 expect(hello).to_contain_text("[rank 0] hello from rank 0", timeout=60_000)
