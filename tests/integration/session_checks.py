@@ -324,8 +324,21 @@ def an_idle_session_is_released(notebook: Notebook) -> None:
     assert "released after 2 s idle" in str(notebook.run("%%ranks\n1").error_in_exec)
 
 
-def start_again(notebook: Notebook) -> str:
-    return start(notebook)
+def an_fsdp_session_trains_like_an_fsdp_run(notebook: Notebook) -> str:
+    """A session under another strategy (FSDP2 on CPU): the same three cells give the weights of one ``%%distribute
+    --strategy fsdp`` run of the same code (fp32, 1e-5), gathered by ``ctx.full_state_dict()``; the notebook then exits
+    with this session open."""
+    reference = notebook.run(one_run("local").replace("--no-ui", "--no-ui --strategy fsdp", 1))
+    assert reference.error_in_exec is None, reference.error_in_exec
+    note = start(notebook, "--strategy fsdp")
+    assert notebook.session.config.strategy == "fsdp"
+    for part in TRAIN_PARTS[:-1]:
+        notebook.ok("%%ranks\n" + part)
+    weights = notebook.ok("%%ranks\n" + TRAIN_PARTS[-1])
+    for rank in (0, 1):
+        for name, tensor in reference.result.value.items():
+            assert (weights[rank][name] - tensor).abs().max().item() < 1e-5, (rank, name)
+    return note
 
 
 def plan(backend: str) -> list[tuple[str, Callable[[Notebook], Any]]]:
@@ -336,7 +349,8 @@ def plan(backend: str) -> list[tuple[str, Callable[[Notebook], Any]]]:
               an_interrupt_stops_a_long_cell_everywhere, pull_and_push]
     extra = {
         "local": [a_rank_stuck_in_a_collective_is_named_and_a_restart_recovers,
-                  stop_frees_the_ranks_and_ends_the_mlflow_run, an_idle_session_is_released, start_again],
+                  stop_frees_the_ranks_and_ends_the_mlflow_run, an_idle_session_is_released,
+                  an_fsdp_session_trains_like_an_fsdp_run],
         "spark": [],
         "ray": [a_run_that_does_not_fit_beside_the_session_is_refused],
     }[backend]
