@@ -5,7 +5,8 @@ registers the magics), `run` from Python (``dtrain_magic.run(train, backend="ray
 command line (``python -m dtrain_magic run my_pkg.train:main -n 4``, `dtrain_magic.cli`).
 
 The public API: `run`, `CTX` (stands for the worker's ``ctx`` among `run`'s arguments), `RunConfig`,
-`RunResult`, `TrainContext`, and the errors in `dtrain_magic.errors`. The layout follows the flow: `notebook`
+`RunResult`, `TrainContext`, `Session` (an interactive session: ranks that keep their state from cell to cell,
+`dtrain_magic.session`), and the errors in `dtrain_magic.errors`. The layout follows the flow: `notebook`
 (the magics), `api` and `cli` → `config` (one validated `RunConfig` from the flag table, `flagtable`) →
 `driver` (check, launch, pump) → `launchers` (one per backend) → `worker` (every rank: the `TrainContext` for
 the `strategies`) → `tracking` (MLflow) → `ui` (the panel and charts that read it).
@@ -18,14 +19,19 @@ from typing import Any
 from .config import RunConfig
 from .errors import (
     CaptureError,
+    CellInterrupted,
+    CellTimeout,
     ConfigError,
     DistributeError,
     LaunchError,
     MissingDependencyError,
+    RankError,
     RunHung,
     RunInterrupted,
     RunStalled,
     RunTimeout,
+    SessionError,
+    SessionLost,
     UnsupportedCodeError,
     UnsupportedVersionError,
     WorkerError,
@@ -36,10 +42,13 @@ __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """Called by ``%load_ext dtrain_magic``: register ``%%distribute``."""
+    """Called by ``%load_ext dtrain_magic``: register ``%%distribute`` and the session magics (``%distribute_session``,
+    ``%%ranks``, ``%distribute_pull``, ``%distribute_push``)."""
     from .notebook.magic import DistributeMagics
+    from .notebook.session_magic import SessionMagics
 
     ipython.register_magics(DistributeMagics)
+    ipython.register_magics(SessionMagics)
     try:  # %distribute_show and friends, when the UI extras (ipywidgets, plotly) are installed
         from .ui.magics import UIMagics
     except ImportError:
@@ -61,6 +70,10 @@ def __getattr__(name: str) -> Any:
         from .payload import CTX
 
         return CTX
+    if name == "Session":  # an interactive session (docs/sessions.md)
+        from .session.driver import Session
+
+        return Session
     raise AttributeError(name)
 
 
@@ -71,3 +84,5 @@ __all__ = [
     "WorkerError",
     "load_ipython_extension", "run",
 ]
+# Interactive sessions (docs/sessions.md)
+__all__ += ["CellInterrupted", "CellTimeout", "RankError", "Session", "SessionError", "SessionLost"]

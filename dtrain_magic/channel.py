@@ -25,6 +25,10 @@ listener of its own too: each waiting worker sends `StandbyReady` once it can ru
 with one `StandbyJob` (the run's cloudpickled `WorkerJob` and what changed in the notebook since the launch) or
 `StandbyRelease` (nothing to run: the worker returns, and the launch ends).
 
+An interactive session (`dtrain_magic.session`) is a run whose function serves the notebook's cells: its messages
+(the cells, values and pushes, interrupts) are declared in `dtrain_magic.session.protocol` and added to this
+protocol with `extend_protocol`.
+
 On the wire a message is a plain tuple, ``(KIND, *fields)`` in the order the fields are declared
 (`Message.wire`), which pickles about twice as fast as the instance (``ctx.log`` every step goes through
 this); `decode` turns it back into its class on the reading side. Sender and reader are always the same
@@ -301,6 +305,16 @@ def decode(wire: Any) -> Message:
         return _BY_KIND[wire[0]](*wire[1:])
     except (KeyError, IndexError, TypeError):
         raise ProtocolError(f"not a channel message: {wire!r:.100}") from None
+
+
+def extend_protocol(*classes: type[Message]) -> None:
+    """Add a feature's own message classes to the protocol (an interactive session's, `dtrain_magic.session.protocol`,
+    declares them there and calls this once, when imported): `decode` reads them from then on. A kind may be
+    declared once only."""
+    for kind, cls in _protocol(*classes).items():
+        if _BY_KIND.get(kind, cls) is not cls:
+            raise ValueError(f"channel message kind {kind!r} is taken by {_BY_KIND[kind].__name__}")
+        _BY_KIND[kind] = cls
 
 
 @dataclass(frozen=True)

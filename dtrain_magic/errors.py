@@ -119,6 +119,52 @@ class WeightsError(DistributeError, ValueError):
     title = "WeightsError"
 
 
+class SessionError(DistributeError):
+    """An interactive session (`dtrain_magic.session`) cannot do what was asked (none is open, a rank is still busy,
+    ranks out of range), or it ended; the message says what to do instead."""
+
+    title = "SessionError"
+
+
+class SessionLost(SessionError):
+    """The session's ranks ended without being stopped (a rank died, or its backend ended the launch): its state is
+    gone; a new session starts afresh."""
+
+    title = "SessionLost"
+
+
+class RankError(DistributeError):
+    """A session cell raised on one or more ranks: each rank's error with the cell's line (``Cell In[N], line L``).
+    The session goes on; ``failures`` maps each failing rank to its (summary, traceback)."""
+
+    title = "RankError"
+
+    def __init__(self, message: str, failures: dict[int, tuple[str, str]]):
+        self.failures = failures
+        super().__init__(message)
+
+
+class CellInterrupted(RunInterrupted):
+    """A session cell was interrupted (the kernel's interrupt, the monitor's Stop) on every rank running it; the
+    session and its state are kept, unless a rank could not be freed (the message says which, and how to restart)."""
+
+    title = "CellInterrupted"
+
+    def __init__(self, message: str, stuck: tuple[int, ...] = ()):
+        self.stuck = stuck
+        super().__init__(message)
+
+
+class CellTimeout(RunTimeout):
+    """A session cell ran longer than its ``--timeout`` and was interrupted on every rank running it."""
+
+    title = "CellTimeout"
+
+    def __init__(self, message: str, stuck: tuple[int, ...] = ()):
+        self.stuck = stuck
+        super().__init__(message)
+
+
 # -- short tracebacks: the user's frames only, notebook cells shown as ``Cell In[N], line L`` --------------
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -1,7 +1,8 @@
 """What this kernel keeps between runs, in one object: `kernel_state()`.
 
-It holds one launcher per backend (`KernelState.launcher`), and each launcher keeps on itself what it
-reuses from run to run: the local backend its fork server (``LocalLauncher.pool``), the Ray backend the
+It holds one launcher per backend (`KernelState.launcher`) and the interactive sessions open now
+(`KernelState.sessions`: closed first at exit, asked whether a run fits beside them). Each launcher keeps on
+itself what it reuses from run to run: the local backend its fork server (``LocalLauncher.pool``), the Ray backend the
 instance it started or the cluster it joined (``RayLauncher.instance``), the Spark backend the
 SparkSession it started, never one it found (``SparkLauncher``). It also keeps the staged copies of data sources
 (``keep("data", ...)``, `dtrain_magic.data.staging`). `KernelState.shutdown` is the one place
@@ -26,12 +27,20 @@ class KeptLauncher(Protocol):
 L = TypeVar("L", bound=KeptLauncher)
 
 
+class OpenSession(Protocol):
+    def close(self, at_exit: bool = False) -> None: ...
+
+    def check_beside(self, config: object) -> None: ...
+
+
 class KernelState:
     """The launchers of this kernel (one per backend) and the exit hook that shuts them down."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._launchers: dict[str, KeptLauncher] = {}  # in the order they were created
+        self._sessions: list[OpenSession] = []  # interactive sessions open now (`dtrain_magic.session`)
+        self.last_session_end: str | None = None  # why the last session ended (said when a cell finds none)
         self._live: list = []  # the runs in progress (`driver.runner`): what %distribute_stacks and Stacks reach
 
     def run_started(self, run: object) -> None:
@@ -67,6 +76,21 @@ class KernelState:
         with self._lock:
             return dict(self._launchers)
 
+    def session_opened(self, session: "OpenSession") -> None:
+        with self._lock:
+            self._sessions.append(session)
+
+    def session_closed(self, session: "OpenSession", why: str) -> None:
+        with self._lock:
+            if session in self._sessions:
+                self._sessions.remove(session)
+                self.last_session_end = why
+
+    def sessions(self) -> list["OpenSession"]:
+        """The interactive sessions open in this kernel (their ranks hold processes, executor slots, Ray CPUs)."""
+        with self._lock:
+            return list(self._sessions)
+
     def stop_first_at_exit(self) -> None:
         """Make `shutdown` run before every exit hook registered so far (atexit runs them last-in,
         first-out). Launchers call it right after starting something whose library registers exit hooks
@@ -75,8 +99,14 @@ class KernelState:
         atexit.register(self._at_exit)
 
     def shutdown(self, at_exit: bool = False) -> None:
-        """Shut down what every launcher keeps, the newest first; one that fails does not stop the others.
+        """Close the open sessions (their ranks end as a finished run's workers do, their MLflow runs end), then
+        shut down what every launcher keeps, the newest first; one that fails does not stop the others.
         Launchers stay: a later run starts what it needs again."""
+        for session in self.sessions():
+            try:
+                session.close(at_exit=at_exit)
+            except Exception:  # at exit nothing may raise; the launchers below stop its ranks anyway
+                logging.getLogger(__name__).warning("could not close an interactive session", exc_info=True)
         for name, launcher in reversed(list(self.launchers().items())):
             try:
                 launcher.shutdown(at_exit=at_exit)

@@ -13,11 +13,20 @@ Every use, all by ``launchers/spark/driver.py``, is a nicety with a fallback, so
   ``clearJobGroup``). **Fallback**: left set until the next run's replaces it.
 - `TORCHRUN_WRAPPER_MODULE`: the module TorchDistributor runs torchrun through, to find a cancelled run's process
   trees. **Fallback** if renamed: the trees are still found by ``torch.distributed.run``.
+- `launches_in_own_session`: the ``subprocess`` module as ``pyspark.ml.torch.distributor`` sees it, so that the
+  torchrun process tree a launch of ours starts in local mode gets a session of its own (``start_new_session``):
+  Jupyter interrupts a kernel by signalling its whole process group, and a SIGINT there would end torchrun, so an
+  interrupt meant for a cell would kill an interactive session's ranks or the next run's waiting workers (the
+  notebook stops a run's workers itself when its cell is interrupted). **Gated**: on an unknown version the
+  launch is left as pyspark makes it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import subprocess
+import threading
+from typing import Any, Iterator
 
 from ..errors import log_dropped
 from . import Library
@@ -69,3 +78,45 @@ def clear_job_group(context: Any) -> None:
         context.setLocalProperty("spark.jobGroup.id", None)
     except Exception as exc:
         log_dropped(__name__, "clear_job_group", exc)
+
+
+_own_session = threading.local()
+
+
+class _SubprocessForDistributor:
+    """``subprocess`` as pyspark's distributor module sees it: the same, except that a process started from a thread
+    inside `launches_in_own_session` gets a session (and process group) of its own."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+    def Popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen:  # noqa: N802 - subprocess's own name
+        if getattr(_own_session, "on", False):
+            kwargs.setdefault("start_new_session", True)
+        return subprocess.Popen(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def launches_in_own_session() -> Iterator[bool]:
+    """While the calling thread runs ``TorchDistributor.run`` inside this, the processes it starts on this machine
+    (local mode: TorchDistributor's torchrun wrapper, hence torchrun and its workers) are outside the notebook's
+    process group. Yields whether that is so (False on an unknown pyspark)."""
+    installed = _install_subprocess_view()
+    _own_session.on = installed
+    try:
+        yield installed
+    finally:
+        _own_session.on = False
+
+
+def _install_subprocess_view() -> bool:
+    if not PYSPARK.allowed():
+        return False
+    try:
+        import pyspark.ml.torch.distributor as distributor
+    except ImportError as exc:
+        log_dropped(__name__, "_install_subprocess_view", exc)
+        return False
+    if getattr(distributor, "subprocess", None) is subprocess:
+        distributor.subprocess = _SubprocessForDistributor()
+    return isinstance(getattr(distributor, "subprocess", None), _SubprocessForDistributor)

@@ -16,6 +16,7 @@ from ..config import RunConfig
 from ..errors import ConfigError
 from ..launchers import Launcher, get_launcher
 from ..payload import Payload
+from ..state import kernel_state
 from ..strategies import get_strategy
 from ..tracking import check_tracking_uri, preload_mlflow, resolve_tracking_uri, sqlite_experiment_stage
 from ..tracking.uri import deleted_experiment_error
@@ -63,6 +64,8 @@ def check(config: RunConfig) -> RunPlan:
     if not early:
         preload_mlflow()  # the run will need MLflow first: import it meanwhile (a SparkSession start, the capture)
     launcher.check(config)
+    for session in kernel_state().sessions():  # an open session's ranks are its own: the run must fit beside them
+        session.check_beside(config)
     strategy = get_strategy(config.strategy)
     strategy.check(config)
     check_tracking_uri(config)  # it may wait up to a few seconds for an http(s) server

@@ -208,6 +208,13 @@ class Launcher(ABC):
         released, or None when nothing was held."""
         return None
 
+    def capacity(self, config: RunConfig) -> tuple[str, int] | None:
+        """What a run with ``config`` takes its workers from, when that is limited and known now: (the pool in words,
+        how many workers it holds in all), such as ("CPUs of the local Ray instance", 4). An interactive session
+        (`dtrain_magic.session`) asks it whether a run fits beside the ranks it holds. Default: None (not limited
+        by the backend, such as processes on this machine, or not known)."""
+        return None
+
     def describe(self, config: RunConfig) -> str:
         """One line for ``--dry-run`` and the panel: what would be started where."""
         return f"{config.num_processes} worker(s) via {self.name}"

@@ -337,6 +337,14 @@ class LocalLauncher(Launcher):
         """Stop the fork server (it SIGKILLs any worker still alive)."""
         self.pool.shutdown()
 
+    def capacity(self, config: RunConfig) -> tuple[str, int] | None:
+        """With ``--gpu`` this machine's GPUs (one per process); CPU processes are not limited."""
+        if not config.use_gpu:
+            return None
+        import torch
+
+        return "GPUs of this machine", torch.cuda.device_count()
+
     def describe(self, config: RunConfig) -> str:
         device = "GPU" if config.use_gpu else "CPU"
         return (f"{config.num_processes} local process(es) on this machine "

@@ -47,7 +47,7 @@ def run_cell(cell: str, namespace: dict, shell: Any = None, drop_last: bool = Fa
     """
     source = "\n" + cell
     if shell is not None and hasattr(shell, "compile"):
-        filename = shell.compile.cache(source, getattr(shell, "execution_count", 0))
+        filename = shell.compile.cache(source, cell_number(shell))
     else:
         filename = f"<distribute-cell-{abs(hash(source)):x}>"
         linecache.cache[filename] = (len(source), None, [ln + "\n" for ln in source.splitlines()], filename)
@@ -67,6 +67,16 @@ def run_cell(cell: str, namespace: dict, shell: Any = None, drop_last: bool = Fa
             + short_traceback(exc, labels)
         ) from None
     return filename
+
+
+def cell_number(shell: Any) -> int:
+    """The number of the cell running now (its ``In[N]``). IPython 9 counts the cell before running it, so its
+    ``execution_count`` is already the next cell's; the input history holds the current cell as its last entry
+    (entry 0 is empty) whichever IPython it is."""
+    history = getattr(getattr(shell, "history_manager", None), "input_hist_raw", None)
+    if history:
+        return len(history) - 1
+    return getattr(shell, "execution_count", 0)
 
 
 def select_function(cell: str, namespace: dict, fn_name: str | None) -> Callable[..., Any]:

@@ -21,7 +21,7 @@ from IPython.core.magic_arguments import (
 )
 
 from ..config import RunConfig, resolve_config
-from ..flagtable import FLAGS
+from ..flagtable import FLAGS, Flag
 
 USAGE_EXAMPLE = """\
 Run the cell's training function on several processes, GPUs or nodes.
@@ -43,23 +43,30 @@ class _HelpFormatter(MagicHelpFormatter, argparse.ArgumentDefaultsHelpFormatter)
     """IPython's magic help layout, plus "(default: ...)" after every flag."""
 
 
-def _declared(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``func`` with the IPython ``magic_arguments`` of every row of `flagtable.FLAGS`, as if decorated by
-    hand: one ``argument_group`` per run of rows of a help group, then the rows' ``argument`` calls."""
-    decorators: list[Callable[[Any], Any]] = [magic_arguments(), kwds(formatter_class=_HelpFormatter,
-                                                                       description=USAGE_EXAMPLE)]
-    group = None
-    for row in FLAGS:
-        if row.group != group:
-            group = row.group
-            decorators.append(argument_group(group))
-        decorators += [argument(*options, **keywords) for options, keywords in row.argparse_calls()]
-    for decorator in reversed(decorators):  # the decorator written first is applied last
-        func = decorator(func)
-    return func
+def declared(rows: tuple[Flag, ...] = FLAGS, description: str = USAGE_EXAMPLE,
+             extra: tuple[tuple[str, tuple[tuple[str, ...], dict[str, Any]]], ...] = ()
+             ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A decorator giving a function the IPython ``magic_arguments`` of ``rows`` (default: every row of
+    `flagtable.FLAGS`), as if decorated by hand: one ``argument_group`` per run of rows of a help group, then the
+    rows' ``argument`` calls; then ``extra`` arguments, as (group, (options, keywords)) pairs (a session's own)."""
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        decorators: list[Callable[[Any], Any]] = [magic_arguments(), kwds(formatter_class=_HelpFormatter,
+                                                                           description=description)]
+        group = None
+        calls = [(row.group, call) for row in rows for call in row.argparse_calls()] + list(extra)
+        for name, (options, keywords) in calls:
+            if name != group:
+                group = name
+                decorators.append(argument_group(group))
+            decorators.append(argument(*options, **keywords))
+        for decorator in reversed(decorators):  # the decorator written first is applied last
+            func = decorator(func)
+        return func
+
+    return decorate
 
 
-@_declared
+@declared()
 def distribute(line: str, cell: str | None = None) -> None:  # pragma: no cover - holder of the parser only
     """Placeholder whose decorators define the flags; the real magic lives in dtrain_magic.notebook.magic."""
 
@@ -74,23 +81,25 @@ def _unquote(value: Any) -> Any:
     return value
 
 
-def parse_line(line: str) -> argparse.Namespace:
-    """Parse the magic's line; argparse errors become IPython ``UsageError`` naming the flag."""
+def parse_line(line: str, holder: Callable[..., Any] = distribute, rows: tuple[Flag, ...] = FLAGS,
+               help_name: str = "%%distribute?") -> argparse.Namespace:
+    """Parse the magic's line (``holder``: the function `declared` gave the parser; default ``%%distribute``'s);
+    argparse errors become IPython ``UsageError`` naming the flag."""
     try:
-        args = parse_argstring(distribute, line)
+        args = parse_argstring(holder, line)
     except UsageError as exc:
         message = str(exc)
         if not message.startswith("unrecognized arguments"):
             raise
-        raise UsageError(message + _unknown_flag_hint(message)) from None
+        raise UsageError(message + _unknown_flag_hint(message, rows, help_name)) from None
     for key, value in vars(args).items():
         setattr(args, key, _unquote(value))
     return args
 
 
-def _unknown_flag_hint(message: str) -> str:
+def _unknown_flag_hint(message: str, rows: tuple[Flag, ...] = FLAGS, help_name: str = "%%distribute?") -> str:
     """"; did you mean --x?" for near-misses, then where every flag is listed."""
-    known = [option for row in FLAGS for option in row.all_options]
+    known = [option for row in rows for option in row.all_options]
     guesses = []
     for word in message.partition(":")[2].split():
         if word.startswith("-"):
@@ -98,14 +107,14 @@ def _unknown_flag_hint(message: str) -> str:
             if close and close[0] not in guesses:
                 guesses.append(close[0])
     hint = f" (did you mean {' or '.join(guesses)}?)" if guesses else ""
-    return f"{hint}; see %%distribute? for every flag"
+    return f"{hint}; see {help_name} for every flag"
 
 
 def config_from_args(args: argparse.Namespace, **environment: Any) -> RunConfig:
     """Parsed flags → the validated `RunConfig`: every row of the flag table with a `RunConfig` field passes its
     parsed value on, and `config.resolve_config` resolves the defaults that depend on the environment
     (``environment``: its keyword arguments, for tests)."""
-    return resolve_config({row.field: getattr(args, row.field) for row in FLAGS if row.field is not None},
+    return resolve_config({row.field: getattr(args, row.field, row.default) for row in FLAGS if row.field is not None},
                           **environment)
 
 

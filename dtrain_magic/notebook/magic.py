@@ -16,6 +16,7 @@ from ..errors import MissingDependencyError
 from ..result import RunResult
 from . import flags
 from .capture import capture, payload_maker
+from .session_magic import session_starter
 
 
 def _in_frontend(shell: Any) -> bool:
@@ -43,7 +44,8 @@ class DistributeMagics(Magics):
             from .model_of_cell import model_of_cell
 
             model = model_of_cell(cell, self.shell.user_ns, config.fn)
-            return show_panel(config, cell, self.shell, model=model, make_payload=payload_maker(cell, self.shell))
+            return show_panel(config, cell, self.shell, model=model, make_payload=payload_maker(cell, self.shell),
+                              start_session=session_starter(self.shell))
         namespace = self.shell.user_ns
         prepared = runner.prepare(config, lambda: capture(cell, namespace, config.fn, self.shell)[0], namespace)
         if config.dry_run:

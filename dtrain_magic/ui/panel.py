@@ -16,6 +16,9 @@ text goes to a separate ``Output`` that only the kernel writes. The `RunResult` 
 ``--result NAME`` when given, and to ``_distribute_result`` (as every entry point in a notebook does:
 `driver.runner.bind_result`).
 
+Start session (when the magic gives ``start_session``) starts an interactive session with the chosen settings
+(`dtrain_magic.session`) in a background thread; the session's monitor stays under the panel for its life.
+
 "Write cell" (`CellWriter`, ``js/cell_writer.js``) puts the equivalent ``%%distribute`` line over the
 cell's body into a new cell below: through the notebook's document in JupyterLab and Notebook 7 (at
 once), else IPython's ``set_next_input``.
@@ -257,10 +260,13 @@ class ConfigurePanel:
     """The widgets of ``--configure`` around a `PanelState`."""
 
     def __init__(self, config: RunConfig, cell: str, shell: Any, checker: Callable[[RunConfig], None] | None = None,
-                 model: CellModel | None = None, make_payload: Callable[[RunConfig], Payload] | None = None):
+                 model: CellModel | None = None, make_payload: Callable[[RunConfig], Payload] | None = None,
+                 start_session: Callable[[RunConfig, Any], Any] | None = None):
         """``model``: the cell's model as the magic found it (`notebook.model_of_cell`), for the estimate;
         ``make_payload``: what Run calls on the kernel's thread to capture the cell for the chosen config (the
-        magic gives `notebook.capture.payload_maker`); without it the panel configures and writes cells only."""
+        magic gives `notebook.capture.payload_maker`); without it Run is off. ``start_session(config, monitor)``:
+        what Start session calls (the magic gives `notebook.session_magic.session_starter`): an interactive session
+        with the chosen settings, its monitor under the panel."""
         import ipywidgets as w
 
         if checker is None:
@@ -268,7 +274,7 @@ class ConfigurePanel:
         from .charts import preload_plotly
 
         preload_plotly()  # the live charts' first figure costs seconds in a fresh kernel: meanwhile the user chooses
-        self.cell, self.shell, self.make_payload = cell, shell, make_payload
+        self.cell, self.shell, self.make_payload, self.start_session = cell, shell, make_payload, start_session
         self._described: dict[tuple, list[str]] = {}
         self.state = PanelState(config, checker=checker, model=model, describe_data=self._describe_data)
         opts = self.state.options()
@@ -290,6 +296,14 @@ class ConfigurePanel:
         self.flag_line.add_class("dtm-flag-line")
         self.run_button = w.Button(description="Run", icon="play", button_style="success")
         self.run_button.add_class("dtm-run")
+        if make_payload is None and start_session is not None:  # %distribute_session start --configure: no cell
+            self.run_button.layout.display = "none"
+        self.session_button = w.Button(description="Start session", icon="terminal", button_style="info",
+                                       tooltip="start an interactive session with these settings: its ranks then "
+                                               "run %%ranks cells and keep their state from cell to cell",
+                                       layout=w.Layout(display="" if start_session else "none"))
+        self.session_button.add_class("dtm-start-session")
+        self.session: Any = None  # the session Start session started
         self.writer = CellWriter(body=cell)
         self.writer.add_class("dtm-writer")
         self.writer.on_msg(self._writer_message)
@@ -310,12 +324,14 @@ class ConfigurePanel:
         self.params.observe(lambda change: self._changed("num_params", int(round(max(0.0, change["new"] or 0) * 1e6))),
                             names="value")
         self.run_button.on_click(lambda _: self.run())
+        self.session_button.on_click(lambda _: self.start())
         columns = [[self.controls[row.field] for row in panel_rows() if row.panel.column == i] for i in (0, 1)]
         self.widget = w.VBox([
             w.HTML("<b>dtrain_magic · configure the run</b>"),
             w.HBox([w.VBox(columns[0]), w.VBox(columns[1] + [self.params])]),
-            self.memory, self.data, self.problems, self.flag_line, w.HBox([self.run_button, self.writer]),
-            self.cell_output, self.monitor_box, self.output,
+            self.memory, self.data, self.problems, self.flag_line,
+            w.HBox([self.run_button, self.session_button, self.writer]), self.cell_output, self.monitor_box,
+            self.output,
         ])
         self.widget.add_class("dtm-configure")
         self.refresh()
@@ -360,6 +376,7 @@ class ConfigurePanel:
         self.problems.value = ("".join(f"<div style='color:#cf222e'>⚠ {html.escape(p)}</div>" for p in problems)
                                if problems else "<div style='color:#1a7f37'>✓ ready to run</div>")
         self.run_button.disabled = bool(problems) or self.running
+        self.session_button.disabled = bool(problems) or self.running or self.start_session is None
         line = self.state.flag_line()
         self.flag_line.value = line or "(fix the problems above to get the equivalent flag line)"
         self.writer.text = self.state.cell_text(self.cell) or ""
@@ -431,6 +448,43 @@ class ConfigurePanel:
         self.thread = threading.Thread(target=work, name="dtrain-panel-run", daemon=True)
         self.running = True
         self.run_button.disabled = True
+        self.thread.start()
+        if wait:
+            self.thread.join()
+
+
+    # -- Start session ---------------------------------------------------------------------------------------------
+    def start(self, wait: bool = False) -> None:
+        """Start an interactive session with the chosen settings, in a background thread; its monitor (the ranks'
+        states, its log, the live charts of its MLflow run) appears under the panel and stays for its life."""
+        from .monitor import MonitorObserver
+
+        if self.running:
+            return
+        if self.start_session is None:
+            raise RuntimeError("this panel cannot start a session (no start_session was given)")
+        config = self.state.to_config(ui=True)
+        self.output.outputs = ()
+        text = _OutputWriter(self.output)
+        text.write(f"starting a session: {config.flag_line().replace('%%distribute', '%distribute_session start')}\n")
+        self.observer = MonitorObserver(config, text_out=text, display=False)
+        self.monitor_box.children = (self.observer.container,)
+
+        def work() -> None:
+            try:
+                self.session = self.start_session(config, self.observer)
+            except BaseException as exc:  # shown in the panel; the kernel goes on
+                self.error = exc
+                text.write(f"{type(exc).__name__}: {exc}\n", stream="stderr")
+                text.close()
+            finally:  # the writer stays open on success: the session's log goes on into it
+                self.running = False
+                self.refresh()
+
+        self.error = None
+        self.thread = threading.Thread(target=work, name="dtrain-panel-session", daemon=True)
+        self.running = True
+        self.refresh()
         self.thread.start()
         if wait:
             self.thread.join()
@@ -520,12 +574,13 @@ class _OutputWriter:
 
 
 def show_panel(config: RunConfig, cell: str, shell: Any, model: CellModel | None = None,
-               make_payload: Callable[[RunConfig], Payload] | None = None) -> None:
-    """Display the configure panel for ``cell`` (called by ``%%distribute --configure``); the panel object
-    is ``_distribute_panel`` in the notebook."""
+               make_payload: Callable[[RunConfig], Payload] | None = None,
+               start_session: Callable[[RunConfig, Any], Any] | None = None) -> None:
+    """Display the configure panel for ``cell`` (called by ``%%distribute --configure`` and ``%distribute_session
+    start --configure``); the panel object is ``_distribute_panel`` in the notebook."""
     from IPython.display import display
 
-    panel = ConfigurePanel(config, cell, shell, model=model, make_payload=make_payload)
+    panel = ConfigurePanel(config, cell, shell, model=model, make_payload=make_payload, start_session=start_session)
     display(panel.widget)
     shell.user_ns["_distribute_panel"] = panel
     return None

@@ -10,6 +10,8 @@
    over time, Stop makes the run KILLED in MLflow and ends its worker processes, "Write cell" creates
    the equivalent cell, a second Run finishes, and ``%distribute_show RUN_ID`` draws that finished run's
    charts in a fresh kernel.
+3. An interactive session (``%distribute_session start``, ``%%ranks``): the session's monitor in the start cell,
+   each rank's output and value, JupyterLab's interrupt on a long cell, and the next cell seeing the ranks' state.
 
 Screenshots go to ``test-output/e2e/`` (git-ignored; ``$DTRAIN_TEST_OUTPUT`` overrides) and their paths
 are printed.
@@ -489,3 +491,67 @@ def test_configure_panel_runs_with_the_live_monitor(chromium, jupyterlab):
         assert shot.stat().st_size > 10_000
         print(f"screenshot: {shot}")
     print("panel browser test timings:", {k: round(v, 1) for k, v in timings.items()})
+
+
+# An interactive session in JupyterLab (docs/sessions.md): the start cell's monitor lists the ranks; a %%ranks cell
+# shows each rank's output as its own lines and its value by rank; the kernel's interrupt (JupyterLab's, a SIGINT to
+# the kernel's process group) stops a long cell on both ranks, and the next cell sees their state.
+SESSION_CELLS = [
+    "%load_ext dtrain_magic",
+    "%distribute_session start --backend local -n 2 --cpu",
+    "%%ranks\nimport os\nprint(f'hello from rank {ctx.rank}')\nctx.rank * 10",
+    "%%ranks\nimport time\nn = 0\nwhile n < 100000:\n    n += 1\n    time.sleep(0.01)",
+    "%%ranks\nprint(f'rank {ctx.rank} counted to {n}')",
+]
+
+
+def test_session_cells_show_output_by_rank(chromium, jupyterlab):
+    from playwright.sync_api import expect, sync_playwright
+
+    url, token, root = jupyterlab
+    _write_notebook(root / "nb" / "session.ipynb", SESSION_CELLS)
+    out = _output_dir()
+    shot = out / "session_cells.png"
+    t0 = time.monotonic()
+    profile = tempfile.mkdtemp(prefix="dtm_chromium_")
+    try:
+        with sync_playwright() as pw:
+            context = pw.chromium.launch_persistent_context(
+                profile, executable_path=chromium, headless=True, args=CHROMIUM_ARGS,
+                viewport={"width": 1400, "height": 1100},
+            )
+            try:
+                page = context.new_page()
+                _open_and_run_all(page, url, token, "session.ipynb")
+                cells = page.locator(".jp-Notebook .jp-Cell")
+                # the start cell: the session's monitor, one row per rank
+                monitor = cells.nth(1).locator(".dtm-monitor")
+                expect(monitor).to_have_attribute("data-state", "running", timeout=90_000)
+                expect(cells.nth(1).locator(".jp-OutputArea")).to_contain_text("session open", timeout=90_000)
+                # a %%ranks cell: each rank's output on lines of its own, and the value by rank
+                hello = cells.nth(2).locator(".jp-OutputArea")
+                expect(hello).to_contain_text("[rank 0] hello from rank 0", timeout=60_000)
+                expect(hello).to_contain_text("[rank 1] hello from rank 1")
+                expect(hello).to_contain_text("[rank 1] 10")
+                # the long cell runs on both ranks: the monitor says so; JupyterLab's interrupt stops it
+                expect(cells.nth(1).locator(".dtm-rank-state")).to_have_text(["running", "running"], timeout=60_000)
+                interrupted_at = time.monotonic()
+                page.evaluate("() => window.jupyterapp.commands.execute('notebook:interrupt-kernel')")
+                expect(cells.nth(3).locator(".jp-OutputArea")).to_contain_text("CellInterrupted", timeout=30_000)
+                back_s = time.monotonic() - interrupted_at
+                expect(cells.nth(3).locator(".jp-OutputArea")).to_contain_text("The session and its state are kept")
+                # run all stopped at the interrupted cell: run the next one; the ranks kept their state
+                page.evaluate("() => { const nb = window.jupyterapp.shell.currentWidget.content; "
+                              "nb.activeCellIndex = 4; window.jupyterapp.commands.execute('notebook:run-cell'); }")
+                after = cells.nth(4).locator(".jp-OutputArea")
+                expect(after).to_contain_text("[rank 0] rank 0 counted to", timeout=60_000)
+                expect(after).to_contain_text("[rank 1] rank 1 counted to")
+                expect(cells.nth(1).locator(".dtm-rank-state")).to_have_text(["idle", "idle"], timeout=30_000)
+                page.screenshot(path=str(shot), full_page=True)
+            finally:
+                context.close()
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+    assert shot.stat().st_size > 10_000
+    print(f"screenshot: {shot}")
+    print(f"session browser test: {time.monotonic() - t0:.1f} s; cell back {back_s:.1f} s after JupyterLab's interrupt")

@@ -340,6 +340,18 @@ class RayLauncher(Launcher):
                               grace_s=3.0 if at_exit else 15.0)
         self.instance.shutdown()
 
+    def capacity(self, config: RunConfig) -> tuple[str, int] | None:
+        """The CPUs (GPUs with ``--gpu``) of the Ray this kernel is connected to, for ``config``'s Ray; None before
+        it is connected (nothing of this kernel's runs there yet)."""
+        if self.instance.connected_for(config) is None:
+            return None
+        import ray
+
+        resource = "GPU" if config.use_gpu else "CPU"
+        where = ("the local Ray instance" if self.instance.temp_dir
+                 else f"the Ray at {redact_uri(_current_address() or '?')}")
+        return f"{resource}s of {where}", int(ray.cluster_resources().get(resource, 0))
+
     def describe(self, config: RunConfig) -> str:
         device = "GPU" if config.use_gpu else "CPU"
         address = config.ray_address or os.environ.get("RAY_ADDRESS")

@@ -223,7 +223,8 @@ class SparkJob(StandbyLaunch):
         self._cancels.wait_idle(_CANCEL_SWEEP_WAIT_S)
         try:
             self._sc.setJobGroup(self.group, "dtrain_magic %%distribute run", interruptOnCancel=True)
-            self._distributor.run(fn, *args)
+            with spark_compat.launches_in_own_session():  # a kernel interrupt is for the cell, not for torchrun
+                self._distributor.run(fn, *args)
         except BaseException as exc:  # noqa: BLE001 - reported through poll()
             self._error = exc
         finally:
@@ -713,6 +714,15 @@ class SparkLauncher(Launcher):
         tracking_uri = self._tracking_uri(job.config)
         self.standbys.make_way(self._placement(job.config, spark))  # another placement's workers go first
         return SparkJob.for_job(self, spark, job, emit, tracking_uri)
+
+    def capacity(self, config: RunConfig) -> tuple[str, int] | None:
+        """``--cluster``: the task slots of the running SparkSession's executors (each barrier task takes one); None in
+        local mode (processes on the driver), before a session runs, or when Spark cannot tell."""
+        spark = None if config.local_mode else self._running_session(config)
+        counted = spark_compat.task_slots(spark.sparkContext) if spark is not None else None
+        if counted is None:
+            return None
+        return f"task slots of {redact_uri(spark.sparkContext.master)}", counted[1]
 
     def describe(self, config: RunConfig) -> str:
         device = "GPU" if config.use_gpu else "CPU"
