@@ -289,7 +289,7 @@ def bench_rss(rows: int, batch_size: int, staging_dir: str) -> dict:
         staging = "reused the staged copy" if run["reused"] else f"staged in {run['staging_s']:.1f} s"
         print(f"  {label}: notebook RSS +{rss.growth_mb:.0f} MB (from {rss.before / 2**20:.0f} MB), "
               f"{run['rows_trained']:,} rows trained in {run['seconds']:.1f} s, {staging}", flush=True)
-    from dtrain_magic.data.staging import staging_area
+    from dtrain_magic.driver.staging import staging_area
 
     copies = [copy for copy in staging_area().copies.values() if copy.staged.rows == rows]
     on_disk = du(copies[0].location) if copies else 0

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
-from .data.spec import normalize as normalize_data
+from .dataspec import normalize as normalize_data
 from .errors import ConfigError, log_dropped
 from .flagtable import BY_FIELD, DEFAULT_EXPERIMENT, DEFAULT_HANG_TIMEOUT_S, FLAGS, SWITCH
 from .registry import BACKENDS, STRATEGIES

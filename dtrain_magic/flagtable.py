@@ -38,7 +38,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from .data.spec import parse_item as data_item
+from .dataspec import parse_item as data_item
 from .registry import BACKENDS, STRATEGIES
 
 PRECISIONS = ("fp32", "fp16", "bf16")

@@ -5,7 +5,7 @@ It holds one launcher per backend (`KernelState.launcher`) and the interactive s
 itself what it reuses from run to run: the local backend its fork server (``LocalLauncher.pool``), the Ray backend the
 instance it started or the cluster it joined (``RayLauncher.instance``), the Spark backend the
 SparkSession it started, never one it found (``SparkLauncher``). It also keeps the staged copies of data sources
-(``keep("data", ...)``, `dtrain_magic.data.staging`). `KernelState.shutdown` is the one place
+(``keep("data", ...)``, `dtrain_magic.driver.staging`). `KernelState.shutdown` is the one place
 that stops them all; it runs once at the kernel's exit.
 
 Nothing is created when a module is imported: the state on the first `kernel_state()` call, a launcher
@@ -68,7 +68,7 @@ class KernelState:
             return found  # type: ignore[return-value]
 
     def keep(self, name: str, cls: type[L]) -> L:
-        """What this kernel keeps besides its launchers (``"data"``: the staged data, `dtrain_magic.data.staging`),
+        """What this kernel keeps besides its launchers (``"data"``: the staged data, `dtrain_magic.driver.staging`),
         created the first time and shut down with them."""
         return self.launcher(name, cls)
 

@@ -39,7 +39,7 @@ class RunPlan:
     tracking_uri: str
     store_stage: str | None
     starts_before_tracking: bool
-    data: Any = None  # the run's data sources (`dtrain_magic.data.resolve.DataPlan`), found by `check_data`
+    data: Any = None  # the run's data sources (`dtrain_magic.driver.data_plan.DataPlan`), found by `check_data`
 
     @cached_property
     def channel_host(self) -> str:
@@ -94,7 +94,7 @@ def check_data(plan: RunPlan, payload: Payload, namespace: Mapping[str, Any] | N
     config = plan.config
     if not config.data and not payload.data_names:
         return plan
-    from ..data.resolve import check_data_dir, resolve
+    from .data_plan import check_data_dir, resolve
 
     if config.data_dir is not None:
         check_data_dir(config.data_dir)

@@ -265,7 +265,7 @@ class _Run:
             pump.collector.cleanup()
         inputs: list = []
         if self.plan.data is not None:
-            from ..data.staging import staging_area
+            from .staging import staging_area
 
             tags.update(self.plan.data.tags())
             inputs = self.plan.data.dataset_inputs()

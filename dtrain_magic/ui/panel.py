@@ -34,7 +34,7 @@ import anywidget
 import traitlets
 
 from ..config import RunConfig, cuda_available
-from ..data.spec import as_text, from_text
+from ..dataspec import as_text, from_text
 from ..errors import ConfigError, DistributeError, log_dropped
 from ..flagtable import APPEND, CHECKBOX, DROPDOWN, INT_BOX, TEXT, Flag, panel_rows
 from ..payload import Payload
@@ -341,7 +341,7 @@ class ConfigurePanel:
         kept per data line, so a 1 GB pandas DataFrame is not converted again at every click."""
         key = (config.data, config.backend)
         if key not in self._described:
-            from ..data.resolve import describe
+            from ..driver.data_plan import describe
 
             self._described = {key: describe(config, getattr(self.shell, "user_ns", None) or {})}
         return self._described[key]

@@ -17,7 +17,7 @@ import torch
 
 from data_workloads import assert_documented_order, assert_exactly_once, read_cell
 from dtrain_magic.data.split import epoch_rows
-from dtrain_magic.data.staging import staging_area
+from dtrain_magic.driver.staging import staging_area
 from dtrain_magic.errors import ConfigError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -753,7 +753,7 @@ def test_ctx_data_reads_ray_trains_shards_and_the_object_store(shell, mlflow):
 
 
 def test_off_ray_a_ray_dataset_is_written_once_as_parquet(shell, capsys):
-    from dtrain_magic.data.staging import staging_area
+    from dtrain_magic.driver.staging import staging_area
 
     shell.user_ns["ds"] = ray.data.range(DATA_ROWS)
     result = shell.run(read_cell("local", {"train": dict(batch_size=32, shuffle=True)}, flags="--data train=ds",

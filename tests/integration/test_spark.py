@@ -21,7 +21,7 @@ import pytest
 
 from data_workloads import assert_exactly_once, read_cell
 from dtrain_magic.config import RunConfig
-from dtrain_magic.data.staging import staging_area
+from dtrain_magic.driver.staging import staging_area
 from dtrain_magic.errors import CaptureError, ConfigError, RunInterrupted, RunTimeout, WorkerError
 from dtrain_magic.launchers import get_launcher
 from workloads import (

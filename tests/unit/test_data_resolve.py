@@ -16,8 +16,8 @@ import torch
 
 from dtrain_magic.api import data_option
 from dtrain_magic.config import RunConfig
-from dtrain_magic.data.resolve import check_data_dir, describe, resolve
 from dtrain_magic.data.usage import names_read
+from dtrain_magic.driver.data_plan import check_data_dir, describe, resolve
 from dtrain_magic.driver.observer import TextObserver
 from dtrain_magic.errors import CaptureError, ConfigError
 from dtrain_magic.payload import serialize
@@ -253,7 +253,7 @@ def test_a_ray_dataset_goes_to_ray_train_on_ray_and_is_staged_elsewhere_but_not_
 
 def test_each_data_name_holds_one_staged_copy_reused_by_the_same_data(tmp_path):
     from dtrain_magic.data.blocks import ParquetBlocks, StagedSource
-    from dtrain_magic.data.staging import StagingArea
+    from dtrain_magic.driver.staging import StagingArea
 
     def copy(name):
         (tmp_path / name).mkdir()

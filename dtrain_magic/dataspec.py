@@ -12,7 +12,7 @@ import argparse
 import re
 from typing import Any, Iterable, Mapping
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 FLAG = "--data"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from ..config import RunConfig, redact_uri
+from ..data.blocks import StagedSource
+from ..data.kinds import SUPPORTED, InMemory, ParquetPath, RayDataset, Source, SparkDataFrame, Staging, find_kind
+from ..dataspec import FLAG, split_columns
 from ..errors import ConfigError
-from .blocks import StagedSource
-from .kinds import SUPPORTED, InMemory, ParquetPath, RayDataset, Source, SparkDataFrame, Staging, find_kind
-from .spec import FLAG, split_columns
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 NOTHING = "nothing was launched"
@@ -60,7 +60,7 @@ class DataPlan:
     def _share(self, source: Source) -> str:
         if source.rows is None:
             return "each rank reads an equal share"
-        from .split import Split
+        from ..data.split import Split
 
         per_rank = Split(source.rows, self.ranks).rows_per_rank
         if isinstance(source, RayDataset) and self.backend == "ray":
@@ -138,7 +138,7 @@ class DataPlan:
     # -- records ---------------------------------------------------------------------------------------
     def tags(self) -> dict[str, str]:
         """The MLflow run's tags: each source's kind, source, rows, schema and staging."""
-        from .columns import schema_text
+        from ..data.columns import schema_text
 
         tags = {}
         for source in self.sources:

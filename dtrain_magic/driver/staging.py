@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .blocks import StagedSource
+from ..data.blocks import StagedSource
 
 
 @dataclass
