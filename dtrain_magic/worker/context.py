@@ -165,7 +165,9 @@ class TrainContext:
         self.strategy.set_loaders(loaders)
         self.strategy.set_model_parallel_options(tp_plan=tp_plan, pp_split=pp_split)
         self._parameters = flops.count_parameters(model)
-        model, optimizer = self.strategy.wrap(model, optimizer, plan)
+        # Without weights= the two-argument call: a strategy written before weights= (wrap(model, optimizer)) works.
+        model, optimizer = (self.strategy.wrap(model, optimizer) if plan is None
+                            else self.strategy.wrap(model, optimizer, plan))
         self._watch_batches(model)
         self._send_model_facts()
         seed = self.config.seed or 0
