@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from dtrain_magic.errors import CaptureError, ConfigError, RunInterrupted, RunTimeout, WorkerError
-from workloads import KILL_RANK1_CELL, TRAIN_HELPERS, restart_cell, train_cell
+from workloads import KILL_RANK1_CELL, TRAIN_HELPERS, ended_run, restart_cell, train_cell
 
 pytestmark = pytest.mark.slow
 
@@ -127,7 +127,7 @@ def test_killed_worker_gives_short_error_and_stops_the_others(shell, mlflow):
     assert "SIGKILL" in str(error)
     assert time.monotonic() - started < 30
     assert_nothing_left()
-    run = mlflow.search_runs(experiment_ids=[mlflow.get_experiment_by_name("dtrain_magic").experiment_id])[0]
+    run = ended_run(mlflow)
     assert run.info.status == "FAILED"
     reason = run.data.tags["dtrain_magic.failure"]
     assert "rank 1" in reason and "SIGKILL" in reason, reason
@@ -163,7 +163,7 @@ def test_timeout_stops_every_worker(shell, mlflow):
     assert "--timeout 4" in str(result.error_in_exec)
     assert time.monotonic() - started < 20
     assert_nothing_left()
-    run = mlflow.search_runs(experiment_ids=[mlflow.get_experiment_by_name("dtrain_magic").experiment_id])[0]
+    run = ended_run(mlflow)
     assert run.info.status == "FAILED" and "timeout" in run.data.tags["dtrain_magic.failure"]
 
 
@@ -181,7 +181,7 @@ def test_kernel_interrupt_stops_workers_within_10_s(shell, mlflow):
     assert isinstance(result.error_in_exec, RunInterrupted), result.error_in_exec
     assert elapsed < 4.0 + 10.0
     assert_nothing_left(timeout=1.0)
-    run = mlflow.search_runs(experiment_ids=[mlflow.get_experiment_by_name("dtrain_magic").experiment_id])[0]
+    run = ended_run(mlflow)
     assert run.info.status == "KILLED"
     assert run.data.tags["dtrain_magic.failure"] == "interrupted from the notebook"
 

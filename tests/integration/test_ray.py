@@ -32,6 +32,7 @@ from workloads import (  # noqa: E402 (after importorskip: no Ray, no module)
     assert_model_parallel_run,
     assert_nothing_grew,
     assert_strategy_run,
+    ended_run,
     model_parallel_cell,
     notebook_snapshot,
     restart_cell,
@@ -353,7 +354,7 @@ def test_sigkill_without_restarts_fails_short_and_leaves_no_worker(shell, mlflow
     assert len(str(error).splitlines()) <= 3, str(error)
     assert time.monotonic() - started < 90
     assert wait_dead(pids(tmp_path), 10) == []
-    run = mlflow.search_runs(experiment_ids=[mlflow.get_experiment_by_name("dtrain_magic").experiment_id])[0]
+    run = ended_run(mlflow)
     assert run.info.status == "FAILED"
     reason = run.data.tags["dtrain_magic.failure"]
     assert "rank 1" in reason and "died without reporting an error" in reason, reason
@@ -409,7 +410,7 @@ def test_timeout_stops_every_worker(shell, mlflow, tmp_path):
     assert 30 <= time.monotonic() - started < 60
     assert len(pids(tmp_path)) == 2  # both workers were running (hanging) when the timeout came
     assert wait_dead(pids(tmp_path), 10) == []
-    run = mlflow.search_runs(experiment_ids=[mlflow.get_experiment_by_name("dtrain_magic").experiment_id])[0]
+    run = ended_run(mlflow)
     assert run.info.status == "FAILED" and "--timeout 30" in run.data.tags["dtrain_magic.failure"]
 
 
@@ -468,7 +469,7 @@ def train(ctx):
     assert isinstance(error, WorkerError), error
     assert error.rank == 1 and error.summary == "ValueError: bad batch", str(error)
     assert "Cell In[" in error.remote_traceback and "raise ValueError" in error.remote_traceback
-    run = mlflow.search_runs(experiment_ids=[mlflow.get_experiment_by_name("dtrain_magic").experiment_id])[0]
+    run = ended_run(mlflow)
     assert run.info.status == "FAILED"
     assert run.data.tags["dtrain_magic.failure"] == "rank 1 failed: ValueError: bad batch"
     assert_taken_over(before)

@@ -35,6 +35,7 @@ from workloads import (
     assert_model_parallel_run,
     assert_nothing_grew,
     assert_strategy_run,
+    ended_run,
     model_parallel_cell,
     notebook_snapshot,
     restart_cell,
@@ -171,7 +172,7 @@ def alive(pid: int) -> bool:
 
 
 def last_run(mlflow, experiment="dtrain_magic"):
-    return mlflow.search_runs(experiment_ids=[mlflow.get_experiment_by_name(experiment).experiment_id])[0]
+    return ended_run(mlflow, experiment)
 
 
 def test_local_mode_trains_and_matches_the_local_backend(spark_launcher, shell, mlflow):

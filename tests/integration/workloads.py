@@ -707,3 +707,18 @@ def assert_imported_call_run(result, root) -> None:
     assert result.result.config.backend and result.result.values[1] is not None
     assert_close(result.result.value, existing_reference(), atol=1e-5, rtol=0)
     assert_close(result.result.values[1], result.result.value, atol=0, rtol=0)
+
+
+def ended_run(mlflow, experiment: str = "dtrain_magic", within: float = 30.0):
+    """The experiment's latest MLflow run once it has ended. A stopped run (interrupt, timeout, hang) gives the
+    cell back at once; an MLflow run still opening then is recorded and ended in the background."""
+    import time
+
+    deadline = time.monotonic() + within
+    while True:
+        found = mlflow.get_experiment_by_name(experiment)
+        runs = mlflow.search_runs(experiment_ids=[found.experiment_id], max_results=1) if found else []
+        if runs and runs[0].info.status != "RUNNING":
+            return runs[0]
+        assert time.monotonic() < deadline, f"no ended run in {experiment!r} after {within} s: {runs}"
+        time.sleep(0.2)
