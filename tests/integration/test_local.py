@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from dtrain_magic.errors import CaptureError, ConfigError, RunInterrupted, RunTimeout, WorkerError
-from workloads import KILL_RANK1_CELL, TRAIN_HELPERS, ended_run, restart_cell, train_cell
+from workloads import KILL_RANK1_CELL, TRAIN_HELPERS, ended_run, everything_stored, restart_cell, train_cell
 
 pytestmark = pytest.mark.slow
 
@@ -337,10 +337,7 @@ def test_secrets_in_the_environment_are_not_logged(shell, mlflow, monkeypatch):
     result = shell.run("%%distribute --backend local -n 2 --no-ui\n"
                        "import os\ndef train(ctx):\n    return len(os.environ)\n")
     assert result.error_in_exec is None
-    run = mlflow.get_run(result.result.run_id)
-    everything = repr(run.data.params) + repr(run.data.tags)
-    for artifact in mlflow.list_artifacts(result.result.run_id):
-        everything += open(mlflow.download_artifacts(result.result.run_id, artifact.path)).read()
+    everything = everything_stored(mlflow, result.result.run_id)
     assert "tok-planted-secret-123" not in everything
 
 

@@ -33,6 +33,7 @@ from workloads import (  # noqa: E402 (after importorskip: no Ray, no module)
     assert_nothing_grew,
     assert_strategy_run,
     ended_run,
+    everything_stored,
     model_parallel_cell,
     notebook_snapshot,
     restart_cell,
@@ -176,10 +177,7 @@ def test_two_workers_match_the_local_backend(shell, mlflow, reference_weights, t
     # a planted token in the notebook's environment reaches no param, tag or artifact
     artifacts = mlflow.list_artifacts(run.run_id)
     assert artifacts
-    stored = mlflow.get_run(run.run_id)
-    everything = repr(stored.data.params) + repr(stored.data.tags)
-    for artifact in artifacts:
-        everything += open(mlflow.download_artifacts(run.run_id, artifact.path)).read()
+    everything = everything_stored(mlflow, run.run_id)
     assert "tok-planted-secret-ray" not in everything
 
 

@@ -722,3 +722,20 @@ def ended_run(mlflow, experiment: str = "dtrain_magic", within: float = 30.0):
             return runs[0]
         assert time.monotonic() < deadline, f"no ended run in {experiment!r} after {within} s: {runs}"
         time.sleep(0.2)
+
+
+def everything_stored(mlflow, run_id: str) -> str:
+    """An MLflow run's params, tags and every artifact's text (each rank's log under logs/, stacks, the result):
+    what a secret must not reach."""
+    import os
+    import tempfile
+
+    run = mlflow.get_run(run_id)
+    text = repr(run.data.params) + repr(run.data.tags)
+    with tempfile.TemporaryDirectory() as where:
+        root = mlflow.download_artifacts(run_id, "", where)
+        for folder, _, files in os.walk(root):
+            for name in files:
+                with open(os.path.join(folder, name), errors="replace") as handle:
+                    text += handle.read()
+    return text
