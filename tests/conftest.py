@@ -13,6 +13,16 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_staged_data_left():
+    """The ``--data`` copies a module's runs staged, and their sweeper process, go at the module's end, as at a
+    kernel's exit: a later module's "no process left" checks see none of them."""
+    yield
+    staging = sys.modules.get("dtrain_magic.driver.staging")
+    if staging is not None:
+        staging.staging_area().shutdown()
+
+
 @pytest.fixture
 def tracking_uri(tmp_path) -> str:
     """A fresh SQLite MLflow store for one test."""
