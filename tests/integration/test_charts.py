@@ -6,6 +6,8 @@ import time
 
 import pytest
 
+from workloads import ended_run
+
 pytestmark = pytest.mark.slow
 pytest.importorskip("plotly")
 pytest.importorskip("anywidget")
@@ -95,7 +97,9 @@ def test_live_charts_equal_the_mlflow_history(shell, mlflow, capsys, tmp_path):
         assert len(hist) == 40
         assert charts.trace_data(charts.metrics_figure, key) == ([m.step for m in hist], [m.value for m in hist])
     visible = {t.name: t.visible for t in charts.metrics_figure.data}
-    assert visible == {"loss": True, "lr": "legendonly"}
+    perf = {name: shown for name, shown in visible.items() if name.startswith("perf/")}  # the run's own, hidden
+    assert {name: shown for name, shown in visible.items() if name not in perf} == {"loss": True, "lr": "legendonly"}
+    assert set(perf.values()) <= {"legendonly"}, perf
 
     # the system chart: CPU and RAM on this GPU-less machine, sampled about every second
     names = {t.name for t in charts.system_figure.data}
@@ -161,7 +165,9 @@ def test_stop_event_stops_the_run_cleanly(shell, mlflow):
     assert obs.widget.state == "stopped"
     assert elapsed < 40
     assert obs.wait_charts(timeout=30).wait(timeout=30)
-    assert mlflow.get_run(obs.widget.run_id).info.status == "KILLED"
+    # Stopped before its MLflow run was open (the run opens beside the workers once they are past their start),
+    # the run is recorded and ended in the background: not necessarily by the time the cell is back.
+    assert ended_run(mlflow).info.status == "KILLED"
 
 
 def test_configure_panel_runs_in_the_background(shell, mlflow):
