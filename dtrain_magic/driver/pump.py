@@ -83,7 +83,7 @@ class Pump:
         self.first_metric_s: float | None = None
         self.waiting_metrics: list[tuple[int, dict, int]] = []  # (step, metrics, stamp) before the run opened
         self.labels = dict(labels or {})  # the workers' file names of notebook cells → "Cell In[N]"
-        self.watch = Watch(config.hang_timeout, config.stall_timeout)
+        self.watch = Watch(config.hang_timeout, config.stall_timeout, restartable=config.max_restarts > 0)
         self.perf = Throughput(config.num_processes, config.tp * config.pp)
         self.collector = StackCollector(self.labels)
         self.outputs = RankOutputs()

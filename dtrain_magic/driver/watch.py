@@ -35,6 +35,7 @@ class Watch:
 
     hang_timeout: float | None
     stall_timeout: float | None
+    restartable: bool = False  # --max-restarts: a failed or dead rank is the backend's to restart, not a hang's start
     ranks: dict[int, _Rank] = field(default_factory=dict)
     stall_reported: bool = False
 
@@ -64,7 +65,11 @@ class Watch:
             state.last_progress = now
 
     def ended(self, rank: int, how: str, now: float) -> None:
-        """``rank`` returned, failed or died (``how``: "returned", "failed: ...", "died: ...")."""
+        """``rank`` returned, failed or died (``how``: "returned", "failed: ...", "died: ..."). Under restarts a
+        failure or death ends no rank: the backend restarts the group (its new workers say hello) or fails the run,
+        and its peers, blocked until it does, are not hung."""
+        if self.restartable and not how.startswith("returned"):
+            return
         state = self.ranks.setdefault(rank, _Rank(now, now, now))
         if state.ended is None:
             state.ended, state.ended_at = how, now

@@ -92,6 +92,19 @@ def test_no_hang_while_every_rank_runs_and_none_when_turned_off():
     assert off.hung(now=100) == []
 
 
+def test_under_restarts_a_dead_or_failed_rank_starts_no_hang_but_a_returned_one_does():
+    """--max-restarts: Ray Train or torchrun restart the group after a death, which takes longer than the hang
+    timeout on a loaded machine; the blocked peer is waiting for that restart, not hung."""
+    watch = Watch(hang_timeout=5, stall_timeout=None, restartable=True)
+    watch.hello(0, now=0)
+    watch.hello(1, now=0)
+    watch.ended(1, "died: killed by SIGKILL", now=1)
+    watch.ended(1, "failed: ValueError", now=1)
+    assert watch.hung(now=60) == [] and watch.live() == [0, 1]
+    watch.ended(1, "returned", now=60)
+    assert watch.hung(now=66) == [0]
+
+
 def test_a_restart_forgets_the_earlier_attempt():
     watch = Watch(hang_timeout=1, stall_timeout=None)
     watch.hello(0, now=0)
