@@ -365,6 +365,12 @@ def _process_trees(worker_pids: Any) -> set[int]:
     return found
 
 
+def _data_needs_the_slots(config: RunConfig) -> bool:
+    """Cluster mode with ``--data``: staging a DataFrame is a Spark job on the executors, whose task slots waiting
+    barrier tasks would hold (the job would wait for them forever). Such runs hold no workers ahead."""
+    return not config.local_mode and bool(config.data)
+
+
 def _is_torchrun(proc: Any) -> bool:
     try:
         command = " ".join(proc.cmdline())
@@ -592,13 +598,16 @@ class SparkLauncher(Launcher):
 
     def claim_standby(self, config: RunConfig) -> Claim | None:
         spark = self._running_session(config)
+        if spark is not None and _data_needs_the_slots(config):
+            self.release_standby("a run with --data on a cluster: writing a DataFrame needs the slots they hold")
+            return None
         return None if spark is None else self.standbys.claim(self._placement(config, spark))
 
     def keep_warm(self, config: RunConfig) -> str | None:
         """Launch the next run's workers (local mode: on this machine, held by default; cluster mode: barrier
         tasks, held by default only on the SparkSession the magic started)."""
         spark = self._running_session(config)
-        if spark is None:
+        if spark is None or _data_needs_the_slots(config):
             return None
         keep = keep_warm_s(config, holds_by_default=config.local_mode or spark is self._session)
         placement = self._placement(config, spark)
