@@ -172,10 +172,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-def last_run(mlflow, experiment="dtrain_magic"):
-    return ended_run(mlflow, experiment)
-
-
 def test_local_mode_trains_and_matches_the_local_backend(spark_launcher, shell, mlflow):
     assert shell.run(TRAIN_HELPERS).error_in_exec is None
     starts = spark_launcher.session_starts
@@ -445,7 +441,7 @@ def test_worker_failure_is_short_and_leaves_nothing_running(spark_launcher, shel
     rendered = "\n".join(error._render_traceback_())
     assert len(rendered.splitlines()) < 15 and "py4j" not in rendered and "Spark" not in rendered, rendered
     assert "[rank 1] before the crash" in capsys.readouterr().out
-    run = last_run(mlflow)
+    run = ended_run(mlflow)
     assert run.info.status == "FAILED" and "rank 1" in run.data.tags["dtrain_magic.failure"]
     assert time.monotonic() - started < 120  # no waiting on Spark retries (about 10 s on an idle machine)
     assert_taken_over(spark_launcher, waiting)
@@ -464,7 +460,7 @@ def test_killed_worker_names_its_rank_and_signal(spark_launcher, shell, mlflow):
     assert isinstance(error, WorkerError) and error.rank == 1, error
     # The launcher's watch sees the death at once and waits (up to 3 s) for torchrun's report, which names the signal.
     assert "process was killed by SIGKILL" in str(error) and "Traceback" not in str(error), str(error)
-    assert last_run(mlflow).info.status == "FAILED"
+    assert ended_run(mlflow).info.status == "FAILED"
     assert_taken_over(spark_launcher, waiting)
     assert_no_torchrun_left(spark_launcher)
     assert_no_spark_job_running(spark_launcher)
@@ -487,7 +483,7 @@ def test_timeout_stops_every_torchrun_process(spark_launcher, shell, mlflow, tmp
     assert_no_torchrun_left(spark_launcher)
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
     assert_no_spark_job_running(spark_launcher)
-    run = last_run(mlflow)
+    run = ended_run(mlflow)
     assert run.info.status == "FAILED" and "--timeout 10" in run.data.tags["dtrain_magic.failure"]
 
 
@@ -615,7 +611,7 @@ def test_kernel_interrupt_stops_every_torchrun_process_within_10_s(spark_launche
     assert_stopped_within_10_s(result, sent, spark_launcher)
     assert_taken_over(spark_launcher, waiting)
     assert_no_spark_job_running(spark_launcher)
-    assert last_run(mlflow).info.status == "KILLED"
+    assert ended_run(mlflow).info.status == "KILLED"
 
 
 def test_the_users_own_session_is_used_and_never_stopped(spark_launcher, shell, capsys):
@@ -705,7 +701,7 @@ def test_cluster_mode_interrupt_cancels_the_job_group_within_10_s(spark_launcher
     assert spark_launcher._session.sparkContext.master == CLUSTER_MASTER
     assert_stopped_within_10_s(result, sent, spark_launcher)
     assert_no_spark_job_running(spark_launcher)
-    assert last_run(mlflow).info.status == "KILLED"
+    assert ended_run(mlflow).info.status == "KILLED"
 
 
 def test_cluster_mode_barrier_tasks_read_their_share_of_a_dataframe_from_data_dir(spark_launcher, shell, tmp_path):
