@@ -16,4 +16,4 @@ fi
 echo "== ruff (lint and import order, pyproject.toml [tool.ruff])"
 .venv/bin/ruff check dtrain_magic tests benchmarks scripts
 echo "== Python tests"
-.venv/bin/python -m pytest -ra --durations=15 "$@"
+.venv/bin/python -m pytest -ra --durations=40 "$@"

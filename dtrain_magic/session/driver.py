@@ -412,11 +412,12 @@ class Session:
         finally:
             self.links.close()
             self.channel.close()
-            self.state, self.ended = "closed", reason
+            self.ended = reason
             try:
                 self._close_tracking(status, reason)
             except Exception:  # MLflow's trouble must not keep the session registered (or the ranks held)
                 _log.warning("could not end the session's MLflow run", exc_info=True)
+            self.state = "closed"  # only now: "closed" means its MLflow run has ended too
             kernel_state().session_closed(self, f"{reason} ({what})")
             if self.monitor is not None:
                 error = None if status == "FINISHED" else SessionLost(reason)

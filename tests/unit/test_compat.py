@@ -248,3 +248,31 @@ def test_torch_build_lock_name_is_the_one_torch_uses():
     assert f"FileBaton(os.path.join(build_directory, '{torch_compat.EXTENSION_BUILD_LOCK}'))" in inspect.getsource(
         cpp_extension
     )
+
+
+def test_a_ray_run_without_datasets_gets_a_shard_provider_that_starts_no_actor():
+    """Ray Train's own DatasetsCallback starts a DatasetManager actor per run, datasets or not: replaced for runs
+    without any, its provider answers ``get_dataset_shard`` with the flag that gives a run a dataset."""
+    pytest.importorskip("ray.train")
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+    replacement = ray_compat._no_datasets_callback()
+    assert replacement is not None and replacement.__base__ is DatasetsCallback
+    providers = replacement.before_init_train_context(object.__new__(replacement), [object(), object()])
+    assert [type(p) for p in providers["dataset_shard_provider"]] == [ray_compat.NoDatasetShards] * 2
+    with pytest.raises(KeyError, match=r"get_dataset_shard\('train'\): this run was given no Ray Dataset; pass it "
+                                       r"with --data train="):
+        providers["dataset_shard_provider"][0].get_dataset_shard(types.SimpleNamespace(dataset_name="train"))
+
+    import ray.train
+
+    trainer = ray_compat.abortable_trainer_class()
+
+    def callbacks(**datasets):
+        made = trainer(lambda config: None, scaling_config=ray.train.ScalingConfig(num_workers=2), datasets=datasets,
+                       run_config=ray.train.RunConfig(name="unit", storage_path="/tmp/dtrain-unit-unused"))
+        return [type(callback).__name__ for callback in made._create_default_callbacks()]
+
+    assert "NoDatasetsCallback" in callbacks() and "DatasetsCallback" not in callbacks()
+    with_data = callbacks(train=lambda: None)  # (a Dataset factory: no Ray started for it)
+    assert "DatasetsCallback" in with_data and "NoDatasetsCallback" not in with_data
