@@ -178,9 +178,7 @@ class RankSession:
                 stream.flush()
             except Exception as exc:
                 log_dropped(__name__, "execute", exc)
-        pulse = getattr(self.ctx, "_pulse", None)
-        if pulse is not None:  # the cell's ctx.log values, batched by the pulse, reach the notebook before its end
-            pulse.flush_metrics()
+        self.ctx.flush_metrics()  # the cell's ctx.log values reach the notebook before its end
         self.send(CellDone(self.rank, cell_id, outcome, value, said, where))
         self.send(Status(self.rank, "idle", ""))
 

@@ -271,6 +271,12 @@ class TrainContext:
         self._pulse.log_call(numbers.get("tokens"))
         self._pulse.queue_metrics(int(step), numbers, stamp)
 
+    def flush_metrics(self) -> None:
+        """Send the ``ctx.log`` values gathered so far now, rather than with the next batch (a session's cell calls
+        it before it ends; a loop may before a long pause)."""
+        if self._pulse is not None:
+            self._pulse.flush_metrics()
+
     def set_model_flops(self, per_sample: float | None = None, per_token: float | None = None) -> None:
         """The model's training FLOPs (forward and backward) per sample or per token, for model FLOP/s and MFU in
         the monitor and MLflow. Without it, token inputs use 6 x parameters per token (a decoder's estimate)."""

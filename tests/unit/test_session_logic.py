@@ -39,7 +39,7 @@ class Rank:
     def __init__(self, rank: int = 0):
         self.ours, theirs = Pipe()
         self.sent: "queue.Queue[ch.Message]" = queue.Queue()
-        self.session = RankSession(SimpleNamespace(rank=rank), theirs, self.sent.put)
+        self.session = RankSession(SimpleNamespace(rank=rank, flush_metrics=lambda: None), theirs, self.sent.put)
         self.next_id = 0
         self.thread: threading.Thread | None = None
 
