@@ -16,7 +16,7 @@ from kernels import Kernel
 from leftovers import kill_tagged, new_tag, tagged_processes
 
 # How many interrupts each backend's module sends through the kernel: five on local (under a second each), two on
-# Spark, one on Ray, whose next run's workers take 7-9 s (Spark) and 25-28 s (Ray, measured on 2 cores) to come up
+# Spark, one on Ray, whose next run's workers take 7-9 s (Spark) and 13-16 s (Ray, measured on 2 cores) to come up
 # after each stopped run: the suite's time budget (Ray's second interrupt cost 28 s of it and passed as the first).
 INTERRUPTS = {"local": 5, "spark": 2, "ray": 1}
 

@@ -40,7 +40,7 @@ print(json.dumps([state, rank_stack(1, state, text, elsewhere).where(run.pump.la
 
 
 def test_interrupts_give_the_cell_back_within_2_s_and_a_remote_workers_stacks_come_through_its_node(kernel):
-    """The kernel's interrupt (once: each Ray run takes 25-28 s to start, the suite's time budget; the next
+    """The kernel's interrupt (once: each Ray run takes 13-16 s to start, the suite's time budget; the next
     test's run starts after it): the cell back within 2 s (Ray Train's abort goes on in the background),
     nothing of the run alive 10 s later. During the run, rank 1's stacks are asked for as if it ran on
     another machine: a Ray task pinned to its node dumps them."""

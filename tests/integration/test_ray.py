@@ -306,7 +306,7 @@ def test_a_ray_whose_private_parts_are_unknown_is_refused_before_anything_starts
 
 # The strategies' own training function (tests/integration/test_strategies.py), unchanged, through Ray
 # Train's process group: DeepSpeed on top of it matches one process (fp32) and resumes. (FSDP and ZeRO-3
-# through another backend's process group: tests/integration/test_spark.py; one Ray run costs ~25 s here.)
+# through another backend's process group: tests/integration/test_spark.py; one Ray run costs ~15 s here.)
 @pytest.mark.parametrize("flags,accum", [("--zero 2 --grad-accum 2", 2)], ids=["zero2"])
 def test_strategies_run_unchanged_on_ray(shell, tmp_path, flags, accum):
     assert_strategy_run(shell.run(strategy_cell("ray", flags, tmp_path / "ckpt")), accum)
@@ -413,7 +413,7 @@ def test_timeout_stops_every_worker(shell, mlflow, tmp_path):
 def test_runs_in_a_row_leave_nothing_growing(shell, mlflow):
     """A Ray Train run, then one where rank 1 raises while rank 0 waits in a barrier (on the waiting workers): the
     same short error as on every backend (rank, summary, the cell's line), the MLflow run FAILED with it; the runs
-    leave no open file, thread or listening socket behind in the notebook (a Ray run costs ~25 s here; the local
+    leave no open file, thread or listening socket behind in the notebook (a Ray run costs ~15 s here; the local
     backend's 50-run soak is test_soak.py, Spark's six runs test_spark.py)."""
     from dtrain_magic.errors import WorkerError
 
