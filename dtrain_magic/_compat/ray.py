@@ -26,6 +26,7 @@ The rest of Ray Train used (``TorchTrainer``, ``ScalingConfig``, ``RunConfig``, 
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 from typing import Any
 
@@ -126,9 +127,10 @@ class NoDatasetShards:
                        f"--data {name}=<the notebook's Dataset variable>")
 
 
+@functools.cache
 def _no_datasets_callback() -> type | None:
     """Ray Train's ``DatasetsCallback`` for a run without datasets: `NoDatasetShards` instead of a DatasetManager
-    actor; None when this Ray has no such callback (its own is then kept)."""
+    actor; None when this Ray has no such callback (its own is then kept). Made once per process."""
     try:
         from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     except ImportError as exc:

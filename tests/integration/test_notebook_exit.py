@@ -68,7 +68,7 @@ def run_notebook(script: str, tag: str, cwd, timeout: float = 300) -> subprocess
 @pytest.mark.parametrize("backend", ["local", "spark", "ray"])
 def test_back_to_back_cells_then_exit_leave_no_process(backend, tmp_path):
     """Notebooks in a row (three on local; two on Spark and Ray, whose start-up costs most of the time), each
-    running cells back to back (three on local, two on Spark; one on Ray, whose every launch costs 25-30 s on 2
+    running cells back to back (three on local, two on Spark; one on Ray, whose every launch costs 13-16 s on 2
     cores: its cells back to back in one kernel are test_ray.py's) and exiting at once: 15 s after each exit, no
     process any of them started is alive. On Spark each cell runs on workers launched ahead (the first by the
     check, the other after the cell before); on Ray the cell's are launched for it (Ray starts with the kernel's
