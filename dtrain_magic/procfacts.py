@@ -9,10 +9,14 @@ blocked in native code that holds the GIL (a gloo collective, a destructor joini
 one stopped by SIGSTOP does not, and its state says so. `dump_stacks` sends the signal and reads what was
 appended. SIGUSR1 is left alone: SLURM and Lightning use it.
 
-Kills: a process's exit status goes to its parent alone (torchrun, Ray's raylet, the local fork server), so
-when the parent does not say, a fatal signal Python caught is read from the stack file (``Fatal Python
-error: Segmentation fault``), and an out-of-memory kill from the kernel log (``/dev/kmsg``, when readable) or
-the cgroup's ``oom_kill`` counter (`oom_evidence`).
+Kills: a process's exit status goes to its parent alone (torchrun, Ray's raylet, the local fork server), and
+neither pyspark's torchrun wrapper nor Ray passes it on. So a worker's watchdog reads it as the worker dies:
+the kernel shows the status in ``/proc/PID/stat`` from the moment the process starts to exit until its parent
+reaps it (`exit_status`: the watchdog wakes when the worker's descriptors close, before torchrun's next poll),
+and after that to whoever holds a pidfd of it (`pidfd_exit_status`, Linux 6.15+: the raylet ignores SIGCHLD,
+so its workers are reaped the moment they die). Besides, a fatal signal Python caught is read from the stack
+file (``Fatal Python error: Segmentation fault``, with where it happened), and an out-of-memory kill from the
+kernel log (``/dev/kmsg``, when readable) or the cgroup's ``oom_kill`` counter (`oom_evidence`).
 """
 
 from __future__ import annotations
@@ -80,6 +84,123 @@ def start_time(pid: int) -> int | None:
             return int(handle.read().rsplit(")", 1)[1].split()[19])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def exit_status(pid: int, start: int | None) -> int | None:
+    """``pid``'s wait status (as `os.waitpid` gives it) while it exits or waits as a zombie for its parent:
+    ``/proc/PID/stat``'s ``exit_code`` (Linux 3.5+; readable by the same user, not only by the parent). None
+    while it runs, once its parent reaped it, or when ``start`` (`start_time`) says the pid is another process."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        if len(fields) < 50 or (start is not None and int(fields[19]) != start):
+            return None
+        code = int(fields[49])
+        return code if code or fields[0] in ("Z", "X") else None
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+# ioctl(pidfd, PIDFD_GET_INFO) (Linux 6.15+): a pidfd's holder reads the process's exit status after it was reaped,
+# as under a parent that ignores SIGCHLD (Ray's raylet), where no zombie is left to read in /proc.
+_PIDFD_GET_INFO = 0xC040FF0B  # _IOWR(0xFF, 11, struct pidfd_info), its first version: 64 bytes
+_PIDFD_INFO_EXIT = 0x8
+_PIDFD_EXIT_CODE_AT = 60  # after mask, cgroupid (u64 each) and 11 u32 ids
+
+
+def open_pidfd(pid: int) -> int | None:
+    """A pidfd for the live process ``pid`` (to read its exit status later), or None where there are none."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def pidfd_exit_status(pidfd: int | None) -> int | None:
+    """The wait status of the process behind ``pidfd`` once it was reaped; None before that or where the
+    kernel cannot say."""
+    if pidfd is None:
+        return None
+    try:
+        import fcntl
+        import struct
+
+        info = bytearray(64)
+        struct.pack_into("Q", info, 0, _PIDFD_INFO_EXIT)
+        fcntl.ioctl(pidfd, _PIDFD_GET_INFO, info)
+        if struct.unpack_from("Q", info, 0)[0] & _PIDFD_INFO_EXIT:
+            return struct.unpack_from("i", info, _PIDFD_EXIT_CODE_AT)[0]
+    except (ImportError, OSError, ValueError):
+        pass
+    return None
+
+
+def reaped_status_readable() -> bool:
+    """Whether this kernel gives a reaped process's status through a pidfd (PIDFD_GET_INFO, Linux 6.15+)."""
+    pidfd = open_pidfd(os.getpid())
+    if pidfd is None:
+        return False
+    try:
+        import fcntl
+
+        fcntl.ioctl(pidfd, _PIDFD_GET_INFO, bytearray(64))
+        return True
+    except (ImportError, OSError):
+        return False
+    finally:
+        os.close(pidfd)
+
+
+def ended_status(pid: int, start: int | None, pidfd: int | None, timeout: float = 1.0) -> int | None:
+    """For a watchdog whose worker's descriptors just closed: its wait status, from ``/proc`` before its parent
+    reaps it, or from its pidfd after; None when neither says within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = exit_status(pid, start)
+        if status is None:
+            status = pidfd_exit_status(pidfd)
+        if status is not None or pidfd is None or time.monotonic() > deadline:
+            return status
+        time.sleep(0.01)
+
+
+def killed_by(status: int | None) -> str | None:
+    """The signal's name (``SIGKILL``) when the wait status says a signal ended the process."""
+    if not status or not os.WIFSIGNALED(status):
+        return None
+    signum = os.WTERMSIG(status)
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def exit_file_path(stack_file: str) -> str:
+    """Where a worker's exit watch (`dtrain_magic.launchers.watchdog`, ``exit-watch``) writes how it died."""
+    return os.path.splitext(stack_file)[0] + ".exit"
+
+
+def write_exit_file(stack_file: str, start: int | None, signame: str) -> None:
+    """Record that the worker started at ``start`` was killed by ``signame``, next to its stack file."""
+    try:
+        fd = os.open(exit_file_path(stack_file), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0),
+                     0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(f"{start} killed by {signame}\n")
+    except OSError:
+        pass
+
+
+def read_exit_file(stack_file: str, start: int | None) -> str | None:
+    """``killed by SIGKILL`` when the worker's exit watch recorded it for this very process (same start time)."""
+    if not stack_file:
+        return None
+    try:
+        with open(exit_file_path(stack_file)) as handle:
+            recorded, _, how = handle.read().strip().partition(" ")
+    except OSError:
+        return None
+    return how if how.startswith("killed by") and (start is None or recorded == str(start)) else None
 
 
 def catches(pid: int, signum: int) -> bool | None:
@@ -243,10 +364,10 @@ def oom_evidence(pid: int, cgroup_kills_before: int | None) -> str:
     return ""
 
 
-def death_evidence(pid: int, stack_file: str, cgroup_kills_before: int | None) -> str:
+def death_evidence(pid: int, stack_file: str, cgroup_kills_before: int | None, signame: str | None = None) -> str:
     """What the machine says about a worker that ended without reporting: a fatal signal Python caught (with
-    where), an out-of-memory kill, or ""."""
+    where), an out-of-memory kill, the signal that ended it (``signame``, from `exit_status`), or ""."""
     fatal = fatal_signal(read_stack_file(stack_file)) if stack_file else None
     if fatal is not None:
         return f"killed by {fatal[0]}"
-    return oom_evidence(pid, cgroup_kills_before)
+    return oom_evidence(pid, cgroup_kills_before) or (f"killed by {signame}" if signame else "")

@@ -276,7 +276,7 @@ class Pump:
             return reason, detail
         evidence, stack = found
         base = reason.split(" (", 1)[0]  # without the launcher's guess in parentheses, if any
-        if evidence and not (evidence.startswith("killed by") and evidence.removeprefix("killed by ") in reason):
+        if evidence and not (evidence.startswith("killed by") and evidence.removeprefix("killed by ") in base):
             reason = f"{base}: {evidence}"
         elif not evidence and "without reporting" in reason:
             reason = (f"{base} (no fatal signal caught by Python, no out-of-memory kill in the kernel log or its "

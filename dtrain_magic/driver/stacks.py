@@ -265,8 +265,8 @@ class StackCollector:
 
     def death_evidence(self, rank: int) -> tuple[str, RankStack | None] | None:
         """For a rank whose process ended without reporting, on this machine: what its stack file and the kernel
-        say (a fatal signal with where it happened, an out-of-memory kill), ("", None) when nothing; None when the
-        rank is not on this machine (nothing could be looked at)."""
+        say (a fatal signal with where it happened, an out-of-memory kill, the signal its exit watch saw), ("",
+        None) when nothing; None when the rank is not on this machine (nothing could be looked at)."""
         worker = self.workers.get(rank)
         if worker is None or not worker.here:
             return None
@@ -275,17 +275,19 @@ class StackCollector:
         if fatal is not None:
             stack = rank_stack(rank, "dumped", _header(worker.stack_file) + fatal[1], worker)
             return f"killed by {fatal[0]}", stack
-        return procfacts.oom_evidence(worker.pid, self.cgroup_kills_at_start), None
+        oom = procfacts.oom_evidence(worker.pid, self.cgroup_kills_at_start)
+        return oom or procfacts.read_exit_file(worker.stack_file, worker.start) or "", None
 
     def cleanup(self) -> None:
         """Remove the stack files on this machine of ranks whose process is gone (a rank that returned removed
         its own; one that was killed could not)."""
         for worker in self.workers.values():
             if worker.here and worker.stack_file and procfacts.process_state(worker.pid) in ("gone", "zombie"):
-                try:
-                    os.unlink(worker.stack_file)
-                except OSError:
-                    pass
+                for path in (worker.stack_file, procfacts.exit_file_path(worker.stack_file)):
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
 
 
 def whereabouts(stacks: dict[int, RankStack], labels: dict[str, str]) -> str:

@@ -12,10 +12,17 @@ whatever the watched process is doing. Two modes:
     worker writes ``done`` to our stdin when it ended in Python (result or reported error): we send
     `rank_done`; its exit closes our stdin. If the notebook's side closes (run over, cancelled, notebook
     process gone), the worker PID is SIGKILLed. If the worker dies first, we send `rank_died` with what its
-    host says (a fatal signal Python caught, an out-of-memory kill: `procfacts`), and our connection closes
-    without `rank_done`, which tells the notebook that the worker died without reporting. The notebook may
+    host says (the signal that killed it, which its parent keeps to itself: `procfacts.ended_status`; a
+    fatal signal Python caught; an out-of-memory kill), and our connection closes without `rank_done`,
+    which tells the notebook that the worker died without reporting. The notebook may
     ask for the worker's stacks (`stack_request`): we signal it and answer `stack_reply` with its dump, so
     the stacks of a worker on another host reach the notebook through us.
+
+``exit-watch PID STACK_FILE``
+    For a worker whose parent keeps its exit status to itself (a Ray Train worker: the raylet reaps it): the
+    worker writes ``done`` to our stdin when it ended in Python; if its exit closes our stdin first, we write
+    the signal that killed it next to its stack file (`procfacts.write_exit_file`), where the notebook looks
+    when Ray reports the worker dead.
 
 ``sweep KEY=VALUE [--rmtree DIR]``
     For a backend instance the magic started on this machine (its local Ray): when our stdin closes
@@ -90,6 +97,21 @@ def start(*args: str, secret: bytes | None = None) -> subprocess.Popen:
     return proc
 
 
+def tell_done(proc: subprocess.Popen | None, wait: bool = False) -> None:
+    """Tell a rank's watchdog (``rank-watch``, ``exit-watch``) that its worker ended in Python (a result or a
+    reported error), not killed; ``wait``: for the watchdog to exit (no zombie left in a long-lived worker)."""
+    if proc is None:
+        return
+    try:
+        proc.stdin.write(b"done\n")
+        proc.stdin.flush()
+        if wait:
+            proc.stdin.close()
+            proc.wait(5.0)
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        pass
+
+
 def _kill(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
@@ -110,6 +132,7 @@ def _rank_watch(host: str, port: int, rank: int, pid: int, stack_file: str) -> N
         return
     facts = procfacts()
     oom_kills_before = facts.cgroup_oom_kills()
+    started, pidfd = facts.start_time(pid), facts.open_pidfd(pid)
     fd = stdin.fileno()
     done = False
     try:
@@ -127,7 +150,8 @@ def _rank_watch(host: str, port: int, rank: int, pid: int, stack_file: str) -> N
             data = os.read(fd, 256)
             if not data:  # the worker exited: our connection closes (without rank_done if it died)
                 if not done:
-                    _report_death(conn, facts, rank, pid, stack_file, oom_kills_before)
+                    signame = facts.killed_by(facts.ended_status(pid, started, pidfd))
+                    _report_death(conn, facts, rank, pid, stack_file, oom_kills_before, signame)
                 return
             if b"done" in data:
                 done = True
@@ -153,8 +177,8 @@ def _answer_stacks(conn, facts, rank: int, serial: int, pid: int, stack_file: st
         pass
 
 
-def _report_death(conn, facts, rank: int, pid: int, stack_file: str, oom_kills_before) -> None:
-    evidence = facts.death_evidence(pid, stack_file, oom_kills_before)
+def _report_death(conn, facts, rank: int, pid: int, stack_file: str, oom_kills_before, signame: str | None) -> None:
+    evidence = facts.death_evidence(pid, stack_file, oom_kills_before, signame)
     fatal = facts.fatal_signal(facts.read_stack_file(stack_file)) if stack_file else None
     if fatal is not None:
         evidence += "\n" + _first_line(stack_file) + fatal[1]
@@ -170,6 +194,18 @@ def _first_line(path: str) -> str:
             return handle.readline()
     except OSError:
         return ""
+
+
+def _exit_watch(pid: int, stack_file: str) -> None:
+    facts = procfacts()
+    started, pidfd = facts.start_time(pid), facts.open_pidfd(pid)
+    fd = sys.stdin.buffer.fileno()
+    while data := os.read(fd, 256):
+        if b"done" in data:
+            return  # ended in Python: its own report says how
+    signame = facts.killed_by(facts.ended_status(pid, started, pidfd))
+    if signame:
+        facts.write_exit_file(stack_file, started, signame)
 
 
 def processes_with_env(entry: str) -> list[int]:
@@ -204,6 +240,8 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if argv[0] == "rank-watch":
         _rank_watch(argv[1], int(argv[2]), int(argv[3]), int(argv[4]), argv[5] if len(argv) > 5 else "")
+    elif argv[0] == "exit-watch":
+        _exit_watch(int(argv[1]), argv[2])
     elif argv[0] == "sweep":
         rmtree = argv[3] if len(argv) > 3 and argv[2] == "--rmtree" else None
         _sweep(argv[1], rmtree)

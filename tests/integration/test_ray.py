@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # generous: a loaded 
 ray = pytest.importorskip("ray")
 
 from data_workloads import assert_exactly_once, read_cell  # noqa: E402
+from dtrain_magic import procfacts  # noqa: E402
 from workloads import (  # noqa: E402 (after importorskip: no Ray, no module)
     EVERY,
     MIXED_CELL,
@@ -347,15 +348,19 @@ def test_sigkill_without_restarts_fails_short_and_leaves_no_worker(shell, mlflow
     result = shell.run(cell(kill=True))
     error = result.error_in_exec
     assert isinstance(error, WorkerError), error
-    assert error.rank == 1 and "died without reporting an error" in str(error), str(error)
+    # Ray only guesses; the worker's exit watch read the signal through a pidfd (the raylet reaps at once; a kernel
+    # before 6.15 cannot tell it then, and the cell keeps Ray's guess).
+    named = "killed by SIGKILL" if procfacts.reaped_status_readable() else "killed, e.g. by SIGKILL"
+    assert error.rank == 1 and "died without reporting an error" in str(error) and named in str(error), str(error)
     assert len(str(error).splitlines()) <= 3, str(error)
     assert time.monotonic() - started < 90
     assert wait_dead(pids(tmp_path), 10) == []
     run = ended_run(mlflow)
     assert run.info.status == "FAILED"
     reason = run.data.tags["dtrain_magic.failure"]
-    assert "rank 1" in reason and "died without reporting an error" in reason, reason
+    assert "rank 1" in reason and named in reason, reason
     assert_taken_over(before)
+
 
 
 def test_kernel_interrupt_stops_workers_within_10s_and_ray_stays_usable(shell, tmp_path):

@@ -449,16 +449,13 @@ def test_worker_failure_is_short_and_leaves_nothing_running(spark_launcher, shel
     assert_no_spark_job_running(spark_launcher)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known bug (issue 25, found 2026-12-05): on a claimed standby TorchDistributor.run returns without an error, "
-    "(pyspark's torch_run_process_wrapper exits 0 whatever torchrun's exit code), so SparkJob.poll never sees "
-    "torchrun's report naming SIGKILL; the cell says 'died without reporting an error'"))
 def test_killed_worker_names_its_rank_and_signal(spark_launcher, shell, mlflow):
     waiting = take_over(spark_launcher)
     result = shell.run(KILL_RANK1_CELL.format(backend="spark"))
     error = result.error_in_exec
     assert isinstance(error, WorkerError) and error.rank == 1, error
-    # The launcher's watch sees the death at once and waits (up to 3 s) for torchrun's report, which names the signal.
+    # The worker's watchdog reads the signal from /proc before torchrun reaps the worker (pyspark's wrapper exits 0
+    # whatever torchrun says, so TorchDistributor.run never reports it).
     assert "process was killed by SIGKILL" in str(error) and "Traceback" not in str(error), str(error)
     assert ended_run(mlflow).info.status == "FAILED"
     assert_taken_over(spark_launcher, waiting)

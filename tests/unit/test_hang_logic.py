@@ -347,3 +347,82 @@ def test_a_process_state_and_its_signal_handlers_are_read_from_proc():
     assert procfacts.process_state(2 ** 22 + 7) == "gone"
     assert procfacts.catches(os.getpid(), signal.SIGINT) is True  # Python's own KeyboardInterrupt handler
     assert procfacts.start_time(os.getpid()) == procfacts.start_time(os.getpid()) is not None
+
+
+def test_a_dying_process_exit_signal_is_read_before_its_parent_reaps_it():
+    """What the watchdogs rely on where the parent keeps the status (torchrun under pyspark's wrapper, the raylet):
+    the kernel shows it in /proc to the same user until the parent reaps the process."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    started = procfacts.start_time(child.pid)
+    assert procfacts.exit_status(child.pid, started) is None  # running
+    child.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while procfacts.process_state(child.pid) != "zombie" and time.monotonic() < deadline:
+        time.sleep(0.01)  # not reaped: this test is its parent and waits
+    assert procfacts.killed_by(procfacts.exit_status(child.pid, started)) == "SIGKILL"
+    assert procfacts.exit_status(child.pid, started + 1) is None  # another process with the same pid
+    child.wait()
+    assert procfacts.exit_status(child.pid, started) is None  # reaped: nothing left to read
+    assert procfacts.killed_by(3 << 8) is None  # exit(3): not a signal
+
+
+@pytest.mark.parametrize("ends", ["killed", "in python"])
+def test_the_exit_watch_records_a_workers_killing_signal_and_nothing_when_it_ended_in_python(tmp_path, ends):
+    """A Ray worker's exit watch, with this test's child as the worker: SIGKILL is written next to its stack file
+    for this very process; a worker that said ``done`` leaves no file."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    stack_file = str(tmp_path / "worker.txt")
+    worker_code = (
+        "import sys, time\nfrom dtrain_magic.launchers import watchdog\n"
+        f"watch = watchdog.start('exit-watch', str(__import__('os').getpid()), {stack_file!r})\n"
+        f"if {ends == 'in python'}:\n    watchdog.tell_done(watch, wait=True)\n"
+        "print('ready', flush=True)\ntime.sleep(60)\n"
+    )
+    worker = subprocess.Popen([sys.executable, "-c", worker_code], stdout=subprocess.PIPE, text=True)
+    assert worker.stdout.readline().strip() == "ready"
+    started = procfacts.start_time(worker.pid)
+    worker.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 5  # not reaped meanwhile, as torchrun and the raylet poll now and then
+    while ends == "killed" and procfacts.read_exit_file(stack_file, started) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.2)
+    worker.wait()
+    expected = "killed by SIGKILL" if ends == "killed" else None
+    assert procfacts.read_exit_file(stack_file, started) == expected
+    assert procfacts.read_exit_file(stack_file, started + 1) is None  # recorded for another process
+
+
+def test_a_reaped_process_exit_signal_is_read_from_a_pidfd_held_before():
+    """Where the parent reaps at once (the raylet ignores SIGCHLD): the status is read through a pidfd opened while
+    the process lived (Linux 6.15+; elsewhere the watchdogs have only /proc's zombie to read)."""
+    import signal
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    pidfd = procfacts.open_pidfd(child.pid)
+    try:
+        if pidfd is None or not procfacts.reaped_status_readable():
+            pytest.skip("this kernel has no PIDFD_GET_INFO (Linux 6.15+)")
+        assert procfacts.pidfd_exit_status(pidfd) is None  # alive: no exit status yet
+        child.send_signal(signal.SIGKILL)
+        child.wait()  # reaped at once
+        assert procfacts.exit_status(child.pid, None) is None  # nothing left in /proc
+        assert procfacts.killed_by(procfacts.ended_status(child.pid, None, pidfd)) == "SIGKILL"
+    finally:
+        child.kill()
+        child.wait()
+        if pidfd is not None:
+            import os
+
+            os.close(pidfd)
+

@@ -14,6 +14,7 @@ from typing import Any
 from ..._compat import ray as ray_compat
 from ...errors import log_dropped
 from ...worker import RankInfo
+from .. import watchdog
 
 
 class RayCheckpointStore:
@@ -92,6 +93,20 @@ def dump_stacks_here(pid: int, stack_file: str, timeout: float) -> tuple[str, st
     return state, text
 
 
+def _start_exit_watch() -> Any:
+    """A watchdog (``exit-watch``) that records the signal this process dies of, if it dies before it ends in
+    Python: the raylet reaps Ray's workers and Ray's error only guesses (SIGKILL, OOM, a crash)."""
+    from ... import procfacts
+
+    stack_file = procfacts.stack_file_path(os.getpid())
+    if stack_file is None:
+        return None
+    try:
+        return watchdog.start("exit-watch", str(os.getpid()), stack_file)
+    except OSError:
+        return None
+
+
 def _train_loop(config: dict) -> None:
     """``train_loop_per_worker``: one Ray Train worker = one rank of the run."""
     _run_job(config["job"], config.get("cwd"))
@@ -142,9 +157,11 @@ def _run_job(job: Any, cwd: str | None) -> None:
     for logger in quiet:
         logger.setLevel(logging.WARNING)
     builtins.print = ray_compat.unpatched_print()  # Ray Train tees print() into its logger too: each line came twice
+    exit_watch = _start_exit_watch()
     try:
         run_worker(job, ranks, checkpoints=store)
     finally:
+        watchdog.tell_done(exit_watch, wait=True)
         builtins.print = printer
         for logger, level in zip(quiet, levels, strict=True):
             logger.setLevel(level)

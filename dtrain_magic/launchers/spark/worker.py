@@ -10,6 +10,7 @@ from typing import Any
 
 from ...errors import log_dropped
 from ...worker import WorkerJob
+from .. import watchdog
 from ..base import loopback_interface
 
 
@@ -25,7 +26,7 @@ def _spark_train_fn(job: WorkerJob, tracking_uri: str | None = None, watch: tupl
     try:
         _run_job(job, tracking_uri)
     finally:
-        _ended_in_python(guard)
+        watchdog.tell_done(guard)
     _skip_teardown_at_exit()
     return None
 
@@ -56,7 +57,7 @@ def _spark_standby_fn(standby: tuple, watch: tuple, strategies: tuple[str, ...],
         finished = _run_job(job_of(order), order.tracking_uri)
     finally:
         leave_process_group(use_gpu, finished)
-        _ended_in_python(guard)
+        watchdog.tell_done(guard)
     _skip_teardown_at_exit()
     return None
 
@@ -103,24 +104,12 @@ def _skip_teardown_at_exit() -> None:
     atexit.register(leave)
 
 
-def _ended_in_python(guard: Any) -> None:
-    """Tell the watchdog this worker ended in Python (result or reported error), not killed."""
-    if guard is None:
-        return
-    try:
-        guard.stdin.write(b"done\n")
-        guard.stdin.flush()
-    except Exception as exc:
-        log_dropped(__name__, "_ended_in_python", exc)
-
-
 def _start_watchdog(watch: tuple, rank: int) -> Any:
     """A watchdog process (`dtrain_magic.launchers.watchdog`, rank-watch mode) for this worker: it holds this rank's
     connection to the launcher's `_RankWatch` and SIGKILLs this process when the notebook closes it (run
     over, cancelled, notebook gone), whatever this process is doing, even blocked in native code; it dumps this
     process's stacks when the notebook asks, and says what killed it when it dies."""
     from ... import procfacts
-    from .. import watchdog
 
     host, port, authkey = watch
     stack_file = procfacts.stack_file_path(os.getpid()) or ""  # where run_worker's stack dump will write
