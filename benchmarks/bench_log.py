@@ -4,9 +4,10 @@ The loop: a small MLP (16 → 32 → 1), batch 16, Adam, one step per iteration,
 gradient all-reduce: a loop fast enough, at least 1500 steps/s per process on 2 cores, for a per-step cost to
 show). The same loop is run with and without ``ctx.log(loss=...)`` every step, alternately, in one kernel per
 backend (its workers warm, as a user's re-runs are); each sample is the steady-state steps/s of rank 0 after a
-warm-up. Cost = 1 - median(with ctx.log) / median(without). Target: at most 2 % (run_all.py's report).
+warm-up. Cost = the median over pairs of 1 - (with ctx.log) / (without), each pair two runs back to back. Target:
+at most 2 % (run_all.py's report).
 
-    .venv/bin/python benchmarks/bench_log.py                         # local, spark, ray; -n 1 and -n 2; 5 pairs each
+    .venv/bin/python benchmarks/bench_log.py                         # local, spark, ray; -n 1 and -n 2; 9 pairs each
     .venv/bin/python benchmarks/bench_log.py --backends local --repeats 5 --json benchmarks/results/ctx_log.json
 """
 
@@ -93,13 +94,19 @@ def _own_cpu() -> float:
 
 
 def summarize(samples: dict[str, list[float]]) -> dict:
+    """Medians, and the cost: the median over pairs of 1 - (with / without), each pair two runs back to back (in
+    alternating order), so that the machine's drift between pairs cancels."""
     med = {k: statistics.median(v) for k, v in samples.items()}
+    pairs = zip(samples["log"], samples["nolog"], strict=True)
+    pair_costs = sorted(1 - with_log / without for with_log, without in pairs)
+    quartiles = statistics.quantiles(pair_costs, n=4) if len(pair_costs) >= 2 else pair_costs * 3
     return {"samples": samples, "median_log": med["log"], "median_nolog": med["nolog"],
+            "pair_costs": pair_costs, "cost_q1": quartiles[0], "cost_q3": quartiles[-1],
             "notebook_cpu_log": med.get("notebook_cpu_log"), "notebook_cpu_nolog": med.get("notebook_cpu_nolog"),
             "worker_cpu_us_log": med.get("worker_cpu_us_log"), "worker_cpu_us_nolog": med.get("worker_cpu_us_nolog"),
             "min_nolog": min(samples["nolog"]), "max_nolog": max(samples["nolog"]),
             "min_log": min(samples["log"]), "max_log": max(samples["log"]),
-            "cost": 1 - med["log"] / med["nolog"]}
+            "cost_of_medians": 1 - med["log"] / med["nolog"], "cost": statistics.median(pair_costs)}
 
 
 def main() -> None:
@@ -107,7 +114,7 @@ def main() -> None:
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--counts", default="1,2", help="process counts (default 1,2)")
     parser.add_argument("--steps", type=int, default=6000, help="steps per run (default 6000: 2-4 s at this rate)")
-    parser.add_argument("--repeats", type=int, default=5, help="pairs (with, without ctx.log) per count (default 5)")
+    parser.add_argument("--repeats", type=int, default=9, help="pairs (with, without ctx.log) per count (default 9)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--inner", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -133,7 +140,9 @@ def main() -> None:
             print(f"{backend} -n {n}: without ctx.log {data['median_nolog']:.0f} steps/s "
                   f"({data['min_nolog']:.0f}-{data['max_nolog']:.0f}), with {data['median_log']:.0f} "
                   f"({data['min_log']:.0f}-{data['max_log']:.0f}): ctx.log every step costs "
-                  f"{100 * data['cost']:.1f} % (target <= 2 % at >= 1500 steps/s); rank 0's CPU per step "
+                  f"{100 * data['cost']:.1f} % (median of {len(data['pair_costs'])} pairs, quartiles "
+                  f"{100 * data['cost_q1']:.1f} to {100 * data['cost_q3']:.1f} %; target <= 2 % at >= 1500 "
+                  f"steps/s); rank 0's CPU per step "
                   f"{data['worker_cpu_us_log']:.0f} us with, {data['worker_cpu_us_nolog']:.0f} us without; the "
                   f"notebook process used {100 * data['notebook_cpu_log']:.1f} % of a core with, "
                   f"{100 * data['notebook_cpu_nolog']:.1f} % without", flush=True)

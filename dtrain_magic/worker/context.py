@@ -66,6 +66,16 @@ def shard_loader(loader: DataLoader, rank: int, world_size: int, seed: int = 0) 
     )
 
 
+def _metric_value(key: Any, value: Any) -> float:
+    """A ``ctx.log`` value as a float (a tensor's mean), or a TypeError naming the metric."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().float().mean().item()
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"ctx.log: metric {key!r} must be a number, got {type(value).__name__}") from None
+
+
 class TrainContext:
     """What the training function sees as ``ctx``.
 
@@ -247,23 +257,18 @@ class TrainContext:
         A ``tokens`` value (the tokens this rank went through since its last ``ctx.log``) gives the run's tokens/s
         and, with the model's parameters, model FLOP/s and MFU (docs/ui.md#throughput-and-stragglers).
         """
-        values = dict(metrics or {}, **more)
+        values = dict(metrics, **more) if metrics else more  # ``more`` is this call's own dict
         if step is None:
             step = self._log_calls
         self._log_calls += 1
-        if not self.is_main:
+        if self.rank != 0:
             if self._pulse is not None:
                 tokens = values.get("tokens")
                 self._pulse.log_call(float(tokens) if isinstance(tokens, (int, float, torch.Tensor)) else None)
             return
-        numbers = {}
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor):
-                value = value.detach().float().mean().item()
-            try:
-                numbers[str(key)] = float(value)
-            except (TypeError, ValueError):
-                raise TypeError(f"ctx.log: metric {key!r} must be a number, got {type(value).__name__}") from None
+        # A loop may call this thousands of times a second: a plain float under a str key takes no conversion.
+        numbers = {key if type(key) is str else str(key): value if type(value) is float else _metric_value(key, value)
+                   for key, value in values.items()}
         stamp = int(time.time() * 1000)
         if self._pulse is None:
             self._send(Metric(self.rank, int(step), numbers, stamp))
