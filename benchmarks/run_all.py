@@ -31,7 +31,8 @@ RESULTS = os.path.join(HERE, "results")
 sys.path.insert(0, HERE)
 from workload import PART_LABELS, SUB_PARTS  # noqa: E402
 
-ORDER = ("local_n2", "local_n1", "spark", "ray", "chart_lag", "strategies", "ctx_log", "data", "big_mlp", "big_large")
+ORDER = ("local_n2", "local_n1", "spark", "ray", "chart_lag", "strategies", "ctx_log", "interrupt", "data", "big_mlp",
+         "big_large")
 LOG_COST_LIMIT, LOG_COST_RATE = 0.02, 1500.0  # issue 25: ctx.log every step costs <= 2 % at >= 1500 steps/s
 
 
@@ -70,6 +71,8 @@ def benchmarks(args: argparse.Namespace) -> dict[str, tuple[str, list[str], floa
         # per backend: its start, then for -n 1 and -n N a warm run and r pairs of ~4 s runs (with, without ctx.log)
         "ctx_log": ("bench_log.py", ["--repeats", str(r + 2), "--counts", f"1,{n}", *small["log"]],
                     (20 + 30 + 60) + 3 * 2 * (1 + 2 * (r + 2)) * 5),
+        # per backend: a kernel, then 5 interrupted runs (each waits for the next run's workers: up to 16 s on Ray)
+        "interrupt": ("bench_interrupt.py", ["--count", "2" if args.quick else "5"], 60 + 5 * (5 + 15 + 25)),
         # ≥ 1 GB of Parquet generated, read three ways; a Ray comparison; a ≥ 1 GB Spark DataFrame on every backend
         "data": ("bench_data.py", ["--repeats", str(r), *small["data"]], 120 if args.quick else 420),
         # issue 26: per-rank peak memory, CPU (8 runs of a 134 M-parameter MLP; 4 of a 0.5 B one, 8.5 GiB at -n 1)
@@ -363,6 +366,15 @@ def targets(results: dict, n: int) -> list[dict]:
                                                                           (stat["min_nolog"], stat["max_nolog"]))
                                                                    else "") + ".")
             rows.append(row)
+    stops = _data(results, "interrupt") or {}
+    for backend, stat in (stops.get("backends") or {}).items():
+        backs, failure = stat["back_s"], stat.get("failure")
+        add(f"{backend}: the kernel's interrupt → the cell back, slowest of {len(backs)} (of {stat['count']}), "
+            "nothing of the run alive 10 s later", "< 2 s, every time", None if failure else max(backs, default=None),
+            2.0, False, " s", lambda failure=failure: failure or "")
+        if failure:
+            rows[-1].update(met=False, measured_text=f"{len(backs)} of {stat['count']} passed",
+                            missed_by="a failed cycle", reason=failure)
     data_targets(results, add)
     big_model_targets(results, add)
     lags = _data(results, "chart_lag") or {}
