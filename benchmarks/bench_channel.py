@@ -15,11 +15,12 @@ torch.distributed: only the channel path every ``ctx.log`` takes.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import time
+
+from workload import write_json
 
 _SENDER = r"""
 import os, sys, time
@@ -90,9 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     for key, value in medians.items():
         spread = f"({min(s[key] for s in samples):.1f}-{max(s[key] for s in samples):.1f})"
         print(f"  {key:<16} {value:10.1f} {spread}")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"samples": samples, "median": medians, "messages": args.messages}, handle, indent=2)
+    write_json(args.json, {"samples": samples, "median": medians, "messages": args.messages})
     return medians
 
 

@@ -12,9 +12,10 @@ import) and for a second run (MLflow loaded: the lag of every later run).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
+
+from workload import write_json
 
 CELL = """%%distribute --backend local -n 2 --ui --experiment bench_chart_lag
 import time, torch
@@ -61,11 +62,8 @@ def main() -> None:
         lags[which] = lag = lag_summary(charts.lags_s)
         print(f"chart lag, {which} run, over {int(lag['n'])} points: median {lag['median_s']:.3f} s, p95 "
               f"{lag['p95_s']:.3f} s, max {lag['max_s']:.3f} s (poll interval {charts.interval_s} s)")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as handle:
-            lag = {"chart_lag": lags["first"], "chart_lag_later": lags["later"], "poll_interval_s": charts.interval_s}
-            json.dump(lag, handle, indent=2)
+    write_json(args.json, {"chart_lag": lags["first"], "chart_lag_later": lags["later"],
+                           "poll_interval_s": charts.interval_s})
 
 
 if __name__ == "__main__":

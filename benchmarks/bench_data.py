@@ -36,6 +36,8 @@ import tempfile
 import threading
 import time
 
+from workload import write_json
+
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 COLUMNS = 16
@@ -360,9 +362,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     report["seconds"] = time.monotonic() - began
     print(f"done in {report['seconds']:.0f} s", flush=True)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,13 @@ backend in a kernel of its own, and reports the times and any failed cycle.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+
+from workload import write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(os.path.dirname(HERE), "tests")
@@ -68,10 +69,7 @@ def main() -> None:
               f"the loop {statistics.median(result['start_s']) if backs else float('nan'):.1f} s median; "
               f"{'FAILED ' + result['failure'] if result['failure'] else 'nothing of any run left 10 s later'}",
               flush=True)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

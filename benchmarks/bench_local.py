@@ -35,6 +35,7 @@ from workload import (  # noqa: E402
     raw_train,
     section,
     settle,
+    write_json,
 )
 
 
@@ -208,10 +209,7 @@ def main() -> None:
           f"elastic_launch's agent {100 * share['raw']:.0f} %")
     print(f"  load average: {load_start:.1f} at the start, {report['load_average']['end']:.1f} at the end "
           f"({os.cpu_count()} cores; this benchmark alone keeps about {args.n} busy)")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from workload import write_json
+
 BACKENDS = ("local", "spark", "ray")
 WARMUP = 500
 
@@ -147,10 +149,7 @@ def main() -> None:
                   f"notebook process used {100 * data['notebook_cpu_log']:.1f} % of a core with, "
                   f"{100 * data['notebook_cpu_nolog']:.1f} % without", flush=True)
     report["seconds"] = time.monotonic() - began
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from workload import (  # noqa: E402
     raw_train,
     standby_section,
     standby_series,
+    write_json,
 )
 
 
@@ -255,9 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  (ray.init, not included: magic's instance {report['ray_init_s'].get('magic', 0):.1f} s, raw's "
           f"{report['ray_init_s'].get('raw', 0):.1f} s; "
           f"load average {load_start:.1f} → {report['load_average']['end']:.1f})")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
+    write_json(args.json, report)
     import shutil
 
     os.chdir("/")

@@ -13,7 +13,6 @@ Medians with min-max.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -21,6 +20,8 @@ import sys
 import tempfile
 import threading
 import time
+
+from workload import write_json
 
 
 def _stats(samples: list[float]) -> dict:
@@ -94,9 +95,7 @@ def main() -> None:
     session.stop("the benchmark ends")
     for key, value in results.items():
         print(f"{key}: {_shown(value)}")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(results, handle, indent=1)
+    write_json(args.json, results, indent=1)
     sys.stdout.flush()
 
 

@@ -52,6 +52,7 @@ from workload import (  # noqa: E402
     settle,
     standby_section,
     standby_series,
+    write_json,
 )
 
 
@@ -260,9 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     print_standby(report, "TorchDistributor.run", 0.15)
     print(f"  (SparkSession start in this process {session_s:.1f} s; a new MLflow tracking DB {new_db_s:.2f} s once; "
           f"load average {load_start:.1f} → {report['load_average']['end']:.1f})")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
+    write_json(args.json, report)
     try:
         spark.stop()
     except Exception:

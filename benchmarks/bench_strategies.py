@@ -21,11 +21,12 @@ It also prints the ZeRO-paper estimate (dtrain_magic.strategies.memory) and the 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 import time
+
+from workload import write_json
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
@@ -173,9 +174,7 @@ def run(argv: list[str] | None = None, gpu: bool = False) -> list[dict]:
               f"{format_bytes(r['heap']):>12}{rel(r, 'heap'):>7}"
               f"{format_bytes(r['opt_bytes']):>12}{rel(r, 'opt_bytes'):>7}{format_bytes(r['est_total']):>12}"
               f"{rel(r, 'est_total'):>7}{r['wall_s']:>7.1f}")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(rows, handle, indent=2)
+    write_json(args.json, rows)
     return rows
 
 

@@ -21,6 +21,7 @@ dtrain_magic functions in the benchmark's own process: nothing in dtrain_magic c
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
@@ -482,3 +483,12 @@ def standby_section(series: dict[str, list]) -> dict:
         out[name] = {k: summarize([x[k] for x in samples]) for k in ("entry", "ttfs", "total", "steps_per_s")}
         out[name]["claimed"] = sum(1 for x in samples if x.get("claimed"))
     return out
+
+
+def write_json(path: str | None, data: object, indent: int = 2) -> None:
+    """A benchmark's ``--json`` result (its folder made if needed); nothing without a path."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as handle:
+        json.dump(data, handle, indent=indent)
