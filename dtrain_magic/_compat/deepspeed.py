@@ -48,3 +48,43 @@ def local_partition(param: Any, rank: int) -> tuple[Any, int, int] | None:
     size = int(getattr(part, "ds_numel", part.numel()))
     start = size * rank
     return part, start, max(0, min(size, int(numel) - start))
+
+
+def share_fp32_partitions(optimizer: Any) -> int:
+    """Step ZeRO-3's fp32 partitions in place when the parameter partitions are fp32 already; the bytes freed.
+
+    DeepSpeed 0.19's stage-3 optimizer means to skip its fp32 "master" copy when the flat parameter partitions have
+    the master dtype and device (``_create_fp32_partitions``: "we don't need another copy of the weights"), but it
+    compares the partition's ``torch.device`` with the accelerator's device *name*, a ``str``, which is never equal:
+    an fp32 run kept a clone of every partition (Ψ/N × 4 bytes per rank). Before any step (no optimizer state yet),
+    each sub-group's clone is replaced by the partition it was cloned from, as DeepSpeed's own branch would have
+    done. Uses ``fp32_partitioned_groups_flat`` and ``fp16_partitioned_groups_flat`` (DeepSpeed's
+    ``DeepSpeedZeroOptimizer_Stage3``). **Fallback**: anything unexpected (another optimizer, offload, a group
+    already shared, optimizer state, a clone that differs from its partition) leaves that group as DeepSpeed made
+    it: the run is right, only the copy stays."""
+    import torch
+
+    hp_groups = getattr(optimizer, "fp32_partitioned_groups_flat", None)
+    lp_groups = getattr(optimizer, "fp16_partitioned_groups_flat", None)
+    inner = getattr(optimizer, "optimizer", None)
+    if not isinstance(hp_groups, list) or not isinstance(lp_groups, list) or len(hp_groups) != len(lp_groups):
+        return 0
+    if getattr(optimizer, "offload_optimizer", True) or getattr(optimizer, "swap_optimizer", True):
+        return 0
+    state = getattr(inner, "state", None)
+    if state is None:
+        return 0
+    freed = 0
+    for index, (hp, lp) in enumerate(zip(hp_groups, lp_groups)):
+        if not isinstance(hp, torch.Tensor) or not isinstance(lp, torch.Tensor) or hp is lp:
+            continue
+        if (hp.dtype != lp.dtype or hp.device != lp.device or hp.shape != lp.shape or hp.grad is not None
+                or hp.data_ptr() == lp.data_ptr() or hp in state or not torch.equal(hp, lp)):
+            continue
+        for name in ("ds_id",):
+            if hasattr(hp, name):
+                setattr(lp, name, getattr(hp, name))
+        lp.requires_grad = True  # as DeepSpeed marks its fp32 groups ("in case internal optimizer uses it")
+        hp_groups[index] = lp
+        freed += hp.numel() * hp.element_size()
+    return freed

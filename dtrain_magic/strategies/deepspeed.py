@@ -240,8 +240,8 @@ class DeepSpeedStrategy(Strategy):
             return MemoryModel(stage, param_bytes=2, grad_bytes=2, optimizer_bytes=ADAM_MIXED_K)
         if stage in (1, 2):
             return MemoryModel(stage, optimizer_bytes=ADAM_MIXED_K)
-        # ZeRO-3 in fp32 steps its fp32 parameter partitions themselves (DeepSpeed 0.19's stage3.py keeps no second
-        # copy when the dtypes agree); ZeRO-0 is plain Adam
+        # ZeRO-3 in fp32 steps its fp32 parameter partitions themselves: DeepSpeed 0.19 means to keep no second copy
+        # when the dtypes agree, and `wrap` makes it so (`share_fp32_partitions`); ZeRO-0 is plain Adam
         return MemoryModel(stage)
 
     @classmethod
@@ -252,7 +252,9 @@ class DeepSpeedStrategy(Strategy):
         buckets; ZeRO-1/2 keep a reduce bucket and an all-gather bucket, and step one flat partition (Adam's
         temporaries are its size); ZeRO-3 keeps a reduce bucket, up to ``stage3_max_live_parameters`` gathered (at
         least one block, and the next prefetched), a block's unsharded gradient, and steps sub-groups of
-        ``sub_group_size``."""
+        ``sub_group_size`` elements of this rank's partition (at least one parameter's partition): each step
+        flattens the sub-group's gradient into a new fp32 tensor, and Adam's temporaries are the sub-group's size,
+        not 1/N of it."""
         stage = 0 if zero is None else int(zero)
         sizes = {**DEEPSPEED_DEFAULTS, **{k: v for k, v in (settings or {}).items() if isinstance(v, (int, float))}}
         n, psi = max(1, world_size), facts.num_params
@@ -267,11 +269,12 @@ class DeepSpeedStrategy(Strategy):
                     ("Adam's step temporaries (one flat partition)", ADAM_TEMPORARIES * 4 * psi / n)]
         live = max(min(sizes["stage3_max_live_parameters"], psi), facts.largest_block)
         prefetch = min(sizes["stage3_prefetch_bucket_size"], psi)
-        group = max(min(sizes["sub_group_size"], psi), facts.largest_param)
+        group = min(max(sizes["sub_group_size"], facts.largest_param / n), psi / n)  # elements of the partition
         return [("reduce bucket", low * bucket),
                 ("gathered parameters (live, prefetched)", low * min(psi, live + prefetch)),
                 ("a block's unsharded gradient", low * facts.largest_block),
-                ("Adam's step temporaries (one sub-group)", ADAM_TEMPORARIES * 4 * group / n)]
+                ("a sub-group's flat fp32 gradient", 4 * group),
+                ("Adam's step temporaries (one sub-group)", ADAM_TEMPORARIES * 4 * group)]
 
     @classmethod
     def memory_settings(cls, config: RunConfig, facts: ModelFacts) -> Mapping[str, Any]:
@@ -380,6 +383,8 @@ class DeepSpeedStrategy(Strategy):
             engine, ds_optimizer, _, _ = deepspeed.initialize(
                 model=model, optimizer=optimizer, config=copy.deepcopy(self.ds_config), dist_init_required=False
             )
+        if self.stage == 3:  # DeepSpeed 0.19 keeps an fp32 copy of fp32 partitions by mistake (see the compat note)
+            deepspeed_compat.share_fp32_partitions(ds_optimizer)
         self.engine = engine
         self.model = engine
         self.optimizer = ds_optimizer

@@ -10,8 +10,9 @@ parameters and gradients, K = 12: fp32 master copy 4 + momentum 4 + variance 4):
     ZeRO-3 (and FSDP)  (2 + 2 + K)Ψ/N
 
 The fp32 equivalents use 4-byte parameters and gradients. Plain fp32 Adam holds only its two moments
-(K = 8); DeepSpeed's ZeRO-1/2/3 optimizers also keep an fp32 copy of their partition as the "master"
-weights even in fp32, so under ``--strategy deepspeed --zero 1..3 --precision fp32`` K = 12 again.
+(K = 8); DeepSpeed's ZeRO-1/2 optimizers also keep an fp32 copy of their partition as the "master"
+weights even in fp32, so under ``--strategy deepspeed --zero 1/2 --precision fp32`` K = 12 again; ZeRO-3 steps
+its fp32 partitions themselves (K = 8; ``_compat.deepspeed.share_fp32_partitions``).
 DDP and FSDP with ``--precision bf16/fp16`` use autocast, which keeps the stored parameters,
 gradients and optimizer states in fp32, so the fp32 numbers apply to them. FSDP (FULL_SHARD) shards
 like ZeRO-3. Activations, temporary buffers and the framework's own overhead are not included.

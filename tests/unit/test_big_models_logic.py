@@ -346,7 +346,14 @@ def test_the_estimate_adds_each_strategys_buffers_given_the_models_facts():
     z3 = estimate(psi, "deepspeed", 3, "fp32", 2, facts=facts,
                   settings=model_sizes(facts.hidden, 3))
     assert z3.optimizer == 8 * psi / 2  # ZeRO-3 in fp32 steps its partitions themselves: no master copy
-    assert z3.total < ddp.total
+    parts = dict(z3.buffer_parts)  # a sub-group (1 << 20 elements here) is at most this rank's whole partition
+    assert parts["a sub-group's flat fp32 gradient"] == 4 * psi / 2
+    assert parts["Adam's step temporaries (one sub-group)"] == 2 * 4 * psi / 2
+    with torch.device("meta"):  # the MLP: 8 x Linear(4096, 4096), sub-groups of H² partition elements
+        big = model_facts(nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(8)]))
+    big_z3 = estimate(big.num_params, "deepspeed", 3, "fp32", 2, facts=big, settings=model_sizes(big.hidden, 3))
+    assert dict(big_z3.buffer_parts)["Adam's step temporaries (one sub-group)"] == 2 * 4 * 4096 * 4096
+    assert big_z3.total < 0.6 * estimate(big.num_params, "ddp", None, "fp32", 2, facts=big).total
     assert estimate(psi, "ddp", None, "fp32", 2).buffers == 0  # no facts (a typed size): the states alone
     settings = DeepSpeedStrategy.memory_settings(RunConfig(strategy="deepspeed", zero=3, num_processes=2,
                                                            micro_batch=1), facts)

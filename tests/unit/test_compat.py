@@ -240,6 +240,29 @@ def test_deepspeed_zero3_attributes_fall_back_to_a_plain_parameter():
     assert deepspeed_compat.is_partitioned(zero3) and deepspeed_compat.full_shape(zero3) == (3, 5)
 
 
+
+def test_deepspeed_zero3_fp32_clones_are_replaced_by_their_partitions_and_anything_else_is_left():
+    """DeepSpeed 0.19 clones fp32 partitions it means to step in place (a torch.device compared with a str)."""
+    import torch
+
+    flat = torch.arange(12, dtype=torch.float32)
+    lp = [flat.narrow(0, 0, 8), flat.narrow(0, 8, 4), torch.zeros(2, dtype=torch.bfloat16), flat.narrow(0, 0, 4)]
+    hp = [lp[0].clone(), lp[1].clone(), torch.zeros(2), lp[3].clone() + 1]  # same, same, a real master, differs
+    for index, tensor in enumerate(hp):
+        tensor.ds_id = f"{index}_{index}"
+    inner = torch.optim.Adam([torch.zeros(1, requires_grad=True)])
+    stage3 = types.SimpleNamespace(fp32_partitioned_groups_flat=hp, fp16_partitioned_groups_flat=lp, optimizer=inner,
+                                   offload_optimizer=False, swap_optimizer=False)
+    assert deepspeed_compat.share_fp32_partitions(stage3) == 12 * 4
+    assert stage3.fp32_partitioned_groups_flat[0] is lp[0] and stage3.fp32_partitioned_groups_flat[1] is lp[1]
+    assert lp[0].ds_id == "0_0" and lp[0].requires_grad
+    assert stage3.fp32_partitioned_groups_flat[2].dtype == torch.float32  # bf16 partitions keep their fp32 master
+    assert stage3.fp32_partitioned_groups_flat[3] is not lp[3]
+    assert deepspeed_compat.share_fp32_partitions(stage3) == 0  # once shared, nothing more
+    offloaded = types.SimpleNamespace(**{**vars(stage3), "offload_optimizer": True})
+    assert deepspeed_compat.share_fp32_partitions(offloaded) == 0
+    assert deepspeed_compat.share_fp32_partitions(types.SimpleNamespace(optimizer=inner)) == 0  # not ZeRO-3
+
 def test_torch_build_lock_name_is_the_one_torch_uses():
     import inspect
 
