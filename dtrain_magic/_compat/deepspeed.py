@@ -75,7 +75,7 @@ def share_fp32_partitions(optimizer: Any) -> int:
     if state is None:
         return 0
     freed = 0
-    for index, (hp, lp) in enumerate(zip(hp_groups, lp_groups)):
+    for index, (hp, lp) in enumerate(zip(hp_groups, lp_groups, strict=True)):  # lengths checked above
         if not isinstance(hp, torch.Tensor) or not isinstance(lp, torch.Tensor) or hp is lp:
             continue
         if (hp.dtype != lp.dtype or hp.device != lp.device or hp.shape != lp.shape or hp.grad is not None
