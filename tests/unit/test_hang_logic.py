@@ -428,7 +428,7 @@ def test_a_reaped_process_exit_signal_is_read_from_a_pidfd_held_before():
 
 
 
-def test_the_metric_writer_writes_a_steady_stream_at_most_twice_a_second_and_a_lone_value_at_once():
+def test_the_metric_writer_writes_a_steady_stream_once_a_second_and_a_lone_value_at_once():
     """ctx.log every step must not cost the notebook a log_batch (3-5 ms of CPU) four times a second; a value
     after a pause still reaches MLflow (and the charts) within a quarter second or so."""
     import threading
@@ -450,9 +450,9 @@ def test_the_metric_writer_writes_a_steady_stream_at_most_twice_a_second_and_a_l
     for i in range(40):  # every 50 ms for 2 s
         writer.queue.put([i])
         time.sleep(0.05)
-    time.sleep(1.0)
+    time.sleep(1.5)
     steady = len(client.calls)
-    assert sum(n for _, n in client.calls) == 40 and steady <= 6, client.calls  # 8 or more at one per 0.25 s
+    assert sum(n for _, n in client.calls) == 40 and steady <= 4, client.calls  # 8 or more at one per 0.25 s
     client.written.clear()
     sent = time.monotonic()
     writer.queue.put([40])
