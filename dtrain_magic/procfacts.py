@@ -67,22 +67,28 @@ def open_stack_file(path: str):
     return os.fdopen(fd, "a", buffering=1)
 
 
-def process_state(pid: int) -> str:
-    """``running``, ``stopped`` (SIGSTOP, SIGTSTP, a debugger), ``zombie`` or ``gone``, from ``/proc``."""
+def _stat_fields(pid: int) -> list[str]:
+    """``/proc/PID/stat``'s fields after the command name (the state first, field 3 of proc(5)); [] when gone."""
     try:
         with open(f"/proc/{pid}/stat") as handle:
-            state = handle.read().rsplit(")", 1)[1].split()[0]
+            return handle.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
+        return []
+
+
+def process_state(pid: int) -> str:
+    """``running``, ``stopped`` (SIGSTOP, SIGTSTP, a debugger), ``zombie`` or ``gone``, from ``/proc``."""
+    fields = _stat_fields(pid)
+    if not fields:
         return "gone"
-    return {"T": "stopped", "t": "stopped", "Z": "zombie", "X": "gone"}.get(state, "running")
+    return {"T": "stopped", "t": "stopped", "Z": "zombie", "X": "gone"}.get(fields[0], "running")
 
 
 def start_time(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (with the pid, it names one process: pids are reused)."""
     try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return int(handle.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+        return int(_stat_fields(pid)[19])
+    except (IndexError, ValueError):
         return None
 
 
@@ -90,15 +96,14 @@ def exit_status(pid: int, start: int | None) -> int | None:
     """``pid``'s wait status (as `os.waitpid` gives it) while it exits or waits as a zombie for its parent:
     ``/proc/PID/stat``'s ``exit_code`` (Linux 3.5+; readable by the same user, not only by the parent). None
     while it runs, once its parent reaped it, or when ``start`` (`start_time`) says the pid is another process."""
+    fields = _stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat") as handle:
-            fields = handle.read().rsplit(")", 1)[1].split()
         if len(fields) < 50 or (start is not None and int(fields[19]) != start):
             return None
         code = int(fields[49])
-        return code if code or fields[0] in ("Z", "X") else None
-    except (OSError, IndexError, ValueError):
+    except ValueError:
         return None
+    return code if code or fields[0] in ("Z", "X") else None
 
 
 # ioctl(pidfd, PIDFD_GET_INFO) (Linux 6.15+): a pidfd's holder reads the process's exit status after it was reaped,
@@ -116,23 +121,29 @@ def open_pidfd(pid: int) -> int | None:
         return None
 
 
-def pidfd_exit_status(pidfd: int | None) -> int | None:
-    """The wait status of the process behind ``pidfd`` once it was reaped; None before that or where the
-    kernel cannot say."""
-    if pidfd is None:
-        return None
+def _pidfd_info(pidfd: int, mask: int) -> bytearray | None:
+    """``struct pidfd_info`` for ``pidfd`` asked with ``mask``; None where the kernel has no PIDFD_GET_INFO."""
     try:
         import fcntl
         import struct
 
         info = bytearray(64)
-        struct.pack_into("Q", info, 0, _PIDFD_INFO_EXIT)
+        struct.pack_into("Q", info, 0, mask)
         fcntl.ioctl(pidfd, _PIDFD_GET_INFO, info)
-        if struct.unpack_from("Q", info, 0)[0] & _PIDFD_INFO_EXIT:
-            return struct.unpack_from("i", info, _PIDFD_EXIT_CODE_AT)[0]
+        return info
     except (ImportError, OSError, ValueError):
-        pass
-    return None
+        return None
+
+
+def pidfd_exit_status(pidfd: int | None) -> int | None:
+    """The wait status of the process behind ``pidfd`` once it was reaped; None before that or where the
+    kernel cannot say."""
+    import struct
+
+    info = _pidfd_info(pidfd, _PIDFD_INFO_EXIT) if pidfd is not None else None
+    if info is None or not struct.unpack_from("Q", info, 0)[0] & _PIDFD_INFO_EXIT:
+        return None
+    return struct.unpack_from("i", info, _PIDFD_EXIT_CODE_AT)[0]
 
 
 def reaped_status_readable() -> bool:
@@ -141,12 +152,7 @@ def reaped_status_readable() -> bool:
     if pidfd is None:
         return False
     try:
-        import fcntl
-
-        fcntl.ioctl(pidfd, _PIDFD_GET_INFO, bytearray(64))
-        return True
-    except (ImportError, OSError):
-        return False
+        return _pidfd_info(pidfd, _PIDFD_INFO_EXIT) is not None
     finally:
         os.close(pidfd)
 
