@@ -81,9 +81,8 @@ def share_fp32_partitions(optimizer: Any) -> int:
         if (hp.dtype != lp.dtype or hp.device != lp.device or hp.shape != lp.shape or hp.grad is not None
                 or hp.data_ptr() == lp.data_ptr() or hp in state or not torch.equal(hp, lp)):
             continue
-        for name in ("ds_id",):
-            if hasattr(hp, name):
-                setattr(lp, name, getattr(hp, name))
+        if hasattr(hp, "ds_id"):
+            lp.ds_id = hp.ds_id
         lp.requires_grad = True  # as DeepSpeed marks its fp32 groups ("in case internal optimizer uses it")
         hp_groups[index] = lp
         freed += hp.numel() * hp.element_size()

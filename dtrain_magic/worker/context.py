@@ -261,7 +261,7 @@ class TrainContext:
         if step is None:
             step = self._log_calls
         self._log_calls += 1
-        if self.rank != 0:
+        if not self.is_main:
             if self._pulse is not None:
                 tokens = values.get("tokens")
                 self._pulse.log_call(float(tokens) if isinstance(tokens, (int, float, torch.Tensor)) else None)
