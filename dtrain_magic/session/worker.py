@@ -179,8 +179,9 @@ class RankSession:
             except Exception as exc:
                 log_dropped(__name__, "execute", exc)
         self.ctx.flush_metrics()  # the cell's ctx.log values reach the notebook before its end
-        self.send(CellDone(self.rank, cell_id, outcome, value, said, where))
+        # idle before CellDone: the notebook stops handing messages to the monitor at the last CellDone
         self.send(Status(self.rank, "idle", ""))
+        self.send(CellDone(self.rank, cell_id, outcome, value, said, where))
 
     def _start(self, cell_id: int) -> None:
         with self._lock:

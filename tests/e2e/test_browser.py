@@ -293,7 +293,10 @@ def test_panel_and_charts_in_jupyterlab(chromium, jupyterlab):
                 expect(first.locator(".dtm-log")).to_contain_text("step 0 loss")
                 assert "[rank" not in first.locator(".dtm-log").inner_text()
                 first.locator(".dtm-tab[data-rank='all']").click()
-                # Stacks while the cell keeps the kernel busy: one stack per rank with the cell's line, within 2 s
+                # Stacks while the cell keeps the kernel busy: one stack per rank with the cell's line, within 2 s.
+                # Both ranks wait at half-way first (101 steps done), so each stack is at that wait's line.
+                expect(first.locator(".dtm-progress")).to_contain_text("step 101/200", timeout=60_000)
+                time.sleep(0.5)  # the other rank may still be in that step's sleep(0.1)
                 clicked = time.monotonic()
                 first.locator("button.dtm-stacks").click()
                 stacks = first.locator(".dtm-stacks-pane")

@@ -99,6 +99,17 @@ def test_cells_share_one_namespace_and_the_last_expression_comes_back(rank):
     assert rank.run("ctx.rank") == 0
 
 
+def test_a_rank_says_idle_before_its_cell_is_done(rank):
+    """The notebook hands messages to the monitor until the last `CellDone`: an idle after it was lost (the
+    monitor kept saying "running" for a rank that had ended its cell)."""
+    rank.cell("1")
+    states = []
+    while not isinstance(message := rank.sent.get(timeout=10), CellDone):
+        if isinstance(message, ch.Status):
+            states.append(message.state)
+    assert states == ["running", "idle"]
+
+
 def test_a_failing_cell_names_the_cell_line_and_the_next_cell_works(rank):
     rank.cell("a = 1\n\ndef f():\n    return 1 / 0\nf()", label="Cell In[7]")
     answer = rank.done()
