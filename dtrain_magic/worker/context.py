@@ -252,8 +252,8 @@ class TrainContext:
 
         Without ``step``, each call is the next step (0, 1, 2, ...). Tensors are turned into floats.
         Other ranks' calls are ignored (MLflow records what rank 0 logs). The values travel to the notebook a
-        few times a second; a loop logging a metric more than 20 times a second keeps every value for the first
-        200, then 20 a second, evenly spread (the last one always; ``$DTRAIN_MAGIC_METRIC_RATE``).
+        few times a second; a loop logging a metric more than 10 times a second keeps every value for the first
+        200, then 10 a second, evenly spread (the last one always; ``$DTRAIN_MAGIC_METRIC_RATE``).
         A ``tokens`` value (the tokens this rank went through since its last ``ctx.log``) gives the run's tokens/s
         and, with the model's parameters, model FLOP/s and MFU (docs/ui.md#throughput-and-stragglers).
         """

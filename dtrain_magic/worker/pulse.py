@@ -8,7 +8,7 @@ notebook can tell a rank that progresses (counters or CPU moving) from one that 
 one blocked even for Python (nothing at all: its native code holds the GIL).
 
 A loop logging faster than MLflow can take (a SQLite store writes about 4000 values a second with a whole
-core) is thinned per metric (`Thinning`): every value up to a burst, then at most ``rate`` a second, evenly
+core) is thinned per metric (`Thinning`): every value up to a burst, then at most ``rate`` a second (10), evenly
 spread; a metric's last value is always sent, and the count left out travels with the batch.
 
 `install_stack_dump`: ``faulthandler`` on `procfacts.STACK_SIGNAL` (and for fatal signals) with the rank's
@@ -32,8 +32,8 @@ from ..errors import log_dropped
 METRICS_EVERY_S = 0.25
 PULSE_EVERY_S = 0.5
 BURST = 200  # values per metric sent as they come before thinning starts (short runs keep every step)
-RATE = 20.0  # values per metric per second after the burst (env DTRAIN_MAGIC_METRIC_RATE): each costs
-# the notebook about 0.3 ms (MLflow's SQLite write), CPU the workers would miss on a small machine
+RATE = 10.0  # values per metric per second after the burst (env DTRAIN_MAGIC_METRIC_RATE): each costs
+# the notebook 0.1-0.2 ms (MLflow's SQLite write), CPU the workers would miss on a small machine
 
 
 class Thinning:
