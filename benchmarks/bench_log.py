@@ -3,7 +3,8 @@
 The loop: a small MLP (16 → 32 → 1), batch 16, Adam, one step per iteration, each rank on its own copy (no
 gradient all-reduce: a loop fast enough, at least 1500 steps/s per process on 2 cores, for a per-step cost to
 show). The same loop is run with and without ``ctx.log(loss=...)`` every step, alternately, in one kernel per
-backend (its workers warm, as a user's re-runs are); each sample is the steady-state steps/s of rank 0 after a
+backend (its workers warm, as a user's re-runs are); both log one value before the loop, so both have the MLflow
+run and its system-metrics monitor open; each sample is rank 0's steps/s over ``--steps`` steps after 1.5 s of
 warm-up. Cost = the median over pairs of 1 - (with ctx.log) / (without), each pair two runs back to back. Target:
 at most 2 % (run_all.py's report).
 
@@ -25,7 +26,10 @@ import time
 from workload import write_json
 
 BACKENDS = ("local", "spark", "ray")
-WARMUP = 500
+WARMUP_S = 1.5  # the MLflow run open and its writer in its steady rhythm before the steps counted
+# between runs: the last run's clean-up and the start of the next run's waiting workers are done (they took
+# CPU for the first 2-3 s of a run started at once: rank 0's rate there was 900-1000 steps/s against 1600)
+SETTLE_S = 3.0
 
 LOOP = '''
 import time
@@ -35,8 +39,13 @@ def train(ctx):
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     x = torch.randn(16, 16)
-    steps, log = STEPS, LOG
-    for step in range(steps):
+    log = LOG
+    # both runs log once before the loop: the MLflow run opens at the first metric (else 10 s in), so without
+    # this the run without ctx.log would be measured with no MLflow run or system-metrics monitor open at all
+    ctx.log(started=1.0)
+    began, started, warm = time.perf_counter(), None, 0
+    step = 0
+    while started is None or step < warm + STEPS:
         loss = model(x).pow(2).mean()
         opt.zero_grad()
         loss.backward()
@@ -44,9 +53,10 @@ def train(ctx):
         value = loss.item()
         if log:
             ctx.log(loss=value)
-        if step == WARMUP:
-            started, cpu = time.perf_counter(), time.process_time()
-    return (steps - WARMUP - 1) / (time.perf_counter() - started), (time.process_time() - cpu) / (steps - WARMUP - 1)
+        step += 1
+        if started is None and time.perf_counter() - began > WARMUP_S:
+            started, cpu, warm = time.perf_counter(), time.process_time(), step
+    return STEPS / (time.perf_counter() - started), (time.process_time() - cpu) / STEPS
 '''
 
 
@@ -57,13 +67,14 @@ def inner(backend: str, counts: list[int], steps: int, repeats: int) -> dict:
 
     shell = InteractiveShell.instance()
     shell.run_cell("%load_ext dtrain_magic", store_history=False)
-    shell.user_ns.update(STEPS=steps, WARMUP=WARMUP)
+    shell.user_ns.update(STEPS=steps, WARMUP_S=WARMUP_S)
     out: dict = {}
 
     def once(n: int, log: bool) -> tuple[float, float, float]:
         """(rank 0's steady steps/s, its process's CPU seconds per step (training and reporter threads), the
         notebook process's CPU share of one core during the run)."""
         shell.user_ns["LOG"] = log
+        time.sleep(SETTLE_S)
         cell = f"%%distribute --backend {backend} -n {n} --cpu --no-ui --experiment bench_log\n" + LOOP
         cpu0, wall0 = _own_cpu(), time.monotonic()
         with capture_output():
@@ -115,7 +126,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--counts", default="1,2", help="process counts (default 1,2)")
-    parser.add_argument("--steps", type=int, default=6000, help="steps per run (default 6000: 2-4 s at this rate)")
+    parser.add_argument("--steps", type=int, default=6000,
+                        help="steps measured per run, after the warm-up (default 6000: 3-4 s at this rate)")
     parser.add_argument("--repeats", type=int, default=9, help="pairs (with, without ctx.log) per count (default 9)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--inner", default=None, help=argparse.SUPPRESS)
