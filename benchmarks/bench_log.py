@@ -2,13 +2,21 @@
 
 The loop: a small MLP (16 → 32 → 1), batch 16, Adam, one step per iteration, each rank on its own copy (no
 gradient all-reduce: a loop fast enough, at least 1500 steps/s per process on 2 cores, for a per-step cost to
-show). The same loop is run with and without ``ctx.log(loss=...)`` every step, alternately, in one kernel per
-backend (its workers warm, as a user's re-runs are); both log one value before the loop, so both have the MLflow
-run and its system-metrics monitor open; each sample is rank 0's steps/s over ``--steps`` steps after 1.5 s of
-warm-up. Cost = the median over pairs of 1 - (with ctx.log) / (without), each pair two runs back to back. Target:
-at most 2 % (run_all.py's report).
+show). Every run logs one value before the loop, so that both sides have the MLflow run and its system-metrics
+monitor open (the run opens at the first metric, else 10 s in), and measures after 1.5 s of warm-up. One kernel
+per backend, its workers warm (as a user's re-runs are). Two estimates of the same cost:
 
-    .venv/bin/python benchmarks/bench_log.py                         # local, spark, ray; -n 1 and -n 2; 9 pairs each
+- **run pairs**: the loop with ``ctx.log(loss=...)`` every step and without, in two runs back to back (which one
+  goes first alternates); each run measures rank 0's steps/s over ``--seconds``; cost = the median over pairs of
+  1 - (with / without). Everything a run with ctx.log does is inside (the notebook's MLflow writes included),
+  but runs on this 2-core machine differ by ±5 % among themselves: 9 pairs leave the median ±2 % uncertain.
+- **blocks**: one long run whose loop switches ctx.log on and off every second (``--blocks`` pairs of blocks,
+  order alternating); cost = the median over adjacent pairs. The drift between runs is gone, but the notebook
+  writes a block's values to MLflow every 2 s, so part of that write can fall in the next block (without).
+
+Target: at most 2 % (run_all.py's report).
+
+    .venv/bin/python benchmarks/bench_log.py                     # local, spark, ray; -n 1 and -n 2; 9 pairs, 30 blocks
     .venv/bin/python benchmarks/bench_log.py --backends local --repeats 5 --json benchmarks/results/ctx_log.json
 """
 
@@ -30,7 +38,9 @@ WARMUP_S = 1.5  # the MLflow run open and its writer in its steady rhythm before
 # between runs: the last run's clean-up and the start of the next run's waiting workers are done (they took
 # CPU for the first 2-3 s of a run started at once: rank 0's rate there was 900-1000 steps/s against 1600)
 SETTLE_S = 3.0
+BLOCK_S = 1.0
 
+# SCHEDULE: (ctx.log every step?, seconds) for each measured block, after a warm-up like the first
 LOOP = '''
 import time
 import torch
@@ -39,41 +49,44 @@ def train(ctx):
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     x = torch.randn(16, 16)
-    log = LOG
-    # both runs log once before the loop: the MLflow run opens at the first metric (else 10 s in), so without
-    # this the run without ctx.log would be measured with no MLflow run or system-metrics monitor open at all
-    ctx.log(started=1.0)
-    began, started, warm = time.perf_counter(), None, 0
-    step = 0
-    while started is None or step < warm + STEPS:
-        loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        value = loss.item()
-        if log:
-            ctx.log(loss=value)
-        step += 1
-        if started is None and time.perf_counter() - began > WARMUP_S:
-            started, cpu, warm = time.perf_counter(), time.process_time(), step
-    return STEPS / (time.perf_counter() - started), (time.process_time() - cpu) / STEPS
+    ctx.log(started=1.0)  # the MLflow run opens at the first metric: open on both sides
+    blocks = []
+    for log, seconds in [(SCHEDULE[0][0], WARMUP_S)] + SCHEDULE:
+        began, cpu, steps = time.perf_counter(), time.process_time(), 0
+        while time.perf_counter() - began < seconds:
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            value = loss.item()
+            if log:
+                ctx.log(loss=value)
+            steps += 1
+        blocks.append((log, steps / (time.perf_counter() - began), (time.process_time() - cpu) / steps))
+    return blocks[1:]
 '''
 
 
-def inner(backend: str, counts: list[int], steps: int, repeats: int) -> dict:
-    """In a fresh process: one kernel, this backend; for each process count, ``repeats`` pairs (log, no log)."""
+def alternating(pairs: int, seconds: float) -> list[tuple[bool, float]]:
+    """``pairs`` (with, without) blocks, the order alternating: with, without, without, with, ..."""
+    return [(log, seconds) for i in range(pairs) for log in ((True, False) if i % 2 == 0 else (False, True))]
+
+
+def inner(backend: str, counts: list[int], seconds: float, repeats: int, blocks: int) -> dict:
+    """In a fresh process: one kernel, this backend; for each process count, ``repeats`` run pairs (log, no
+    log), then one run of ``blocks`` block pairs."""
     from IPython.core.interactiveshell import InteractiveShell
     from IPython.utils.capture import capture_output
 
     shell = InteractiveShell.instance()
     shell.run_cell("%load_ext dtrain_magic", store_history=False)
-    shell.user_ns.update(STEPS=steps, WARMUP_S=WARMUP_S)
+    shell.user_ns.update(WARMUP_S=WARMUP_S)
     out: dict = {}
 
-    def once(n: int, log: bool) -> tuple[float, float, float]:
-        """(rank 0's steady steps/s, its process's CPU seconds per step (training and reporter threads), the
-        notebook process's CPU share of one core during the run)."""
-        shell.user_ns["LOG"] = log
+    def once(n: int, schedule: list[tuple[bool, float]]) -> tuple[list, float]:
+        """(rank 0's blocks: (logged, steps/s, its process's CPU seconds per step), the notebook process's CPU
+        share of one core during the run)."""
+        shell.user_ns["SCHEDULE"] = schedule
         time.sleep(SETTLE_S)
         cell = f"%%distribute --backend {backend} -n {n} --cpu --no-ui --experiment bench_log\n" + LOOP
         cpu0, wall0 = _own_cpu(), time.monotonic()
@@ -81,21 +94,23 @@ def inner(backend: str, counts: list[int], steps: int, repeats: int) -> dict:
             result = shell.run_cell(cell, store_history=False)
         if result.error_in_exec is not None:
             raise result.error_in_exec
-        rate, cpu_per_step = result.result.value
-        return float(rate), float(cpu_per_step), (_own_cpu() - cpu0) / (time.monotonic() - wall0)
+        return result.result.value, (_own_cpu() - cpu0) / (time.monotonic() - wall0)
 
     for n in counts:
-        once(n, True)  # warm: the backend up, its next workers waiting, MLflow imported
+        once(n, [(True, 1.0)])  # warm: the backend up, its next workers waiting, MLflow imported
         samples: dict[str, list[float]] = {key: [] for key in ("log", "nolog", "worker_cpu_us_log",
                                                                "worker_cpu_us_nolog", "notebook_cpu_log",
-                                                               "notebook_cpu_nolog")}
-        for i in range(repeats):
-            for log in ((True, False) if i % 2 == 0 else (False, True)):
-                rate, cpu_per_step, notebook = once(n, log)
-                which = "log" if log else "nolog"
-                samples[which].append(rate)
-                samples[f"worker_cpu_us_{which}"].append(1e6 * cpu_per_step)
-                samples[f"notebook_cpu_{which}"].append(notebook)
+                                                               "notebook_cpu_nolog", "block_log", "block_nolog")}
+        for log, _ in alternating(repeats, seconds):
+            [(_, rate, cpu_per_step)], notebook = once(n, [(log, seconds)])
+            which = "log" if log else "nolog"
+            samples[which].append(rate)
+            samples[f"worker_cpu_us_{which}"].append(1e6 * cpu_per_step)
+            samples[f"notebook_cpu_{which}"].append(notebook)
+        if blocks:
+            measured, _ = once(n, alternating(blocks, BLOCK_S))
+            for log, rate, _ in measured:
+                samples["block_log" if log else "block_nolog"].append(rate)
         out[str(n)] = samples
     return out
 
@@ -109,11 +124,16 @@ def _own_cpu() -> float:
 def summarize(samples: dict[str, list[float]]) -> dict:
     """Medians, and the cost: the median over pairs of 1 - (with / without), each pair two runs back to back (in
     alternating order), so that the machine's drift between pairs cancels."""
-    med = {k: statistics.median(v) for k, v in samples.items()}
+    med = {k: statistics.median(v) for k, v in samples.items() if v}
     pairs = zip(samples["log"], samples["nolog"], strict=True)
     pair_costs = sorted(1 - with_log / without for with_log, without in pairs)
     quartiles = statistics.quantiles(pair_costs, n=4) if len(pair_costs) >= 2 else pair_costs * 3
-    return {"samples": samples, "median_log": med["log"], "median_nolog": med["nolog"],
+    block_costs = sorted(1 - with_log / without for with_log, without in
+                         zip(samples.get("block_log", []), samples.get("block_nolog", []), strict=True))
+    blocks = {"block_costs": block_costs, "block_cost": statistics.median(block_costs),
+              "block_cost_q1": statistics.quantiles(block_costs, n=4)[0],
+              "block_cost_q3": statistics.quantiles(block_costs, n=4)[-1]} if len(block_costs) >= 2 else {}
+    return {**blocks, "samples": samples, "median_log": med["log"], "median_nolog": med["nolog"],
             "pair_costs": pair_costs, "cost_q1": quartiles[0], "cost_q3": quartiles[-1],
             "notebook_cpu_log": med.get("notebook_cpu_log"), "notebook_cpu_nolog": med.get("notebook_cpu_nolog"),
             "worker_cpu_us_log": med.get("worker_cpu_us_log"), "worker_cpu_us_nolog": med.get("worker_cpu_us_nolog"),
@@ -126,9 +146,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--counts", default="1,2", help="process counts (default 1,2)")
-    parser.add_argument("--steps", type=int, default=6000,
-                        help="steps measured per run, after the warm-up (default 6000: 3-4 s at this rate)")
-    parser.add_argument("--repeats", type=int, default=9, help="pairs (with, without ctx.log) per count (default 9)")
+    parser.add_argument("--seconds", type=float, default=4.0, help="seconds measured per run (default 4)")
+    parser.add_argument("--repeats", type=int, default=9,
+                        help="run pairs (with, without ctx.log) per count (default 9)")
+    parser.add_argument("--blocks", type=int, default=30,
+                        help=f"block pairs of {BLOCK_S:g} s in one run (default 30; 0: none)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--inner", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -136,14 +158,15 @@ def main() -> None:
     if "MLFLOW_TRACKING_URI" not in os.environ:
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tempfile.mkdtemp(prefix='bench_log_')}/bench.db"
     if args.inner:
-        print(json.dumps(inner(args.inner, counts, args.steps, args.repeats)))
+        print(json.dumps(inner(args.inner, counts, args.seconds, args.repeats, args.blocks)))
         return
     began = time.monotonic()
-    report: dict = {"steps": args.steps, "repeats": args.repeats, "cpu_count": os.cpu_count(), "backends": {}}
+    report: dict = {"seconds": args.seconds, "repeats": args.repeats, "blocks": args.blocks, "block_s": BLOCK_S,
+                    "cpu_count": os.cpu_count(), "backends": {}}
     for backend in args.backends.split(","):
         proc = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--inner", backend, "--counts", args.counts,
-             "--steps", str(args.steps), "--repeats", str(args.repeats)],
+             "--seconds", str(args.seconds), "--repeats", str(args.repeats), "--blocks", str(args.blocks)],
             capture_output=True, text=True, timeout=1800,
         )
         if proc.returncode != 0:
@@ -159,8 +182,11 @@ def main() -> None:
                   f"steps/s); rank 0's CPU per step "
                   f"{data['worker_cpu_us_log']:.0f} us with, {data['worker_cpu_us_nolog']:.0f} us without; the "
                   f"notebook process used {100 * data['notebook_cpu_log']:.1f} % of a core with, "
-                  f"{100 * data['notebook_cpu_nolog']:.1f} % without", flush=True)
-    report["seconds"] = time.monotonic() - began
+                  f"{100 * data['notebook_cpu_nolog']:.1f} % without" + (
+                      f"; in blocks of {BLOCK_S:g} s within one run: {100 * data['block_cost']:.1f} % (median of "
+                      f"{len(data['block_costs'])} pairs, quartiles {100 * data['block_cost_q1']:.1f} to "
+                      f"{100 * data['block_cost_q3']:.1f} %)" if "block_cost" in data else ""), flush=True)
+    report["took_s"] = time.monotonic() - began
     write_json(args.json, report)
 
 
