@@ -121,20 +121,30 @@ def _own_cpu() -> float:
     return times.user + times.system
 
 
+def _quartiles(costs: list[float]) -> tuple[float, float]:
+    """(first, third) quartile of ``costs``; a single cost stands for both."""
+    if len(costs) < 2:
+        return costs[0], costs[0]
+    first, _, third = statistics.quantiles(costs, n=4)
+    return first, third
+
+
 def summarize(samples: dict[str, list[float]]) -> dict:
     """Medians, and the cost: the median over pairs of 1 - (with / without), each pair two runs back to back (in
     alternating order), so that the machine's drift between pairs cancels."""
     med = {k: statistics.median(v) for k, v in samples.items() if v}
     pairs = zip(samples["log"], samples["nolog"], strict=True)
     pair_costs = sorted(1 - with_log / without for with_log, without in pairs)
-    quartiles = statistics.quantiles(pair_costs, n=4) if len(pair_costs) >= 2 else pair_costs * 3
+    quartiles = _quartiles(pair_costs)
     block_costs = sorted(1 - with_log / without for with_log, without in
                          zip(samples.get("block_log", []), samples.get("block_nolog", []), strict=True))
-    blocks = {"block_costs": block_costs, "block_cost": statistics.median(block_costs),
-              "block_cost_q1": statistics.quantiles(block_costs, n=4)[0],
-              "block_cost_q3": statistics.quantiles(block_costs, n=4)[-1]} if len(block_costs) >= 2 else {}
+    blocks = {}
+    if len(block_costs) >= 2:
+        block_q1, block_q3 = _quartiles(block_costs)
+        blocks = {"block_costs": block_costs, "block_cost": statistics.median(block_costs),
+                  "block_cost_q1": block_q1, "block_cost_q3": block_q3}
     return {**blocks, "samples": samples, "median_log": med["log"], "median_nolog": med["nolog"],
-            "pair_costs": pair_costs, "cost_q1": quartiles[0], "cost_q3": quartiles[-1],
+            "pair_costs": pair_costs, "cost_q1": quartiles[0], "cost_q3": quartiles[1],
             "notebook_cpu_log": med.get("notebook_cpu_log"), "notebook_cpu_nolog": med.get("notebook_cpu_nolog"),
             "worker_cpu_us_log": med.get("worker_cpu_us_log"), "worker_cpu_us_nolog": med.get("worker_cpu_us_nolog"),
             "min_nolog": min(samples["nolog"]), "max_nolog": max(samples["nolog"]),

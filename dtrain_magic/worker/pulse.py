@@ -8,7 +8,7 @@ notebook can tell a rank that progresses (counters or CPU moving) from one that 
 one blocked even for Python (nothing at all: its native code holds the GIL).
 
 A loop logging faster than MLflow can take (a SQLite store writes about 4000 values a second with a whole
-core) is thinned per metric (`Thinning`): every value up to a burst, then at most ``rate`` a second (10), evenly
+core) is thinned per metric (`Thinning`): every value up to a burst, then at most ``rate`` a second (`RATE`), evenly
 spread; a metric's last value is always sent, and the count left out travels with the batch.
 
 `install_stack_dump`: ``faulthandler`` on `procfacts.STACK_SIGNAL` (and for fatal signals) with the rank's
