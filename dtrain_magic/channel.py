@@ -102,7 +102,7 @@ class Metric(Message):
 class Metrics(Message):
     """Rank 0's ``ctx.log`` values gathered in the worker: ``entries`` are ``(step, metrics, timestamp_ms)`` in
     the order they were logged; ``thinned`` values were left out (a loop logging faster than MLflow can take,
-    `dtrain_magic.worker.pulse.Thinning`)."""
+    `dtrain_magic.worker.pulse.Gate`)."""
 
     KIND: ClassVar[str] = "metrics"
     rank: int

@@ -252,8 +252,8 @@ class TrainContext:
 
         Without ``step``, each call is the next step (0, 1, 2, ...). Tensors are turned into floats.
         Other ranks' calls are ignored (MLflow records what rank 0 logs). The values travel to the notebook a
-        few times a second; a loop logging a metric more than 10 times a second keeps every value for the first
-        200, then 10 a second, evenly spread (the last one always; ``$DTRAIN_MAGIC_METRIC_RATE``).
+        few times a second; a loop logging the same metrics more than 10 times a second keeps every value for the
+        first 200, then 10 a second (the last one always; ``$DTRAIN_MAGIC_METRIC_RATE``).
         A ``tokens`` value (the tokens this rank went through since its last ``ctx.log``) gives the run's tokens/s
         and, with the model's parameters, model FLOP/s and MFU (docs/ui.md#throughput-and-stragglers).
         """
@@ -266,15 +266,15 @@ class TrainContext:
                 tokens = values.get("tokens")
                 self._pulse.log_call(float(tokens) if isinstance(tokens, (int, float, torch.Tensor)) else None)
             return
-        # A loop may call this thousands of times a second: a plain float under a str key takes no conversion.
-        numbers = {key if type(key) is str else str(key): value if type(value) is float else _metric_value(key, value)
-                   for key, value in values.items()}
-        stamp = int(time.time() * 1000)
+        # A loop may call this thousands of times a second: str keys and float values are taken as they are
+        for key, value in values.items():
+            if type(value) is not float or type(key) is not str:
+                values = {str(key): _metric_value(key, value) for key, value in values.items()}
+                break
         if self._pulse is None:
-            self._send(Metric(self.rank, int(step), numbers, stamp))
+            self._send(Metric(self.rank, int(step), values, int(time.time() * 1000)))
             return
-        self._pulse.log_call(numbers.get("tokens"))
-        self._pulse.queue_metrics(int(step), numbers, stamp)
+        self._pulse.record(int(step) if type(step) is not int else step, values)
 
     def flush_metrics(self) -> None:
         """Send the ``ctx.log`` values gathered so far now, rather than with the next batch (a session's cell calls

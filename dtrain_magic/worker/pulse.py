@@ -8,8 +8,10 @@ notebook can tell a rank that progresses (counters or CPU moving) from one that 
 one blocked even for Python (nothing at all: its native code holds the GIL).
 
 A loop logging faster than MLflow can take (a SQLite store writes about 4000 values a second with a whole
-core) is thinned per metric (`Thinning`): every value up to a burst, then at most ``rate`` a second (`RATE`), evenly
-spread; a metric's last value is always sent, and the count left out travels with the batch.
+core) is thinned as it logs, per set of metrics logged together (`Gate`): every value up to a burst, then at
+most ``rate`` a second, evenly spread; a set's last value is always sent, and the count left out travels with
+the batch. Thinning at the call keeps the queue to the values sent: a few attribute operations on the training
+thread, no work per step for the reporter.
 
 `install_stack_dump`: ``faulthandler`` on `procfacts.STACK_SIGNAL` (and for fatal signals) with the rank's
 stack file, whose first line names the training thread (`procfacts`).
@@ -31,65 +33,28 @@ from ..errors import log_dropped
 
 METRICS_EVERY_S = 0.25
 PULSE_EVERY_S = 0.5
-BURST = 200  # values per metric sent as they come before thinning starts (short runs keep every step)
-RATE = 10.0  # values per metric per second after the burst (env DTRAIN_MAGIC_METRIC_RATE): each costs
+BURST = 200  # values per set of metrics sent as they come before thinning starts (short runs keep every step)
+RATE = 10.0  # values per set of metrics per second after the burst (env DTRAIN_MAGIC_METRIC_RATE): each costs
 # the notebook 0.1-0.2 ms (MLflow's SQLite write), CPU the workers would miss on a small machine
 
 
-class Thinning:
-    """Per metric: a token bucket of ``burst`` values refilled at ``rate`` a second. `select` keeps, of the
-    steps that logged a metric since the last call, as many as the bucket holds, evenly spread, the last always."""
+class Gate:
+    """One set of metrics logged together (``ctx.log(loss=..., lr=...)``'s keys): a token bucket of ``burst``
+    values refilled at ``rate`` a second, on the training thread (which stamps each call anyway), so the values
+    kept are evenly spread. The training thread holds the latest value it left out; the reporter sends it (so
+    the last value always goes). Each attribute has one writer thread: no lock on the training thread."""
 
-    def __init__(self, burst: int = BURST, rate: float = RATE):
-        # the bucket holds at least two flushes' worth at ``rate``: a higher rate is never capped by the burst
-        self.burst, self.rate = max(float(burst), 2 * METRICS_EVERY_S * rate), rate
-        self._tokens: dict[str, float] = {}
-        self._at: dict[str, float] = {}
+    __slots__ = ("tokens", "at", "held", "sent")
 
-    def select(self, key: str, count: int, now: float) -> range | list[int]:
-        """Indices (0 .. count-1) of the values of ``key`` to send."""
-        tokens = self._tokens.get(key, self.burst)
-        if key in self._at:
-            tokens = min(self.burst, tokens + (now - self._at[key]) * self.rate)
-        self._at[key] = now
-        if count <= tokens:
-            self._tokens[key] = tokens - count
-            return range(count)
-        keep = max(1, int(tokens))
-        self._tokens[key] = tokens - keep
-        # evenly spread, ending on the last one
-        return sorted({count - 1 - round(i * (count - 1) / keep) for i in range(keep)})
+    def __init__(self, burst: float, now: float):
+        self.tokens, self.at = burst, now
+        self.held: tuple | None = None  # the latest value left out; None once a newer one was queued
+        self.sent: tuple | None = None  # the held value the reporter sent last
 
 
-def thin(entries: list, thinning: Thinning, now: float) -> tuple[list, int]:
-    """``entries`` ((step, metrics, stamp), in order) with the values `thinning` leaves out removed; (kept
-    entries, values left out). Steps that lose every value are dropped."""
-    by_key: dict[str, list[int]] = {}
-    for index, (_, metrics, _) in enumerate(entries):
-        for key in metrics:
-            by_key.setdefault(key, []).append(index)
-    dropped: dict[int, set[str]] = {}
-    left_out = 0
-    for key, indices in by_key.items():
-        keep = thinning.select(key, len(indices), now)
-        if len(keep) == len(indices):
-            continue
-        kept = {indices[i] for i in keep}
-        for index in indices:
-            if index not in kept:
-                dropped.setdefault(index, set()).add(key)
-                left_out += 1
-    if not dropped:
-        return entries, 0
-    out = []
-    for index, (step, metrics, stamp) in enumerate(entries):
-        gone = dropped.get(index)
-        if gone:
-            metrics = {k: v for k, v in metrics.items() if k not in gone}
-            if not metrics:
-                continue
-        out.append((step, metrics, stamp))
-    return out, left_out
+def burst_for(rate: float, burst: int = BURST) -> float:
+    """The bucket holds at least two flushes' worth at ``rate``: a higher rate is never capped by the burst."""
+    return max(float(burst), 2 * METRICS_EVERY_S * rate)
 
 
 def _metric_rate() -> float:
@@ -100,10 +65,14 @@ def _metric_rate() -> float:
 
 
 class Pulse:
-    """One rank's counters, metric queue and reporter thread. The training thread calls `step`, `log_call`,
-    `batch` and `queue_metrics`; `close` (before the result or the error is sent) sends what is left."""
+    """One rank's counters, metric queue and reporter thread. The training thread calls `step`, `log_call`
+    (ranks other than 0), `record` (rank 0's ctx.log), and `batch`; `close` (before the result or the error is
+    sent) sends what is left."""
 
-    def __init__(self, rank: int, send: Callable[[Message], None]):
+    def __init__(self, rank: int, send: Callable[[Message], None], rate: float | None = None, burst: int = BURST,
+                 reporter: bool = True):
+        """``rate``: values a second per set of metrics after the burst (default ``$DTRAIN_MAGIC_METRIC_RATE`` or
+        `RATE`); ``reporter=False``: no thread (the caller flushes)."""
         self.rank, self._send = rank, send
         self.steps = 0  # ctx.step / ctx.train_step calls
         self.log_calls = 0  # ctx.log calls (every rank counts them)
@@ -111,12 +80,17 @@ class Pulse:
         self.batch_tokens = 0  # from token-id inputs the prepared model saw
         self.logged_tokens = 0  # ``tokens`` values the function passed to ctx.log
         self.calls = 0  # anything at all that shows the training thread moved
-        self._queue: deque = deque()
-        self._thinning = Thinning(rate=_metric_rate())
+        self._queue: deque = deque()  # the values to send (already thinned)
+        self._rate = _metric_rate() if rate is None else rate
+        self._burst = burst_for(self._rate, burst)
+        self._gates: dict[tuple, Gate] = {}
+        self._left_out = 0  # values not queued (the training thread); some are sent later as a gate's latest
+        self._held_sent = self._left_out_told = 0  # (the reporter)
         self._closed = threading.Event()
         self._lock = threading.Lock()  # one sender of metrics at a time (the thread, or close)
         self._thread = threading.Thread(target=self._loop, name="dtrain-pulse", daemon=True)
-        self._thread.start()
+        if reporter:
+            self._thread.start()
 
     # -- the training thread ----------------------------------------------------------------------------
     def step(self) -> None:
@@ -134,8 +108,29 @@ class Pulse:
         self.batch_tokens += tokens
         self.calls += 1
 
-    def queue_metrics(self, step: int, metrics: dict, stamp_ms: int) -> None:
-        self._queue.append((step, metrics, stamp_ms))  # deque.append: safe against the thread's popleft
+    def record(self, step: int, values: dict[str, float]) -> None:
+        """Rank 0's ``ctx.log``: count the call; queue the values if their set's bucket has a token, else hold
+        them as the set's latest."""
+        self.log_calls += 1
+        self.calls += 1
+        if "tokens" in values:
+            self.logged_tokens += int(values["tokens"])
+        now = time.time()
+        entry = (step, values, int(now * 1000))
+        keys = tuple(values)
+        gate = self._gates.get(keys)
+        if gate is None:
+            gate = self._gates[keys] = Gate(self._burst, now)
+        tokens = gate.tokens + (now - gate.at) * self._rate
+        gate.at = now
+        if tokens >= 1.0:
+            gate.tokens = min(tokens, self._burst) - 1.0
+            self._queue.append(entry)  # deque.append: safe against the reporter's popleft
+            gate.held = None
+        else:
+            gate.tokens = tokens
+            self._left_out += 1
+            gate.held = entry
 
     def facts(self, facts: ModelFacts) -> None:
         self._send(facts)
@@ -160,11 +155,19 @@ class Pulse:
 
     def flush_metrics(self) -> None:
         with self._lock:
-            count = len(self._queue)
-            if not count:
-                return
-            entries = [self._queue.popleft() for _ in range(count)]
-            entries, left_out = thin(entries, self._thinning, time.monotonic())
+            entries = [self._queue.popleft() for _ in range(len(self._queue))]
+            held = False
+            for gate in list(self._gates.values()):
+                latest = gate.held
+                if latest is not None and latest is not gate.sent:
+                    gate.sent = latest
+                    entries.append(latest)
+                    self._held_sent += 1
+                    held = True
+            if held:
+                entries.sort(key=_stamp)  # a held latest value after the queued values logged before it
+            left_out = max(0, self._left_out - self._held_sent - self._left_out_told)
+            self._left_out_told += left_out
             if entries or left_out:
                 self._send(Metrics(self.rank, tuple(entries), left_out))
 
@@ -172,9 +175,14 @@ class Pulse:
         """Send what is queued and the last counters, and stop the thread (before the result or the error, so
         the notebook has every value when it has the result)."""
         self._closed.set()
-        self._thread.join(2.0)
+        if self._thread.ident is not None:
+            self._thread.join(2.0)
         self.flush_metrics()
         self._send(self.message())
+
+
+def _stamp(entry: tuple) -> int:
+    return entry[2]
 
 
 class StackDump:

@@ -4,8 +4,10 @@ and stragglers, per-rank output, the new messages' wire forms, the monitor's per
 from __future__ import annotations
 
 import io
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from dtrain_magic import channel as ch
 from dtrain_magic import procfacts
@@ -16,7 +18,10 @@ from dtrain_magic.driver.stacks import Worker, merge_ended, parse_dump, rank_sta
 from dtrain_magic.driver.watch import Watch
 from dtrain_magic.errors import ConfigError
 from dtrain_magic.launchers import watchdog
-from dtrain_magic.worker.pulse import Thinning, thin
+from dtrain_magic.strategies.ddp import DDPStrategy
+from dtrain_magic.worker import pulse as pulse_module
+from dtrain_magic.worker.context import TrainContext
+from dtrain_magic.worker.pulse import Pulse
 
 CELL = "/tmp/ipykernel_1/123.py"
 LABELS = {CELL: "Cell In[3]"}
@@ -128,23 +133,72 @@ def test_the_new_flags_are_checked():
 
 # -- metric thinning ---------------------------------------------------------------------------------------------
 
-def test_thinning_keeps_every_value_of_a_burst_then_the_rate_evenly_and_always_the_last():
-    thinning = Thinning(burst=10, rate=4)
-    entries = [(step, {"loss": float(step)}, step) for step in range(10)]
-    kept, left_out = thin(entries, thinning, now=0.0)
-    assert kept == entries and left_out == 0
-    entries = [(step, {"loss": float(step)}, step) for step in range(10, 30)]
-    kept, left_out = thin(entries, thinning, now=1.0)  # 1 s later: 4 values allowed
-    assert [e[0] for e in kept][-1] == 29 and len(kept) == 4 and left_out == 16
-    assert [e[0] for e in kept] == sorted(e[0] for e in kept)
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def time(self) -> float:
+        return self.now
 
 
-def test_thinning_is_per_metric_so_a_rare_metric_is_never_thinned():
-    thinning = Thinning(burst=5, rate=1)
-    entries = [(step, {"loss": 1.0, **({"val_loss": 2.0} if step % 50 == 0 else {})}, step) for step in range(200)]
-    kept, _ = thin(entries, thinning, now=0.0)
+def sent_entries(messages: list) -> tuple[list, int]:
+    metrics = [m for m in messages if isinstance(m, ch.Metrics)]
+    return [entry for m in metrics for entry in m.entries], sum(m.thinned for m in metrics)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(pulse_module, "time", SimpleNamespace(time=clock.time, monotonic=clock.time,
+                                                              process_time=lambda: 0.0))
+    return clock
+
+
+def test_thinning_keeps_every_value_of_a_burst_then_the_rate_evenly_and_always_the_last(clock):
+    messages: list = []
+    pulse = Pulse(0, messages.append, rate=4, burst=10, reporter=False)
+    for step in range(10):
+        pulse.record(step, {"loss": float(step)})
+    pulse.flush_metrics()
+    kept, left_out = sent_entries(messages)
+    assert [e[0] for e in kept] == list(range(10)) and left_out == 0
+    messages.clear()
+    for i, step in enumerate(range(10, 30), start=1):  # 20 values in 1 s: 4 allowed
+        clock.now = i * 0.05
+        pulse.record(step, {"loss": float(step)})
+    pulse.flush_metrics()
+    kept, left_out = sent_entries(messages)
+    steps = [e[0] for e in kept]
+    assert len(steps) == 4 and steps[-1] == 29 and left_out == 16, (steps, left_out)
+    assert all(b - a >= 4 for a, b in zip(steps, steps[1:], strict=False)), steps  # spread, not the first four
+    pulse.flush_metrics()  # nothing new: the last value is not sent twice
+    assert sent_entries(messages)[0] == kept
+
+
+def test_thinning_is_per_set_of_metrics_so_a_rare_metric_is_never_thinned(clock):
+    messages: list = []
+    pulse = Pulse(0, messages.append, rate=1, burst=5, reporter=False)
+    for step in range(200):
+        clock.now = step * 0.001
+        pulse.record(step, {"loss": 1.0, **({"val_loss": 2.0} if step % 50 == 0 else {})})
+    pulse.close()
+    kept, left_out = sent_entries(messages)
     assert [e[0] for e in kept if "val_loss" in e[1]] == [0, 50, 100, 150]
-    assert sum("loss" in e[1] for e in kept) == 5 and kept[-1][0] == 199
+    assert [e[0] for e in kept if "val_loss" not in e[1]] == [1, 2, 3, 4, 5, 199]
+    assert [e[2] for e in kept] == sorted(e[2] for e in kept)  # the held last value in its place
+    assert left_out == 200 - len(kept)
+
+
+def test_ctx_log_turns_tensors_and_keys_into_floats_and_names_a_bad_metric():
+    sent: list = []
+    config = RunConfig(backend="local", num_processes=1)
+    ctx = TrainContext(config, DDPStrategy(config, 0, 0, 1, torch.device("cpu")), 0, 0, 1, torch.device("cpu"),
+                       send=sent.append)
+    ctx.log({"loss": torch.tensor([1.0, 3.0]), 7: 2}, step=3)
+    ctx.log(lr=0.5)
+    assert [(m.step, m.metrics) for m in sent] == [(3, {"loss": 2.0, "7": 2.0}), (1, {"lr": 0.5})]
+    with pytest.raises(TypeError, match="ctx.log: metric 'loss' must be a number, got str"):
+        ctx.log(loss="high")
 
 
 # -- stacks ------------------------------------------------------------------------------------------------------
