@@ -70,9 +70,9 @@ def benchmarks(args: argparse.Namespace) -> dict[str, tuple[str, list[str], floa
                        ["-n", str(n), *small["strategies"]],
                        30 if args.quick else 80),
         # per backend: its start, then for -n 1 and -n N a warm run, r + 2 pairs of ~10 s runs (with, without
-        # ctx.log; 3 s apart) and one run of 30 pairs of 1 s blocks
+        # ctx.log; 3 s apart) and one run of 120 pairs of 1 s blocks
         "ctx_log": ("bench_log.py", ["--repeats", str(r + 2), "--counts", f"1,{n}", *small["log"]],
-                    (20 + 30 + 60) + 3 * 2 * ((1 + 2 * (r + 2)) * 10 + 70)),
+                    (20 + 30 + 60) + 3 * 2 * ((1 + 2 * (r + 2)) * 10 + 250)),
         # per backend: a kernel, then 5 interrupted runs (each waits for the next run's workers: up to 16 s on Ray)
         "interrupt": ("bench_interrupt.py", ["--count", "2" if args.quick else "5"], 60 + 5 * (5 + 15 + 25)),
         # ≥ 1 GB of Parquet generated, read three ways; a Ray comparison; a ≥ 1 GB Spark DataFrame on every backend
@@ -342,18 +342,17 @@ def targets(results: dict, n: int) -> list[dict]:
     log = _data(results, "ctx_log") or {}
     for backend, counts in (log.get("backends") or {}).items():
         for count, stat in counts.items():
-            rate, cost = stat["median_nolog"], stat["cost"]
+            rate = stat["median_nolog"]
+            cost = stat.get("block_cost", stat["cost"])  # within one run: the drift between runs gone
             wanted = f"≤ {100 * LOG_COST_LIMIT:.0f} % at ≥ {LOG_COST_RATE:.0f} steps/s"
             row = {"target": f"{backend} -n {count}: cost of ctx.log every step in a fast loop (without it "
                              f"{rate:.0f} steps/s)", "wanted": wanted, "measured": 100 * cost,
                    "limit": 100 * LOG_COST_LIMIT,
-                   "measured_text": f"{100 * cost:.1f} %" + (f" (median of {len(stat['pair_costs'])} pairs; "
-                                                              f"quartiles {100 * stat['cost_q1']:.1f} to "
-                                                              f"{100 * stat['cost_q3']:.1f} %)"
-                                                              if "pair_costs" in stat else "")
-                   + (f"; within one run, 1 s blocks: {100 * stat['block_cost']:.1f} % (quartiles "
-                      f"{100 * stat['block_cost_q1']:.1f} to {100 * stat['block_cost_q3']:.1f} %)"
-                      if "block_cost" in stat else ""),
+                   "measured_text": (f"{100 * stat['block_cost']:.1f} % (1 s blocks within one run, median of "
+                                     f"{len(stat['block_costs'])} pairs; quartiles {100 * stat['block_cost_q1']:.1f} "
+                                     f"to {100 * stat['block_cost_q3']:.1f} %); " if "block_cost" in stat else "")
+                   + f"run pairs: {100 * stat['cost']:.1f} % (median of {len(stat['pair_costs'])}; quartiles "
+                     f"{100 * stat['cost_q1']:.1f} to {100 * stat['cost_q3']:.1f} %)",
                    "met": cost <= LOG_COST_LIMIT and rate >= LOG_COST_RATE,
                    "missed_by": None, "reason": None}
             if not row["met"]:
