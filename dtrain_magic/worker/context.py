@@ -274,7 +274,7 @@ class TrainContext:
         if self._pulse is None:
             self._send(Metric(self.rank, int(step), values, int(time.time() * 1000)))
             return
-        self._pulse.record(int(step) if type(step) is not int else step, values)
+        self._pulse.record(int(step), values)
 
     def flush_metrics(self) -> None:
         """Send the ``ctx.log`` values gathered so far now, rather than with the next batch (a session's cell calls
