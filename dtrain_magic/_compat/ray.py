@@ -159,6 +159,8 @@ def abort(controller: Any, wait_s: float = ABORT_WAIT_S) -> bool:
     (its placement group may then stay until the driver exits)."""
     import ray
 
+    if not ray.is_initialized():  # Ray was shut down, its actors with it; a call would start a new Ray (auto-init)
+        return True
     finished = True
     try:
         ray.get(controller.abort.remote(), timeout=wait_s)  # returns at once when the run is already over

@@ -178,6 +178,24 @@ def test_spark_context_stopped_and_default_session_without_a_session():
     assert spark_compat.default_session() is None  # no SparkSession in this process (no JVM started)
 
 
+def test_aborting_a_ray_train_controller_after_ray_shut_down_asks_nothing_of_ray():
+    """At exit after Ray's own exit hook (or the user's ray.shutdown()), an abort must not call Ray: Ray's
+    auto-init would start a new local Ray while the interpreter exits."""
+    ray = pytest.importorskip("ray")
+    assert not ray.is_initialized()
+
+    asked = []
+
+    class Controller:
+        @property
+        def abort(self):
+            asked.append("abort")
+            raise RuntimeError("a dead actor")  # (before ray.get, which would auto-init Ray here)
+
+    assert ray_compat.abort(Controller(), wait_s=0.0) is True
+    assert asked == [] and not ray.is_initialized()
+
+
 def test_ipykernel_subshells_only_on_a_known_ipykernel(installed, monkeypatch):
     kernel = types.SimpleNamespace(_supports_kernel_subshells=True)
     installed("ipykernel", "7.4.0")

@@ -57,6 +57,7 @@ class RayJob(StandbyLaunch):
         self._cancelled = False
         self._lock = threading.Lock()
         self.abort_wait_s = ray_compat.ABORT_WAIT_S  # shorter at kernel exit, where the driver's end frees it all
+        self.at_exit = False  # cancelled by the kernel's exit: a killed controller's leftovers go with the driver
         self.storage, self.name = storage, name  # Ray Train's storage_path and run name
         if "://" not in self.storage:  # Ray Train would create it 0755: the run's files are the user's alone
             os.makedirs(os.path.join(self.storage, self.name), mode=0o700, exist_ok=True)
@@ -159,7 +160,7 @@ class RayJob(StandbyLaunch):
             return
         self.trainer.cancel_requested = True
         controller = self.trainer.controller  # (None again once fit() is over)
-        if controller is not None and not ray_compat.abort(controller, self.abort_wait_s):
+        if controller is not None and not ray_compat.abort(controller, self.abort_wait_s) and not self.at_exit:
             logging.getLogger(__name__).warning(
                 "Ray Train's controller of %s did not stop within %.0f s and was killed: its workers' placement "
                 "group may hold their CPUs/GPUs until this kernel exits", self.name, self.abort_wait_s)
@@ -334,8 +335,10 @@ class RayLauncher(Launcher):
         """Release the waiting workers, then shut down the local Ray instance this kernel started (a joined
         cluster is left as it is)."""
         if at_exit:  # what a killed controller leaves goes with the driver: no need to wait on its abort
+            waiting = self.standbys.standby.launch if self.standbys.standby is not None else None
             for job in list(self._jobs):
-                job.abort_wait_s = 4.0
+                job.at_exit = True
+                job.abort_wait_s = 0.0 if job is waiting else 4.0  # a run's workers get a moment to stop
         self.standbys.release("the kernel exits" if at_exit else "the backend shuts down",
                               grace_s=3.0 if at_exit else 15.0)
         self.instance.shutdown()

@@ -37,7 +37,12 @@ class RayInstance:
     def connect(self, config: RunConfig) -> str:
         """Make sure this kernel is connected to the right Ray; returns how (`_how`)."""
         with self.lock:
-            return self._connect(config)
+            how = self._connect(config)
+        # Whoever called ray.init (the user, before any run, included) registered Ray's exit hook then: the
+        # kernel's must run before it, so that the runs and waiting workers on Ray are released while Ray is
+        # whole (after it, a release's Ray call would start a new local Ray through Ray's auto-init, at exit).
+        kernel_state().stop_first_at_exit()
+        return how
 
     def connected_for(self, config: RunConfig) -> str | None:
         """How this kernel is connected to the Ray ``config`` asks for (`_how`), or None

@@ -481,6 +481,7 @@ class SparkLauncher(Launcher):
         with self._lock:
             active = self._active_session()
             if active is not None and active is not self._session:
+                kernel_state().stop_first_at_exit()  # before pyspark's exit hooks: see below
                 return active  # Databricks, or the user's own session: never reconfigured or stopped by us
             if self._session is not None and self._alive(self._session):
                 wanted = config.spark_master
