@@ -479,25 +479,28 @@ class SparkLauncher(Launcher):
     def session(self, config: RunConfig) -> Any:
         """The SparkSession a run uses (the active one, else ours, started once and reused)."""
         with self._lock:
-            active = self._active_session()
-            if active is not None and active is not self._session:
-                kernel_state().stop_first_at_exit()  # before pyspark's exit hooks: see below
-                return active  # Databricks, or the user's own session: never reconfigured or stopped by us
-            if self._session is not None and self._alive(self._session):
-                wanted = config.spark_master
-                if wanted is None or self._session.sparkContext.master == wanted:
-                    return self._session
-                self._stop_own()  # --spark-master changed: our own session is restarted against it
-            check_java()
-            t0 = time.monotonic()
-            self._session = self._build(config.spark_master or "local[*]")
-            # The kernel's exit hook then runs before pyspark's own: the session is stopped while the JVM
-            # is still whole (a local-cluster stopped by the JVM's own shutdown prints hundreds of lines of
-            # executor-launch stack traces).
-            kernel_state().stop_first_at_exit()
-            self.session_start_s = time.monotonic() - t0
-            self.session_starts += 1
-            return self._session
+            session = self._session_for(config)
+        # The kernel's exit hook then runs before pyspark's own, registered when this session (ours, the user's or
+        # Databricks') started: it is stopped, or its waiting workers released, while the JVM is still whole (a
+        # local-cluster stopped by the JVM's own shutdown prints hundreds of lines of executor-launch stack traces).
+        kernel_state().stop_first_at_exit()
+        return session
+
+    def _session_for(self, config: RunConfig) -> Any:
+        active = self._active_session()
+        if active is not None and active is not self._session:
+            return active  # Databricks, or the user's own session: never reconfigured or stopped by us
+        if self._session is not None and self._alive(self._session):
+            wanted = config.spark_master
+            if wanted is None or self._session.sparkContext.master == wanted:
+                return self._session
+            self._stop_own()  # --spark-master changed: our own session is restarted against it
+        check_java()
+        t0 = time.monotonic()
+        self._session = self._build(config.spark_master or "local[*]")
+        self.session_start_s = time.monotonic() - t0
+        self.session_starts += 1
+        return self._session
 
     @staticmethod
     def _alive(session: Any) -> bool:
