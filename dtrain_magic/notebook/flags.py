@@ -22,6 +22,7 @@ from IPython.core.magic_arguments import (
 
 from ..config import RunConfig, resolve_config
 from ..flagtable import FLAGS, Flag
+from ..magic_line import strip_comment
 
 USAGE_EXAMPLE = """\
 Run the cell's training function on several processes, GPUs or nodes.
@@ -86,7 +87,7 @@ def parse_line(line: str, holder: Callable[..., Any] = distribute, rows: tuple[F
     """Parse the magic's line (``holder``: the function `declared` gave the parser; default ``%%distribute``'s);
     argparse errors become IPython ``UsageError`` naming the flag."""
     try:
-        args = parse_argstring(holder, line)
+        args = parse_argstring(holder, strip_comment(line))
     except UsageError as exc:
         message = str(exc)
         if not message.startswith("unrecognized arguments"):

@@ -13,6 +13,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from ..api import make_observer
 from ..driver import runner
 from ..errors import MissingDependencyError
+from ..magic_line import takes_comments
 from ..result import RunResult
 from . import flags
 from .capture import capture, payload_maker
@@ -29,6 +30,7 @@ class DistributeMagics(Magics):
     """IPython magics of dtrain_magic."""
 
     @cell_magic
+    @takes_comments
     def distribute(self, line: str, cell: str) -> RunResult | None:
         args = flags.parse_line(line)
         config = flags.config_from_args(args, in_frontend=_in_frontend(self.shell))
@@ -59,6 +61,7 @@ class DistributeMagics(Magics):
     distribute.__doc__ = flags.HELP
 
     @line_magic
+    @takes_comments
     def distribute_stacks(self, line: str) -> None:
         """Print where every rank of the runs in progress in this kernel is: each rank's Python stack, with the
         notebook's cell lines, within 2 s, without disturbing the training. For a run started by a cell that keeps
@@ -73,6 +76,7 @@ class DistributeMagics(Magics):
             print(f"dtrain_magic: {title}\n{text}")
 
     @line_magic
+    @takes_comments
     def distribute_release(self, line: str) -> None:
         """Release the workers ``%%distribute`` keeps waiting for the next run on Spark and Ray (launched after
         each run, held for ``--keep-warm`` seconds): their processes end, their executor slots or Ray CPUs/GPUs

@@ -7,6 +7,8 @@ from typing import Any
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from ..magic_line import takes_comments
+
 
 def show_run(run_id: str, tracking_uri: str | None = None, display: bool = True, interval_s: float = 0.5) -> Any:
     """The `charts.RunCharts` of ``run_id``; polls live until the run ends when it is still running."""
@@ -52,6 +54,7 @@ class UIMagics(Magics):
     @argument("--tracking-uri", default=None,
               help="MLflow tracking URI (None means $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
     @line_magic
+    @takes_comments
     def distribute_show(self, line: str) -> None:
         """Show the metric and system charts of a ``%%distribute`` run, read from MLflow."""
         args = parse_argstring(self.distribute_show, line)
