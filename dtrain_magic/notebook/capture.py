@@ -79,6 +79,15 @@ def cell_number(shell: Any) -> int:
     return getattr(shell, "execution_count", 0)
 
 
+def _functions_defined(namespace: dict) -> str:
+    """"functions defined: a, b": the notebook's own functions (defined in its cells), not IPython's (``open``) or
+    what was imported by name."""
+    module = namespace.get("__name__")
+    known = sorted(name for name, value in namespace.items()
+                   if inspect.isfunction(value) and not name.startswith("_") and value.__module__ == module)
+    return f"functions defined: {', '.join(known) or 'none'}"
+
+
 def select_function(cell: str, namespace: dict, fn_name: str | None) -> Callable[..., Any]:
     """The function named by ``--fn``, else the last top-level ``def`` of the cell."""
     name = fn_name or last_function_name(cell)
@@ -88,10 +97,7 @@ def select_function(cell: str, namespace: dict, fn_name: str | None) -> Callable
             "or name a function from an earlier cell with --fn NAME"
         )
     if name not in namespace:
-        known = sorted(k for k, v in namespace.items() if inspect.isfunction(v) and not k.startswith("_"))
-        raise CaptureError(
-            f"--fn {name}: no function of that name in the notebook; functions defined: {', '.join(known) or 'none'}"
-        )
+        raise CaptureError(f"--fn {name}: no function of that name in the notebook; {_functions_defined(namespace)}")
     fn = namespace[name]
     if not callable(fn):
         raise CaptureError(f"--fn {name}: {name} is a {type(fn).__name__}, not a function")

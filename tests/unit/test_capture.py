@@ -40,6 +40,15 @@ def test_fn_that_names_nothing_lists_known_functions():
         capture("def train(ctx): pass\n", ns, fn_name="nope")
 
 
+def test_fn_lists_the_notebooks_own_functions_not_ipythons_or_imported_ones():
+    import os.path
+
+    ns = {"__name__": "__main__", "open": open, "join": os.path.join, "_hidden": lambda: 0}
+    exec("def helper():\n    pass\n", ns)  # an earlier cell's function
+    with pytest.raises(CaptureError, match=r"functions defined: helper, train$"):
+        capture("def train(ctx): pass\n", ns, fn_name="nothere")
+
+
 def test_cell_without_function_is_a_clear_error():
     with pytest.raises(CaptureError, match="defines no function"):
         capture("x = 1\n", {})
