@@ -81,6 +81,8 @@ class TextObserver(RunObserver):
         self._total: int | None = None
         self._t0 = time.monotonic()
         self._steps_seen = 0
+        self._steps_shown = 0
+        self._latest: dict[str, float] = {}  # each metric's last value, for the final progress line
         self._perf = ""
         self._stragglers: set[int] = set()
         self._data: dict[str, tuple[int, int, int]] = {}  # name -> (epoch, batch, batches) of rank 0's loader
@@ -118,10 +120,15 @@ class TextObserver(RunObserver):
 
     def metric(self, step: int, metrics: dict[str, float], timestamp_ms: int | None = None) -> None:
         self._steps_seen = max(self._steps_seen, step + 1)
+        self._latest.update(metrics)
         now = time.monotonic()
         if now - self._last_progress < self._every_s:
             return
         self._last_progress = now
+        self._print_progress(now, metrics)
+
+    def _print_progress(self, now: float, metrics: dict[str, float]) -> None:
+        self._steps_shown = self._steps_seen
         line = progress_line(self._steps_seen, self._total, now - self._t0, metrics)
         line += "".join(f"; {data_line(name, *where)}" for name, where in self._data.items())
         print(f"{line} · {self._perf}" if self._perf else line, file=self.out)
@@ -142,6 +149,8 @@ class TextObserver(RunObserver):
             if rest:
                 (self.err if stream == "stderr" else self.out).write(f"[rank {rank}] {rest}\n")
         self._pending.clear()
+        if result is not None and self._steps_seen > self._steps_shown:
+            self._print_progress(time.monotonic(), self._latest)  # the last line shown is the run's last step
         if result is not None:
             print(f"dtrain_magic: finished in {result.wall_time_s:.2f} s; MLflow run {result.run_id}", file=self.out)
 

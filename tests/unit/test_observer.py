@@ -47,3 +47,22 @@ def test_a_gpu_plan_says_when_gpu_metrics_will_be_missing(monkeypatch):
                    "nvidia-ml-py to record GPU utilisation and memory)")
     cpu = plan_with_backend("2 local process(es) (CPU, 127.0.0.1)", RunConfig(use_gpu=False))
     assert cpu == "2 local process(es) (CPU, 127.0.0.1), gloo process group"
+
+
+def test_the_last_progress_line_is_the_runs_last_step_with_its_final_values():
+    from types import SimpleNamespace
+
+    stdout = io.StringIO()
+    obs = TextObserver(out=stdout, every_s=3600)  # one progress line per hour: only the first and the final
+    obs.started(RunConfig(), "rid", "link", "plan")
+    obs._last_progress -= 3600
+    obs.metric(0, {"loss": 12.49})
+    for step in range(1, 36):
+        obs.metric(step, {"loss": 12.49 - step * 0.1})
+    obs.metric(35, {"acc": 0.5})  # logged apart: the final line holds each metric's last value
+    obs.data_progress("train", 9, 4, 4)
+    obs.finished(SimpleNamespace(wall_time_s=1.0, run_id="rid"), None)
+    lines = stdout.getvalue().splitlines()
+    assert lines[1].startswith("step 1 (") and lines[1].endswith("loss=12.49")
+    assert lines[-2].startswith("step 36 (") and lines[-2].endswith("acc=0.5, loss=8.99; train: epoch 9, batch 4/4")
+    assert lines[-1] == "dtrain_magic: finished in 1.00 s; MLflow run rid"
