@@ -79,6 +79,19 @@ def write_safetensors(directory: str, stream: Iterable[tuple[str, torch.Tensor |
     return _name_shards(directory, shards)
 
 
+def write_model_config(directory: str, model: Any) -> list[str]:
+    """Beside the weights, the model's own Hugging Face config (``config.json``, and ``generation_config.json`` where
+    it has one), so that ``from_pretrained(directory)`` loads them; nothing for a model without one. Returns the files
+    written."""
+    written = []
+    for attribute, file_name in (("config", "config.json"), ("generation_config", "generation_config.json")):
+        config = getattr(model, attribute, None)
+        if config is not None and callable(getattr(config, "save_pretrained", None)):
+            config.save_pretrained(directory)
+            written.append(os.path.join(directory, file_name))
+    return written
+
+
 def _name_shards(directory: str, shards: list[list[str]]) -> list[str]:
     """The temporary part files renamed as Hugging Face names them (their count is known only at the end)."""
     if not shards:  # a model without tensors: an empty file still loads

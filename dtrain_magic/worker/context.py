@@ -24,7 +24,7 @@ from ..errors import log_dropped
 from ..strategies.base import Strategy
 from ..weights.deferred import is_factory, refuse_meta_buffers
 from ..weights.loading import match
-from ..weights.saving import DEFAULT_SHARD_BYTES, write_safetensors
+from ..weights.saving import DEFAULT_SHARD_BYTES, write_model_config, write_safetensors
 from ..weights.sources import open_weights
 from . import flops
 from .pulse import Pulse
@@ -367,12 +367,15 @@ class TrainContext:
         (``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` shards of at most ``max_shard_bytes`` and
         ``model.safetensors.index.json``); every rank must call it. Rank 0 writes, holding at most one shard: each
         tensor is gathered in turn (the other ranks hold one tensor at a time). The files load into the plain model
-        (``safetensors.torch.load_file``, ``load_state_dict``), a Hugging Face model (``from_pretrained``) and
-        ``ctx.prepare(..., weights=directory)`` under any strategy. Returns the files written (rank 0; ``[]``
-        elsewhere)."""
+        (``safetensors.torch.load_file``, ``load_state_dict``), a Hugging Face model (``from_pretrained``: rank 0 writes
+        the model's ``config.json`` beside them) and ``ctx.prepare(..., weights=directory)`` under any strategy.
+        Returns the files written (rank 0; ``[]`` elsewhere)."""
         self._require_prepared("save_weights")
         files = write_safetensors(os.fspath(directory), self.strategy.stream_full_state(), self.is_main,
                                   max_shard_bytes)
+        if self.is_main:
+            files += write_model_config(os.fspath(directory), getattr(self.strategy.model, "module",
+                                                                      self.strategy.model))
         self.barrier()
         return files
 

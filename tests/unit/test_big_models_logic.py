@@ -397,3 +397,23 @@ def test_ctx_prepare_takes_a_factory_and_refuses_what_cannot_work(tmp_path, caps
     files = ctx.save_weights(tmp_path / "out")
     assert [f.rsplit("/", 1)[1] for f in files] == ["model.safetensors"]
     assert_same(load_file(tmp_path / "out" / "model.safetensors"), dict(model.state_dict()))
+
+
+def test_save_weights_of_a_hugging_face_model_writes_its_config_so_from_pretrained_loads_it(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from dtrain_magic.strategies.ddp import DDPStrategy
+    from dtrain_magic.worker.context import TrainContext
+
+    config = RunConfig(strategy="ddp", num_processes=1)
+    ctx = TrainContext(config, DDPStrategy(config, 0, 0, 1, torch.device("cpu")), 0, 0, 1, torch.device("cpu"))
+    gpt2 = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=16, n_positions=8)
+    torch.manual_seed(0)
+    model, _ = ctx.prepare(transformers.GPT2LMHeadModel(gpt2), None)
+    files = ctx.save_weights(tmp_path / "out")
+    assert {f.rsplit("/", 1)[1] for f in files} >= {"model.safetensors", "config.json"}
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out")
+    assert_same(dict(loaded.state_dict()), dict(getattr(model, "module", model).state_dict()))
+    plain = nn.Linear(2, 2)  # a model without a config: only the weights
+    ctx2 = TrainContext(config, DDPStrategy(config, 0, 0, 1, torch.device("cpu")), 0, 0, 1, torch.device("cpu"))
+    ctx2.prepare(plain, None)
+    assert [f.rsplit("/", 1)[1] for f in ctx2.save_weights(tmp_path / "plain")] == ["model.safetensors"]
