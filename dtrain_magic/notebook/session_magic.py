@@ -19,7 +19,15 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from ..driver.observer import TextObserver, plan_with_backend
 from ..errors import CellInterrupted, CellTimeout, MissingDependencyError, SessionError
 from ..flagtable import seconds
-from ..session.options import DEFAULT_IDLE_TIMEOUT_S, IDLE_ENV, ROWS, idle_timeout_s, start_line
+from ..magic_line import takes_comments
+from ..session.options import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    IDLE_ENV,
+    ROWS,
+    idle_timeout_s,
+    refuse_run_only_flags,
+    start_line,
+)
 from ..state import kernel_state
 from . import flags
 from .capture import cell_number
@@ -141,6 +149,7 @@ class SessionMagics(Magics):
     """``%distribute_session``, ``%%ranks``, ``%distribute_pull``, ``%distribute_push``."""
 
     @line_magic
+    @takes_comments
     def distribute_session(self, line: str) -> Any:
         action, _, rest = line.strip().partition(" ")
         if action == "start":
@@ -170,6 +179,7 @@ class SessionMagics(Magics):
     distribute_session.__doc__ = _session_parser.__doc__
 
     def _start(self, rest: str) -> Any:
+        refuse_run_only_flags(rest)
         args = flags.parse_line(rest, holder=_session_parser, rows=ROWS, help_name="%distribute_session?")
         config = flags.config_from_args(args, in_frontend=_in_frontend(self.shell))
         idle = idle_timeout_s(args.idle_timeout)
@@ -200,6 +210,7 @@ class SessionMagics(Magics):
         show_panel(config, "", self.shell, start_session=session_starter(self.shell, idle))
 
     @cell_magic
+    @takes_comments
     def ranks(self, line: str, cell: str) -> Any:
         args = parse_argstring(_ranks_parser, line)
         session = current_session()
@@ -216,6 +227,7 @@ class SessionMagics(Magics):
     ranks.__doc__ = _ranks_parser.__doc__
 
     @line_magic
+    @takes_comments
     def distribute_pull(self, line: str) -> Any:
         args = parse_argstring(_pull_parser, line)
         session = current_session()
@@ -229,6 +241,7 @@ class SessionMagics(Magics):
     distribute_pull.__doc__ = _pull_parser.__doc__
 
     @line_magic
+    @takes_comments
     def distribute_push(self, line: str) -> None:
         args = parse_argstring(_push_parser, line)
         session = current_session()

@@ -22,6 +22,8 @@ WHY_NOT = {
     "max_restarts": "a session's ranks keep their state in their processes, which a restart would lose; "
                     "%distribute_session restart starts every rank afresh when you want that",
     "keep_warm": "nothing waits after a session: its ranks are held until it stops or is idle for --idle-timeout",
+    "fn": "a session runs cells (%%ranks), not a function",
+    "result": "a session runs cells (%%ranks), not a function; a cell's value comes back by rank",
 }
 # The flag table's rows a session takes (``--configure`` included: it shows the panel, whose Start session starts it).
 ROWS: tuple[Flag, ...] = tuple(row for row in FLAGS if row.field not in NOT_FOR_SESSIONS)
@@ -55,6 +57,17 @@ def check_session_config(config: RunConfig) -> None:
         if getattr(config, name) not in (None, 0):
             flag = "--" + name.replace("_", "-")
             raise ConfigError(flag, f"does not apply to a session: {WHY_NOT[name]}; nothing was started")
+
+
+def refuse_run_only_flags(line: str) -> None:
+    """A ``%distribute_session start`` line with a flag of runs only (``--max-restarts``, ``--keep-warm``, ``--fn``,
+    ``--result``): a `ConfigError` naming it and why, rather than argparse's "unrecognized arguments"."""
+    words = [word.split("=", 1)[0] for word in line.split() if word.startswith("-")]
+    for row in FLAGS:
+        if row.field in NOT_FOR_SESSIONS:
+            used = next((word for word in words if word in row.all_options), None)
+            if used is not None:
+                raise ConfigError(used, f"does not apply to a session: {WHY_NOT[row.field]}; nothing was started")
 
 
 def config_from_options(options: Mapping[str, Any], **environment: Any) -> tuple[RunConfig, float]:

@@ -31,6 +31,7 @@ from dtrain_magic.session.protocol import (
 )
 from dtrain_magic.session.report import raise_for as _raise_for
 from dtrain_magic.session.worker import RankSession
+from dtrain_magic.state import kernel_state
 
 
 class Rank:
@@ -252,6 +253,22 @@ def test_the_session_magic_help_and_flags_come_from_the_flag_table():
         flags.parse_line("--backnd ray", holder=_session_parser, rows=options.ROWS, help_name="%distribute_session?")
     with pytest.raises(UsageError, match="unrecognized arguments: --max-restarts"):
         flags.parse_line("--max-restarts 2", holder=_session_parser, rows=options.ROWS)
+
+
+@pytest.mark.parametrize(("line", "says"), [
+    ("start --backend local --max-restarts 2", "--max-restarts: does not apply to a session: .*a restart would lose"),
+    ("start --keep-warm=30   # held after?", "--keep-warm: does not apply to a session: nothing waits after"),
+    ("start --fn train", "--fn: does not apply to a session: a session runs cells"),
+])
+def test_the_session_magic_says_why_a_run_only_flag_is_refused(line, says):
+    """docs/sessions.md calls these flags refused and says why: the magic says the same, not argparse's words."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_cell("%load_ext dtrain_magic", store_history=False)
+    with pytest.raises(ConfigError, match=says):
+        shell.run_line_magic("distribute_session", line)
+    assert not kernel_state().sessions()
 
 
 def test_rank_lists():
