@@ -21,7 +21,8 @@ from IPython.core.magic_arguments import (
 )
 
 from ..config import RunConfig, resolve_config
-from ..flagtable import FLAGS, Flag
+from ..errors import ConfigError
+from ..flagtable import APPEND, FLAGS, Flag, panel_rows
 from ..magic_line import strip_comment
 
 USAGE_EXAMPLE = """\
@@ -117,6 +118,21 @@ def config_from_args(args: argparse.Namespace, **environment: Any) -> RunConfig:
     (``environment``: its keyword arguments, for tests)."""
     return resolve_config({row.field: getattr(args, row.field, row.default) for row in FLAGS if row.field is not None},
                           **environment)
+
+
+def config_for_panel(args: argparse.Namespace, **environment: Any) -> tuple[RunConfig, dict[str, Any]]:
+    """For ``--configure``: the `RunConfig` the panel starts from, and the panel controls' values it could not take.
+    A choice that is invalid here (``--precision fp16`` on a CPU machine) opens the panel with that value set, the
+    problem explained and Run disabled, rather than a `ConfigError` and no panel; a bad value of a flag the panel
+    does not show is still a `ConfigError`."""
+    try:
+        return config_from_args(args, **environment), {}
+    except ConfigError:
+        given = {row.field: getattr(args, row.field, row.default) for row in FLAGS if row.field is not None}
+        held = {row.field: given[row.field] for row in panel_rows()
+                if row.kind != APPEND and given[row.field] != row.default}
+        defaults = {row.field: row.default for row in panel_rows() if row.field in held}
+        return resolve_config({**given, **defaults}, **environment), held
 
 
 def config_from_line(line: str, **kwargs: Any) -> RunConfig:

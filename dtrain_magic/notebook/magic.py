@@ -33,21 +33,9 @@ class DistributeMagics(Magics):
     @takes_comments
     def distribute(self, line: str, cell: str) -> RunResult | None:
         args = flags.parse_line(line)
-        config = flags.config_from_args(args, in_frontend=_in_frontend(self.shell))
         if args.configure:
-            try:
-                from ..ui.panel import show_panel
-            except ImportError as exc:
-                raise MissingDependencyError(
-                    f"--configure shows an ipywidgets panel, and the widget packages are missing ({exc}). "
-                    "Install them with `pip install ipywidgets plotly anywidget` (or dtrain_magic[ui]), or run "
-                    "with flags only; nothing was launched"
-                ) from None
-            from .model_of_cell import model_of_cell
-
-            model = model_of_cell(cell, self.shell.user_ns, config.fn)
-            return show_panel(config, cell, self.shell, model=model, make_payload=payload_maker(cell, self.shell),
-                              start_session=session_starter(self.shell))
+            return self._configure(args, cell)
+        config = flags.config_from_args(args, in_frontend=_in_frontend(self.shell))
         namespace = self.shell.user_ns
         prepared = runner.prepare(config, lambda: capture(cell, namespace, config.fn, self.shell)[0], namespace)
         if config.dry_run:
@@ -57,6 +45,23 @@ class DistributeMagics(Magics):
             return None
         observer = make_observer(config)
         return prepared.execute(observer, stop=getattr(observer, "stop_event", None))
+
+    def _configure(self, args: Any, cell: str) -> None:
+        """``--configure``: the panel, opened even when the line's choice is invalid here (the problem shown in it)."""
+        config, held = flags.config_for_panel(args, in_frontend=_in_frontend(self.shell))
+        try:
+            from ..ui.panel import show_panel
+        except ImportError as exc:
+            raise MissingDependencyError(
+                f"--configure shows an ipywidgets panel, and the widget packages are missing ({exc}). "
+                "Install them with `pip install ipywidgets plotly anywidget` (or dtrain_magic[ui]), or run "
+                "with flags only; nothing was launched"
+            ) from None
+        from .model_of_cell import model_of_cell
+
+        model = model_of_cell(cell, self.shell.user_ns, config.fn)
+        return show_panel(config, cell, self.shell, model=model, make_payload=payload_maker(cell, self.shell),
+                          start_session=session_starter(self.shell), held=held)
 
     distribute.__doc__ = flags.HELP
 

@@ -181,10 +181,10 @@ class SessionMagics(Magics):
     def _start(self, rest: str) -> Any:
         refuse_run_only_flags(rest)
         args = flags.parse_line(rest, holder=_session_parser, rows=ROWS, help_name="%distribute_session?")
-        config = flags.config_from_args(args, in_frontend=_in_frontend(self.shell))
         idle = idle_timeout_s(args.idle_timeout)
         if args.configure:
-            return self._configure(config, idle)
+            return self._configure(args, idle)
+        config = flags.config_from_args(args, in_frontend=_in_frontend(self.shell))
         if config.dry_run:
             from ..driver.plan import check
             from ..session.options import check_session_config
@@ -200,14 +200,16 @@ class SessionMagics(Magics):
         self.shell.user_ns["_distribute_session"] = session
         return None
 
-    def _configure(self, config: Any, idle: float) -> None:
+    def _configure(self, args: Any, idle: float) -> None:
+        config, held = flags.config_for_panel(args, in_frontend=_in_frontend(self.shell))
         try:
             from ..ui.panel import show_panel
         except ImportError as exc:
             raise MissingDependencyError(
                 f"--configure shows an ipywidgets panel, and the widget packages are missing ({exc}). Install them "
                 "with `pip install ipywidgets plotly anywidget` (or dtrain_magic[ui]); nothing was started") from None
-        show_panel(config, "", self.shell, start_session=session_starter(self.shell, idle))
+        show_panel(config, "", self.shell, start_session=session_starter(self.shell, idle), held=held,
+                   session_line=lambda chosen: start_line(chosen.replace(dry_run=False), idle))
 
     @cell_magic
     @takes_comments

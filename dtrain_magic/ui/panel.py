@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import anywidget
 import traitlets
@@ -261,12 +261,16 @@ class ConfigurePanel:
 
     def __init__(self, config: RunConfig, cell: str, shell: Any, checker: Callable[[RunConfig], None] | None = None,
                  model: CellModel | None = None, make_payload: Callable[[RunConfig], Payload] | None = None,
-                 start_session: Callable[[RunConfig, Any], Any] | None = None):
+                 start_session: Callable[[RunConfig, Any], Any] | None = None,
+                 held: Mapping[str, Any] | None = None, session_line: Callable[[RunConfig], str] | None = None):
         """``model``: the cell's model as the magic found it (`notebook.model_of_cell`), for the estimate;
         ``make_payload``: what Run calls on the kernel's thread to capture the cell for the chosen config (the
         magic gives `notebook.capture.payload_maker`); without it Run is off. ``start_session(config, monitor)``:
         what Start session calls (the magic gives `notebook.session_magic.session_starter`): an interactive session
-        with the chosen settings, its monitor under the panel."""
+        with the chosen settings, its monitor under the panel. ``held``: control values the line gave that are
+        invalid here (`notebook.flags.config_for_panel`): set, so the panel opens with the problem shown and Run
+        off. ``session_line(config)``: the panel configures a session (``%distribute_session start --configure``):
+        its heading, its equivalent line (this function's), no Run and no Write cell."""
         import ipywidgets as w
 
         if checker is None:
@@ -277,6 +281,8 @@ class ConfigurePanel:
         self.cell, self.shell, self.make_payload, self.start_session = cell, shell, make_payload, start_session
         self._described: dict[tuple, list[str]] = {}
         self.state = PanelState(config, checker=checker, model=model, describe_data=self._describe_data)
+        self.state.set(**(held or {}))
+        self.session_line = session_line
         opts = self.state.options()
         v = self.state.values
         style = {"description_width": "150px"}
@@ -296,7 +302,7 @@ class ConfigurePanel:
         self.flag_line.add_class("dtm-flag-line")
         self.run_button = w.Button(description="Run", icon="play", button_style="success")
         self.run_button.add_class("dtm-run")
-        if make_payload is None and start_session is not None:  # %distribute_session start --configure: no cell
+        if session_line is not None or (make_payload is None and start_session is not None):  # no cell to run
             self.run_button.layout.display = "none"
         self.session_button = w.Button(description="Start session", icon="terminal", button_style="info",
                                        tooltip="start an interactive session with these settings: its ranks then "
@@ -307,6 +313,8 @@ class ConfigurePanel:
         self.writer = CellWriter(body=cell)
         self.writer.add_class("dtm-writer")
         self.writer.on_msg(self._writer_message)
+        if session_line is not None:  # a session has no cell to write
+            self.writer.layout.display = "none"
         self.written: tuple[str, int | None] | None = None  # how the last "Write cell" was done
         self.monitor_box = w.VBox([], layout=w.Layout(width="100%"))  # the run's monitor: a child, not display data
         self.monitor_box.add_class("dtm-panel-monitor")
@@ -327,7 +335,7 @@ class ConfigurePanel:
         self.session_button.on_click(lambda _: self.start())
         columns = [[self.controls[row.field] for row in panel_rows() if row.panel.column == i] for i in (0, 1)]
         self.widget = w.VBox([
-            w.HTML("<b>dtrain_magic · configure the run</b>"),
+            w.HTML(f"<b>dtrain_magic · configure the {'session' if session_line else 'run'}</b>"),
             w.HBox([w.VBox(columns[0]), w.VBox(columns[1] + [self.params])]),
             self.memory, self.data, self.problems, self.flag_line,
             w.HBox([self.run_button, self.session_button, self.writer]), self.cell_output, self.monitor_box,
@@ -377,9 +385,19 @@ class ConfigurePanel:
                                if problems else "<div style='color:#1a7f37'>✓ ready to run</div>")
         self.run_button.disabled = bool(problems) or self.running
         self.session_button.disabled = bool(problems) or self.running or self.start_session is None
-        line = self.state.flag_line()
+        line = self.equivalent_line()
         self.flag_line.value = line or "(fix the problems above to get the equivalent flag line)"
         self.writer.text = self.state.cell_text(self.cell) or ""
+
+    def equivalent_line(self) -> str | None:
+        """The line that does what the panel would without it: ``%%distribute ...``, or for a session its
+        ``%distribute_session start ...`` (None while the choice is invalid)."""
+        if self.session_line is None:
+            return self.state.flag_line()
+        try:
+            return self.session_line(self.state.to_config(ui=True))
+        except DistributeError:
+            return None
 
     # -- Write cell ------------------------------------------------------------------------------
     def write_cell(self) -> str | None:
@@ -466,7 +484,9 @@ class ConfigurePanel:
         config = self.state.to_config(ui=True)
         self.output.outputs = ()
         text = _OutputWriter(self.output)
-        text.write(f"starting a session: {config.flag_line().replace('%%distribute', '%distribute_session start')}\n")
+        started_by = (self.session_line(config) if self.session_line is not None
+                      else config.flag_line().replace('%%distribute', '%distribute_session start'))
+        text.write(f"starting a session: {started_by}\n")
         self.observer = MonitorObserver(config, text_out=text, display=False)
         self.monitor_box.children = (self.observer.container,)
 
@@ -575,12 +595,14 @@ class _OutputWriter:
 
 def show_panel(config: RunConfig, cell: str, shell: Any, model: CellModel | None = None,
                make_payload: Callable[[RunConfig], Payload] | None = None,
-               start_session: Callable[[RunConfig, Any], Any] | None = None) -> None:
+               start_session: Callable[[RunConfig, Any], Any] | None = None, held: Mapping[str, Any] | None = None,
+               session_line: Callable[[RunConfig], str] | None = None) -> None:
     """Display the configure panel for ``cell`` (called by ``%%distribute --configure`` and ``%distribute_session
-    start --configure``); the panel object is ``_distribute_panel`` in the notebook."""
+    start --configure``, see `ConfigurePanel`); the panel object is ``_distribute_panel`` in the notebook."""
     from IPython.display import display
 
-    panel = ConfigurePanel(config, cell, shell, model=model, make_payload=make_payload, start_session=start_session)
+    panel = ConfigurePanel(config, cell, shell, model=model, make_payload=make_payload, start_session=start_session,
+                           held=held, session_line=session_line)
     display(panel.widget)
     shell.user_ns["_distribute_panel"] = panel
     return None

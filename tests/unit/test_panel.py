@@ -267,3 +267,40 @@ def test_tensor_and_pipeline_degrees_in_the_panel():
     assert not s.can_run and any("--tp" in p and "multiple of 3" in p for p in s.problems())
     s.set(tp=1, pp=2, strategy="deepspeed")
     assert any("--pp" in p and "deepspeed" in p for p in s.problems())
+
+
+def test_an_invalid_line_opens_the_panel_with_the_problem_shown_and_run_off():
+    """docs/ui.md: a combination that is invalid here is explained in the panel and disables Run (no ConfigError)."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_cell("%load_ext dtrain_magic", store_history=False)
+    shell.user_ns.pop("_distribute_panel", None)
+    result = shell.run_cell("%%distribute --configure --precision fp16 --cpu -n 3\ndef train(ctx):\n    pass\n",
+                            store_history=False)
+    assert result.error_in_exec is None, result.error_in_exec
+    panel = shell.user_ns["_distribute_panel"]
+    assert panel.state.values["precision"] == "fp16" and panel.state.values["num_processes"] == 3
+    assert panel.controls["precision"].value == "fp16" and panel.run_button.disabled
+    assert "fp16 needs a GPU" in panel.problems.value
+    panel.controls["precision"].value = "bf16"  # the user fixes it in the panel: Run is on
+    assert not panel.run_button.disabled and panel.flag_line.value.startswith("%%distribute --backend")
+    with pytest.raises(ConfigError, match="--timeout"):  # a bad value of a flag the panel does not show: an error
+        shell.run_line_magic("distribute_session", "start --configure --timeout -3")
+
+
+def test_the_session_panel_is_the_sessions():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_cell("%load_ext dtrain_magic", store_history=False)
+    shell.user_ns.pop("_distribute_panel", None)
+    result = shell.run_cell("%distribute_session start --configure --backend local -n 2 --cpu --idle-timeout 60",
+                            store_history=False)
+    assert result.error_in_exec is None, result.error_in_exec
+    panel = shell.user_ns["_distribute_panel"]
+    assert "configure the session" in panel.widget.children[0].value
+    assert panel.run_button.layout.display == "none" and panel.writer.layout.display == "none"
+    assert panel.flag_line.value.startswith("%distribute_session start --backend local")
+    assert panel.flag_line.value.endswith("--idle-timeout 60") and "%%distribute" not in panel.flag_line.value
+    assert not panel.session_button.disabled
