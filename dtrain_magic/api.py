@@ -23,8 +23,8 @@ from .payload import CTX, CallForm, Payload, serialize
 from .result import RunResult
 
 _ROWS: tuple[Flag, ...] = tuple(row for row in FLAGS if PYTHON in row.entry_points and row.field is not None)
-# keyword option → the flag-table row it sets (field names and long option names)
-OPTIONS: dict[str, Flag] = {name: row for row in _ROWS for name in row.keywords}
+# keyword option → the flag-table row it sets (field names and long option names, the off ones too: ``cpu=True``)
+OPTIONS: dict[str, Flag] = {name: row for row in _ROWS for name in row.keywords + row.off_keywords}
 
 
 def run(fn: Callable[..., Any], /, *args: Any, fn_kwargs: Mapping[str, Any] | None = None,
@@ -35,13 +35,17 @@ def run(fn: Callable[..., Any], /, *args: Any, fn_kwargs: Mapping[str, Any] | No
     ``fn_kwargs``, for a keyword whose name is an option, such as ``seed``); ``dtrain_magic.CTX`` among the
     arguments stands for the worker's `TrainContext`, and a first parameter named ``ctx`` that the arguments
     leave out gets it. Without arguments, ``fn(ctx)`` or ``fn()``, as in a cell. Options are the flags as
-    keywords (``num_processes=4`` or ``num_workers=4``, ``backend="spark"``, ``zero=2``, ``gpu=False``): see
-    ``docs/flags.md``; their defaults resolve as the magic's do (``backend="auto"``, one process per GPU...).
+    keywords, by any of their long names (``num_processes=4`` or ``num_workers=4``, ``backend="spark"``,
+    ``zero=2``, ``gpu=False`` or ``cpu=True``, ``cluster=True``, ``stall_timeout=None``): see ``docs/flags.md``;
+    their defaults resolve as the magic's do (``backend="auto"``, one process per GPU...). A keyword that is
+    neither an option nor a parameter of ``fn`` (which takes no ``**kwargs``) is a `ConfigError` naming it and
+    the closest option.
 
     Raises the same short errors as the magic: `ConfigError` before anything launches, `WorkerError` with the
     failing rank, `RunInterrupted` on Ctrl-C, `RunTimeout`.
     """
     config_values, call_kwargs = split_options(options)
+    check_keywords(fn, call_kwargs)
     call_kwargs.update(fn_kwargs or {})
     config_values, data_objects = data_option(config_values)
     config = config_from_options(config_values)
@@ -66,8 +70,29 @@ def split_options(keywords: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str
         if row.field in given_as:
             raise ConfigError(row.name, f"given twice, as {given_as[row.field]}= and {name}=; give it once")
         given_as[row.field] = name
-        values[row.field] = value
+        values[row.field] = row.keyword_value(name, value)
     return values, rest
+
+
+def check_keywords(fn: Callable[..., Any], keywords: Mapping[str, Any]) -> None:
+    """A keyword that is no option must be one ``fn`` takes (a parameter of that name, or ``**kwargs``): else a
+    `ConfigError` naming it and the closest option (``cpux=`` → ``cpu=``) before anything launches."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return  # no signature to check against (a builtin): `payload_of` binds what it can
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return
+    takes = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [name for name in keywords if name not in takes]
+    if not unknown:
+        return
+    name = getattr(fn, "__name__", type(fn).__name__)
+    close = difflib.get_close_matches(unknown[0], list(OPTIONS) + takes, n=1)
+    hint = f"did you mean {close[0]}=? " if close else ""
+    raise ConfigError(f"{unknown[0]}=", f"is neither an option of run() nor a parameter of {name}"
+                                        f"{inspect.signature(fn)}; {hint}(options: docs/flags.md); "
+                                        "nothing was launched")
 
 
 def data_option(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -168,7 +193,8 @@ def _signature() -> inspect.Signature:
 def _options_doc() -> str:
     lines = ["", "Options (the flag table; each also takes its flag's other long names):", ""]
     for row in _ROWS:
-        aliases = ", ".join(f"{name}=" for name in row.keywords[1:])
+        aliases = ", ".join([f"{name}=" for name in row.keywords[1:]] + [f"{name}=True for False"
+                                                                          for name in row.off_keywords])
         lines.append(f"    {row.field}={row.default!r}: {row.help}" + (f" (also {aliases})" if aliases else ""))
     return "\n".join(lines)
 
@@ -176,4 +202,5 @@ def _options_doc() -> str:
 run.__signature__ = _signature()  # type: ignore[attr-defined]
 run.__doc__ = (run.__doc__ or "") + _options_doc()
 
-__all__ = ["OPTIONS", "config_from_options", "data_option", "make_observer", "payload_of", "run", "split_options"]
+__all__ = ["OPTIONS", "check_keywords", "config_from_options", "data_option", "make_observer", "payload_of", "run",
+           "split_options"]

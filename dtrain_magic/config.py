@@ -17,7 +17,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from .dataspec import normalize as normalize_data
 from .errors import ConfigError, log_dropped
-from .flagtable import BY_FIELD, DEFAULT_EXPERIMENT, DEFAULT_HANG_TIMEOUT_S, FLAGS, SWITCH
+from .flagtable import BY_FIELD, DEFAULT_EXPERIMENT, DEFAULT_HANG_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, FLAGS, SWITCH
 from .registry import BACKENDS, STRATEGIES
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -75,9 +75,9 @@ class RunConfig:
     dry_run: bool = False
     seed: int | None = None
     timeout: float | None = None
-    # Hangs and stalls (docs/reliability.md): a rank ended and the others stand still; no rank shows activity
+    # Hangs and stalls (docs/reliability.md): a rank ended and the others stand still; no rank progresses
     hang_timeout: float = DEFAULT_HANG_TIMEOUT_S
-    stall_timeout: float | None = None
+    stall_timeout: float | None = DEFAULT_STALL_TIMEOUT_S  # None or 0: never (kept as 0)
     on_stall: str = "report"
     # Spark (TorchDistributor)
     local_mode: bool = True
@@ -125,12 +125,7 @@ class RunConfig:
                 self.hang_timeout >= 0):
             raise ConfigError("--hang-timeout",
                               f"got {self.hang_timeout!r}; must be a number of seconds >= 0 (0: never)")
-        if self.stall_timeout is not None and (isinstance(self.stall_timeout, bool)
-                                               or not isinstance(self.stall_timeout, (int, float))
-                                               or not self.stall_timeout > 0):
-            raise ConfigError("--stall-timeout", f"got {self.stall_timeout!r}; must be a number of seconds > 0")
-        if self.on_stall == "fail" and self.stall_timeout is None:
-            raise ConfigError("--on-stall", "fail applies only with --stall-timeout S: add it, or drop --on-stall")
+        self._check_stall_watch()
         if self.keep_warm is not None and (isinstance(self.keep_warm, bool)
                                            or not isinstance(self.keep_warm, (int, float))
                                            or not self.keep_warm >= 0):
@@ -154,6 +149,18 @@ class RunConfig:
         if self.backend != "auto":
             BACKENDS.load(self.backend).validate(self)
         STRATEGIES.load(self.strategy).validate(self)
+
+    def _check_stall_watch(self) -> None:
+        """``--stall-timeout``: seconds >= 0, None and 0 both "never" (kept as 0); ``--on-stall fail`` needs it on."""
+        if self.stall_timeout is None:
+            object.__setattr__(self, "stall_timeout", 0.0)
+        value = self.stall_timeout
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ConfigError("--stall-timeout", f"got {value!r}; must be a number of seconds >= 0 (0 or off: never)")
+        if self.on_stall == "fail" and not value:
+            raise ConfigError("--on-stall", "fail needs the stall watch, which --stall-timeout 0 (off) turns off: "
+                                            f"drop --stall-timeout 0 (the default is {DEFAULT_STALL_TIMEOUT_S:g} s), "
+                                            "or drop --on-stall")
 
     def _check_owned_fields(self) -> None:
         """A flag that belongs to one backend or strategy (its class's ``own_fields``) is an error with another."""

@@ -91,6 +91,12 @@ def docs_page() -> str:
         f"writes) always has {names(ALWAYS)}, so that it pins what the machine-dependent defaults resolved "
         f"to; any other flag only when its value is not the default; never {names(NEVER)}. Values with spaces "
         "or quotes, or starting with `-`, are quoted.",
+        "",
+        "`dtrain_magic.run(fn, ...)` and `dtrain_magic.Session(...)` take each flag by any of its long names as a "
+        "keyword, dashes as underscores (`num_workers=4`, `hang_timeout=30`), an on/off pair's off name with "
+        "`True` (`cpu=True` is `--cpu`, `cluster=True`, `no_ui=True`); `stall_timeout=None` (or `0`) is "
+        "`--stall-timeout off`. A keyword that is neither an option nor a parameter of the function is an error "
+        "naming it and the closest option.",
     ]
     for group, rows in groups():
         parts += ["", f"## {group}", "", markdown_table(rows, details=True)]

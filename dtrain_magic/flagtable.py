@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from .dataspec import parse_item as data_item
+from .errors import ConfigError
 from .registry import BACKENDS, STRATEGIES
 
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -46,6 +47,8 @@ ZERO_STAGES = (0, 1, 2, 3)
 PP_SCHEDULES = ("gpipe", "1f1b")
 ON_STALL = ("report", "fail")
 DEFAULT_HANG_TIMEOUT_S = 15.0
+DEFAULT_STALL_TIMEOUT_S = 120.0
+OFF_WORDS = ("off", "never", "none")  # what ``--stall-timeout`` takes for "never", besides 0
 DEFAULT_EXPERIMENT = "dtrain_magic"
 
 # How a flag takes its value.
@@ -138,8 +141,23 @@ class Flag:
         sets it True or to a value (``num_processes``, ``num_workers``; ``use_gpu``, ``gpu``), dashes as underscores."""
         if self.field is None:
             return ()
-        names = [self.field] + [o.lstrip("-").replace("-", "_") for o in self.options if o.startswith("--")]
+        names = [self.field] + [_keyword(o) for o in self.options if o.startswith("--")]
         return tuple(dict.fromkeys(names))
+
+    @property
+    def off_keywords(self) -> tuple[str, ...]:
+        """A SWITCH's off flags as keyword options (``cpu``, ``cluster``, ``no_ui``): ``cpu=True`` is ``--cpu``."""
+        return tuple(_keyword(o) for o in self.off_options if o.startswith("--"))
+
+    def keyword_value(self, keyword: str, value: Any) -> Any:
+        """The field's value for ``keyword=value`` (one of `keywords` or `off_keywords`): an off keyword's
+        True/False is the field's False/True (``cpu=True`` → ``use_gpu=False``); None leaves the default."""
+        if keyword not in self.off_keywords or value is None:
+            return value
+        if not isinstance(value, bool):
+            raise ConfigError(f"{keyword}=", f"got {value!r}; must be True or False ({keyword}=True is "
+                                             f"{self.off_options[0]})")
+        return not value
 
     def argparse_calls(self) -> Iterator[tuple[tuple[str, ...], dict[str, Any]]]:
         """The ``add_argument`` calls (positional, keywords) that declare this flag."""
@@ -174,12 +192,27 @@ class Flag:
         return [self.options[0]] if value else []
 
 
+def _keyword(option: str) -> str:
+    """``--num-workers`` → ``num_workers``: a long option as a keyword option of `dtrain_magic.run`."""
+    return option.lstrip("-").replace("-", "_")
+
+
 def seconds(text: str) -> float:
     """``--timeout`` values: a number of seconds."""
     try:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid number of seconds: {text!r}") from None
+
+
+def seconds_or_off(text: str) -> float:
+    """``--stall-timeout`` values: a number of seconds, or ``off`` (also ``never``, ``none``): 0, never."""
+    if text.strip().lower() in OFF_WORDS:
+        return 0.0
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of seconds: {text!r} (or off)") from None
 
 
 FLAGS: tuple[Flag, ...] = (
@@ -227,14 +260,17 @@ FLAGS: tuple[Flag, ...] = (
          doc="once a rank has returned or failed, fail the run when every other rank made no progress for S "
              "seconds (no step, metric, output or CPU use), with each rank's stack and the cell's line; 0: never "
              "(see [hangs](reliability.md#hangs-stalls-and-stacks))"),
-    Flag(("--stall-timeout",), "stall_timeout", WHERE, type=seconds, default=None, placeholder="S",
-         help="no step, metric or output from any rank for S seconds: show every rank's stack in the cell and "
-              "the MLflow run (the run goes on; see --on-stall)",
-         doc="no step, metric or output from any rank for S seconds: every rank's stack in the cell and as an "
-             "MLflow artifact; the run goes on unless `--on-stall fail`", default_doc="off"),
+    Flag(("--stall-timeout",), "stall_timeout", WHERE, type=seconds_or_off, default=DEFAULT_STALL_TIMEOUT_S,
+         placeholder="S",
+         help="no step, metric, output or CPU use from any rank for S seconds: show where every rank waits and its "
+              "stack in the cell and the MLflow run, once per stall; the run goes on (see --on-stall; 0 or off: "
+              "never)",
+         doc="no step, metric, output or CPU use from any rank for S seconds: where every rank waits (the cell's "
+             "line) and its stack, in the cell and as an MLflow artifact, once per stall; the run goes on unless "
+             "`--on-stall fail`; `0` or `off`: never (see [hangs](reliability.md#hangs-stalls-and-stacks))"),
     Flag(("--on-stall",), "on_stall", WHERE, choices=ON_STALL, default="report",
          help="what a stall (--stall-timeout) does: report the stacks and go on, or fail the run",
-         doc="`report`: show the stacks, go on; `fail`: stop every worker and fail the run"),
+         doc="`report`: show the stacks, go on; `fail`: stop every worker and fail the run with `RunStalled`"),
     Flag(("--keep-warm",), "keep_warm", WHERE, type=seconds, default=None, placeholder="S",
          help="spark, ray: keep the next run's workers waiting S seconds for it (0: hold nothing; None means 600 s "
               "on what the magic or the notebook's own ray.init() started, or what runs on this machine; 0 on a "

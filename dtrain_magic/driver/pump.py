@@ -200,6 +200,16 @@ class Pump:
             self._perf_at = now
             self._report_perf(now)
 
+    def command_started(self, ranks: tuple[int, ...], now: float) -> None:
+        """A session's command went to ``ranks``: their quiet time counts from now (idle between cells is no stall)."""
+        for rank in ranks:
+            self.watch.activity(rank, now)
+
+    def check_stall(self, now: float) -> None:
+        """The stall rule alone (a session's command: its ranks end no run, so no hang rule): report a stall."""
+        if self.watch.stalled(now):
+            self._stalled(now)
+
     def _elapsed(self) -> float:
         return time.monotonic() - self.t0
 
@@ -219,7 +229,7 @@ class Pump:
     def _stalled(self, now: float) -> None:
         stacks = merge_ended(self.collector.collect(self.watch.live()), self.watch.ended_ranks())
         quiet = self.watch.quiet_for(now)
-        title = (f"no step, metric or output from any rank for {quiet:.0f} s (--stall-timeout "
+        title = (f"no step, metric, output or CPU use from any rank for {quiet:.0f} s (--stall-timeout "
                  f"{self.config.stall_timeout:g}): {whereabouts(stacks, self.labels)}")
         path = self._keep_stacks("stall", stacks)
         text = render_all(stacks, self.labels)

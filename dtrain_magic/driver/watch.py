@@ -1,13 +1,16 @@
 """Is the run progressing? Per rank, from what the pump sees: the rules behind ``--hang-timeout`` and
 ``--stall-timeout`` (pure: the clock is given, so the rules are unit-tested without processes).
 
-- **Activity** of a rank: its output, rank 0's metrics, or its pulse counters moving (a ``ctx.step``,
-  ``ctx.log``, ``ctx.backward`` call, a batch through the prepared model) — what ``--stall-timeout`` watches:
-  no activity from any rank for that long is a stall (reported once per stall, with every rank's stack).
-- **Progress** of a rank: activity, or its process using CPU (at least `BUSY_CPU` of a core between two
-  pulses: it computes, say rank 0 evaluating alone after the others returned). A rank blocked in a collective
-  uses none; one whose native code holds the GIL sends no pulse at all. ``--hang-timeout``: once a rank has
-  ended (returned, failed, died), every rank still running without progress for that long is hung.
+- **Progress** of a rank: its output, rank 0's metrics, its pulse counters moving (a ``ctx.step``, ``ctx.log``,
+  ``ctx.backward`` call, a batch through the prepared model), or its process using CPU (at least `BUSY_CPU` of
+  a core between two pulses: it computes, say a long first step of a big model, or rank 0 evaluating alone
+  after the others returned; a rank waiting for its GPU spins or yields in CUDA's synchronize, which is CPU
+  too). A rank blocked in a collective, a lock, a queue or a socket uses none; one whose native code holds the
+  GIL sends no pulse at all.
+- ``--stall-timeout`` (default `DEFAULT_STALL_TIMEOUT_S`, 0: never): no progress from any rank still running
+  for that long is a stall, reported once per stall (with every rank's stack); progress again re-arms it.
+- ``--hang-timeout``: once a rank has ended (returned, failed, died), every rank still running without progress
+  for that long is hung.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..channel import Pulse
+from ..flagtable import DEFAULT_STALL_TIMEOUT_S
 
 BUSY_CPU = 0.05  # share of a core between two pulses that counts as computing (a blocked rank: ~0.003)
 
@@ -22,7 +26,6 @@ BUSY_CPU = 0.05  # share of a core between two pulses that counts as computing (
 @dataclass
 class _Rank:
     seen_at: float
-    last_activity: float
     last_progress: float
     pulse: Pulse | None = None
     ended: str | None = None
@@ -34,35 +37,35 @@ class Watch:
     """Progress per rank; `hung` and `stalled` say when the rules fire (``now``: the pump's monotonic clock)."""
 
     hang_timeout: float | None
-    stall_timeout: float | None
+    stall_timeout: float | None = DEFAULT_STALL_TIMEOUT_S  # None or 0: no stall watch
     restartable: bool = False  # --max-restarts: a failed or dead rank is the backend's to restart, not a hang's start
     ranks: dict[int, _Rank] = field(default_factory=dict)
     stall_reported: bool = False
 
     def hello(self, rank: int, now: float) -> None:
-        self.ranks[rank] = _Rank(now, now, now)
+        self.ranks[rank] = _Rank(now, now)
 
     def activity(self, rank: int | None, now: float) -> None:
         """Output or metrics from ``rank`` (None: the launcher's own note, no rank's activity). A rank that ended
-        still sends its last words (its "done" status, a flushed line): they are not activity, or they would start
+        still sends its last words (its "done" status, a flushed line): they are not progress, or they would start
         a new stall for the ranks that still run, which have been quiet all along."""
         state = self.ranks.get(rank) if rank is not None else None
-        if state is not None and state.ended is None:
-            state.last_activity = state.last_progress = now
-            self.stall_reported = False
+        if state is not None:
+            self._progressed(state, now)
 
     def pulse(self, message: Pulse, now: float) -> None:
+        """A rank's counters and CPU time: progress when a counter moved or it used `BUSY_CPU` of a core since."""
         state = self.ranks.get(message.rank)
         if state is None:
             return
         before, state.pulse = state.pulse, message
-        if before is None:
-            return
-        if (message.calls, message.steps, message.samples) != (before.calls, before.steps, before.samples):
-            self.activity(message.rank, now)
-        elif message.unix_time > before.unix_time and (
-                (message.cpu_s - before.cpu_s) / (message.unix_time - before.unix_time) >= BUSY_CPU):
+        if before is not None and (_counters_moved(before, message) or busy(before, message)):
+            self._progressed(state, now)
+
+    def _progressed(self, state: _Rank, now: float) -> None:
+        if state.ended is None:
             state.last_progress = now
+            self.stall_reported = False
 
     def ended(self, rank: int, how: str, now: float) -> None:
         """``rank`` returned, failed or died (``how``: "returned", "failed: ...", "died: ..."). Under restarts a
@@ -70,7 +73,7 @@ class Watch:
         and its peers, blocked until it does, are not hung."""
         if self.restartable and not how.startswith("returned"):
             return
-        state = self.ranks.setdefault(rank, _Rank(now, now, now))
+        state = self.ranks.setdefault(rank, _Rank(now, now))
         if state.ended is None:
             state.ended, state.ended_at = how, now
 
@@ -101,16 +104,27 @@ class Watch:
         return live
 
     def stalled(self, now: float) -> bool:
-        """True once per stall: the ranks still running showed no activity for ``stall_timeout``."""
+        """True once per stall: the ranks still running made no progress (no step, metric, output or CPU use) for
+        ``stall_timeout``."""
         live = self.live()
         if not self.stall_timeout or self.stall_reported or not live:
             return False
-        if all(now - self.ranks[rank].last_activity >= self.stall_timeout for rank in live):
+        if self.quiet_for(now) >= self.stall_timeout:
             self.stall_reported = True
             return True
         return False
 
     def quiet_for(self, now: float) -> float:
-        """How long the ranks still running have all been without activity."""
+        """How long the ranks still running have all been without progress."""
         live = self.live()
-        return min((now - self.ranks[rank].last_activity for rank in live), default=0.0)
+        return min((now - self.ranks[rank].last_progress for rank in live), default=0.0)
+
+
+def _counters_moved(before: Pulse, after: Pulse) -> bool:
+    return (after.calls, after.steps, after.samples) != (before.calls, before.steps, before.samples)
+
+
+def busy(before: Pulse, after: Pulse) -> bool:
+    """The rank's process used at least `BUSY_CPU` of a core between two pulses."""
+    elapsed = after.unix_time - before.unix_time
+    return elapsed > 0 and (after.cpu_s - before.cpu_s) / elapsed >= BUSY_CPU

@@ -283,10 +283,12 @@ class Session:
         limit = time.monotonic() + timeout if timeout else None
         failed_at = None
         why = None
+        self.pump.command_started(chosen, time.monotonic())
         try:
             while len(done) < len(chosen):
                 self._pump_once()
                 now = time.monotonic()
+                self.pump.check_stall(now)  # --stall-timeout: where each rank waits, once per stall; the cell goes on
                 if failed_at is None and any(answer.outcome == FAILED for answer in done.values()):
                     failed_at = now
                 if failed_at is not None and now - failed_at > ERROR_GRACE_S:

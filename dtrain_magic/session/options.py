@@ -57,6 +57,10 @@ def check_session_config(config: RunConfig) -> None:
         if getattr(config, name) not in (None, 0):
             flag = "--" + name.replace("_", "-")
             raise ConfigError(flag, f"does not apply to a session: {WHY_NOT[name]}; nothing was started")
+    if config.on_stall == "fail":
+        raise ConfigError("--on-stall", "fail does not apply to a session: a cell's stall is reported (where each "
+                                        "rank waits) and the cell goes on; --timeout S limits each cell, the kernel's "
+                                        "interrupt stops it; nothing was started")
 
 
 def refuse_run_only_flags(line: str) -> None:
@@ -76,7 +80,7 @@ def config_from_options(options: Mapping[str, Any], **environment: Any) -> tuple
     options = dict(options)
     idle = idle_timeout_s(options.pop("idle_timeout", None))
     by_name = {name: row for row in ROWS if row.field is not None and PYTHON in row.entry_points
-               for name in row.keywords}
+               for name in row.keywords + row.off_keywords}
     values: dict[str, Any] = {row.field: row.default for row in FLAGS if row.field is not None}
     given: dict[str, str] = {}
     for name, value in options.items():
@@ -92,7 +96,7 @@ def config_from_options(options: Mapping[str, Any], **environment: Any) -> tuple
         if row.field in given:
             raise ConfigError(row.name, f"given twice, as {given[row.field]}= and {name}=; give it once")
         given[row.field] = name
-        values[row.field] = value
+        values[row.field] = row.keyword_value(name, value)
     config = resolve_config(values, **environment)
     check_session_config(config)
     return config, idle

@@ -45,6 +45,55 @@ def test_options_take_the_flags_long_names_and_leave_the_rest_to_the_function():
         api.split_options({"num_processes": 2, "num_workers": 3})
 
 
+def test_every_long_flag_name_is_a_keyword_option_the_off_ones_too():
+    for row in FLAGS:
+        if PYTHON in row.entry_points and row.field is not None:
+            for option in row.all_options:
+                if option.startswith("--"):
+                    assert api.OPTIONS[option[2:].replace("-", "_")] is row, option
+    values, rest = api.split_options({"cpu": True, "cluster": True, "no_ui": True, "hang_timeout": 30,
+                                      "stall_timeout": None})
+    assert values == {"use_gpu": False, "local_mode": False, "ui": False, "hang_timeout": 30, "stall_timeout": None}
+    assert rest == {}
+    assert api.split_options({"cpu": False})[0] == {"use_gpu": True}
+    assert api.config_from_options(api.split_options({"cpu": True})[0], **LOCAL).use_gpu is False
+    with pytest.raises(ConfigError, match="given twice, as use_gpu= and cpu="):
+        api.split_options({"use_gpu": True, "cpu": True})
+    with pytest.raises(ConfigError, match=r"cpu=: got 'yes'; must be True or False \(cpu=True is --cpu\)"):
+        api.split_options({"cpu": "yes"})
+
+
+def train_ctx_only(ctx):
+    return ctx
+
+
+def train_taking_anything(ctx, **kwargs):
+    return kwargs
+
+
+def test_a_keyword_neither_option_nor_parameter_is_named_with_the_closest_option():
+    with pytest.raises(ConfigError, match=r"cpux=: is neither an option of run\(\) nor a parameter of "
+                                          r"train_ctx_only\(ctx\); did you mean cpu=\?"):
+        dtrain_magic.run(train_ctx_only, cpux=True)  # before anything: no config, no launch
+    with pytest.raises(ConfigError, match=r"num_proceses=: .* did you mean num_processes=\?"):
+        dtrain_magic.run(train_ctx_only, num_proceses=2)
+    with pytest.raises(ConfigError, match=r"epoch=: .* did you mean epochs=\?"):
+        api.check_keywords(train_with_ctx, {"lr": 0.1, "epoch": 2})  # the function's own names are offered too
+    api.check_keywords(train_with_ctx, {"lr": 0.1, "epochs": 2})  # its parameters: theirs
+    api.check_keywords(train_taking_anything, {"cpux": True})  # **kwargs takes anything: passed on
+    bound = api.payload_of(train_taking_anything, (), {"cpux": True})
+    assert bound.load()("the ctx") == {"cpux": True}
+
+
+def test_session_options_take_the_off_names_too():
+    from dtrain_magic.session import options
+
+    config, _ = options.config_from_options({"backend": "local", "cpu": True, "stall_timeout": None}, **LOCAL)
+    assert config.use_gpu is False and config.stall_timeout == 0
+    with pytest.raises(ConfigError, match="--on-stall: fail does not apply to a session"):
+        options.config_from_options({"backend": "local", "on_stall": "fail"}, **LOCAL)
+
+
 def test_options_resolve_and_validate_as_the_magic_does():
     config = api.config_from_options({"zero": 2}, **LOCAL)
     assert (config.backend, config.strategy, config.zero, config.num_processes, config.use_gpu) == (

@@ -18,6 +18,7 @@ from dtrain_magic.driver.stacks import Worker, merge_ended, parse_dump, rank_sta
 from dtrain_magic.driver.watch import Watch
 from dtrain_magic.errors import ConfigError
 from dtrain_magic.launchers import watchdog
+from dtrain_magic.notebook import flags
 from dtrain_magic.strategies.ddp import DDPStrategy
 from dtrain_magic.worker import pulse as pulse_module
 from dtrain_magic.worker.context import TrainContext
@@ -58,7 +59,7 @@ def test_a_rank_that_ended_and_a_peer_without_progress_is_a_hang_after_the_timeo
     assert watch.ended_ranks() == {1: "returned"}
 
 
-def test_cpu_use_is_progress_for_the_hang_rule_but_not_activity_for_the_stall_rule():
+def test_cpu_use_is_progress_for_the_hang_rule_and_for_the_stall_rule():
     watch = Watch(hang_timeout=5, stall_timeout=5)
     watch.hello(0, now=0)
     watch.hello(1, now=0)
@@ -68,11 +69,71 @@ def test_cpu_use_is_progress_for_the_hang_rule_but_not_activity_for_the_stall_ru
         t += 0.5
         cpu += 0.25
         watch.pulse(pulse(0, t, calls=3, cpu=cpu), now=t)
-    assert watch.hung(now=t) == []
-    assert watch.stalled(now=t)  # no step, metric or output for 5 s
+    assert watch.hung(now=t) == [] and not watch.stalled(now=t)
+    for _ in range(12):  # then it waits: no CPU
+        t += 0.5
+        watch.pulse(pulse(0, t, calls=3, cpu=cpu), now=t)
+    assert watch.stalled(now=t)  # no step, metric, output or CPU use for 5 s
     assert not watch.stalled(now=t + 1)  # once per stall
     watch.activity(0, now=t + 2)  # output again: a later silence is a new stall
     assert watch.stalled(now=t + 8)
+
+
+def quiet_pulses(watch: Watch, ranks: tuple[int, ...], until: float, cpu_share: float = 0.0, start: float = 0.0,
+                 cpu: float = 0.0) -> float:
+    """Each rank's pulse every 0.5 s from ``start`` to ``until``, counters still, using ``cpu_share`` of a core;
+    the CPU seconds reached."""
+    t = start
+    while t < until:
+        t += 0.5
+        cpu += 0.5 * cpu_share
+        for rank in ranks:
+            watch.pulse(pulse(rank, t, calls=1, cpu=cpu), now=t)
+    return cpu
+
+
+def test_by_default_every_rank_waiting_for_120_s_is_a_stall_reported_once():
+    assert RunConfig().stall_timeout == 120.0
+    watch = Watch(hang_timeout=15)  # the default stall timeout, as the pump builds it from RunConfig's
+    for rank in (0, 1):
+        watch.hello(rank, now=0)
+    quiet_pulses(watch, (0, 1), until=119.5, cpu_share=0.003)  # the pulse thread's own CPU: a blocked rank's
+    assert not watch.stalled(now=119.5)
+    assert watch.stalled(now=120.0) and watch.quiet_for(120.0) == pytest.approx(120.0)
+    assert not watch.stalled(now=300.0)  # once per stall
+    assert watch.hung(now=300.0) == []  # no rank ended: no hang, the run goes on
+
+
+def test_a_long_first_step_using_cpu_is_no_stall():
+    """A big model's first step: no ctx.step, no metric, no output for minutes, but the rank computes."""
+    watch = Watch(hang_timeout=15)
+    for rank in (0, 1):
+        watch.hello(rank, now=0)
+    cpu = quiet_pulses(watch, (0, 1), until=600.0, cpu_share=0.9)
+    assert not watch.stalled(now=600.0)
+    quiet_pulses(watch, (0, 1), until=719.5, start=600.0, cpu=cpu)  # then both wait
+    assert not watch.stalled(now=719.5) and watch.stalled(now=720.0)
+
+
+def test_one_busy_rank_keeps_the_others_waiting_for_it_from_being_a_stall():
+    watch = Watch(hang_timeout=15, stall_timeout=120)
+    for rank in (0, 1):
+        watch.hello(rank, now=0)
+    t, cpu = 0.0, 0.0
+    while t < 300:  # rank 0 computes (a slow data step), rank 1 waits for it in a collective
+        t += 0.5
+        cpu += 0.4
+        watch.pulse(pulse(0, t, calls=1, cpu=cpu), now=t)
+        watch.pulse(pulse(1, t, calls=1, cpu=0.0), now=t)
+    assert not watch.stalled(now=t)
+
+
+@pytest.mark.parametrize("off", [0, 0.0, None])
+def test_the_stall_watch_turned_off_never_reports(off):
+    watch = Watch(hang_timeout=15, stall_timeout=off)
+    watch.hello(0, now=0)
+    quiet_pulses(watch, (0,), until=3600.0)
+    assert not watch.stalled(now=3600.0)
 
 
 def test_the_last_words_of_a_rank_that_ended_do_not_start_a_new_stall():
@@ -120,15 +181,39 @@ def test_a_restart_forgets_the_earlier_attempt():
 
 
 def test_the_new_flags_are_checked():
-    assert RunConfig().hang_timeout == 15.0 and RunConfig().stall_timeout is None
+    assert RunConfig().hang_timeout == 15.0 and RunConfig().stall_timeout == 120.0
+    assert RunConfig(stall_timeout=None).stall_timeout == 0.0 and RunConfig(stall_timeout=0).stall_timeout == 0
+    assert RunConfig(on_stall="fail").stall_timeout == 120.0  # the default watch: no --stall-timeout needed
     with pytest.raises(ConfigError, match="--hang-timeout"):
         RunConfig(hang_timeout=-1)
+    with pytest.raises(ConfigError, match=r"--stall-timeout: got -1; must be a number of seconds >= 0 \(0 or off"):
+        RunConfig(stall_timeout=-1)
     with pytest.raises(ConfigError, match="--stall-timeout"):
-        RunConfig(stall_timeout=0)
-    with pytest.raises(ConfigError, match="--on-stall"):
-        RunConfig(on_stall="fail")
+        RunConfig(stall_timeout="soon")
+    with pytest.raises(ConfigError, match="--on-stall: fail needs the stall watch, which --stall-timeout 0"):
+        RunConfig(on_stall="fail", stall_timeout=0)
     with pytest.raises(ConfigError, match="--on-stall"):
         RunConfig(on_stall="panic", stall_timeout=3)
+
+
+def from_line(line: str) -> RunConfig:
+    return flags.config_from_line(line.removeprefix("%%distribute "), gpu_available=lambda: False,
+                                  backend_detector=lambda: "local")
+
+
+@pytest.mark.parametrize("word", ["off", "OFF", "never", "none", "0", "0.0"])
+def test_stall_timeout_off_is_spelled_off_or_0_on_the_line(word):
+    config = from_line(f"--backend local --stall-timeout {word}")
+    assert config.stall_timeout == 0
+    assert "--stall-timeout 0" in config.flag_line()
+    assert from_line(config.flag_line()).stall_timeout == 0
+    assert from_line("--backend local").stall_timeout == 120.0
+    assert "--stall-timeout" not in from_line("--backend local").flag_line()  # the default is not written
+
+
+def test_a_stall_timeout_that_is_no_number_names_the_flag_and_off():
+    with pytest.raises(Exception, match=r"invalid number of seconds: 'soon' \(or off\)"):
+        from_line("--backend local --stall-timeout soon")
 
 
 # -- metric thinning ---------------------------------------------------------------------------------------------
