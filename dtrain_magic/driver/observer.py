@@ -125,11 +125,11 @@ class TextObserver(RunObserver):
         if now - self._last_progress < self._every_s:
             return
         self._last_progress = now
-        self._print_progress(now, metrics)
+        self._print_progress(now - self._t0, metrics)
 
-    def _print_progress(self, now: float, metrics: dict[str, float]) -> None:
+    def _print_progress(self, elapsed_s: float, metrics: dict[str, float]) -> None:
         self._steps_shown = self._steps_seen
-        line = progress_line(self._steps_seen, self._total, now - self._t0, metrics)
+        line = progress_line(self._steps_seen, self._total, elapsed_s, metrics)
         line += "".join(f"; {data_line(name, *where)}" for name, where in self._data.items())
         print(f"{line} · {self._perf}" if self._perf else line, file=self.out)
 
@@ -150,7 +150,7 @@ class TextObserver(RunObserver):
                 (self.err if stream == "stderr" else self.out).write(f"[rank {rank}] {rest}\n")
         self._pending.clear()
         if result is not None and self._steps_seen > self._steps_shown:
-            self._print_progress(time.monotonic(), self._latest)  # the last line shown is the run's last step
+            self._print_progress(result.wall_time_s, self._latest)  # the last line shown is the run's last step
         if result is not None:
             print(f"dtrain_magic: finished in {result.wall_time_s:.2f} s; MLflow run {result.run_id}", file=self.out)
 

@@ -61,8 +61,8 @@ def test_the_last_progress_line_is_the_runs_last_step_with_its_final_values():
         obs.metric(step, {"loss": 12.49 - step * 0.1})
     obs.metric(35, {"acc": 0.5})  # logged apart: the final line holds each metric's last value
     obs.data_progress("train", 9, 4, 4)
-    obs.finished(SimpleNamespace(wall_time_s=1.0, run_id="rid"), None)
+    obs.finished(SimpleNamespace(wall_time_s=2.0, run_id="rid"), None)
     lines = stdout.getvalue().splitlines()
     assert lines[1].startswith("step 1 (") and lines[1].endswith("loss=12.49")
-    assert lines[-2].startswith("step 36 (") and lines[-2].endswith("acc=0.5, loss=8.99; train: epoch 9, batch 4/4")
-    assert lines[-1] == "dtrain_magic: finished in 1.00 s; MLflow run rid"
+    assert lines[-2] == "step 36 (18.0 steps/s) acc=0.5, loss=8.99; train: epoch 9, batch 4/4"  # over the whole run
+    assert lines[-1] == "dtrain_magic: finished in 2.00 s; MLflow run rid"
