@@ -152,6 +152,40 @@ def test_ctrl_c_of_a_plain_python_process_stops_every_worker(tmp_path):
         kill_tagged(tag)
 
 
+KEYWORDS_SCRIPT = textwrap.dedent("""
+    import dtrain_magic
+    from dtrain_magic.errors import ConfigError
+
+    def train(ctx):
+        return {"rank": ctx.rank, "device": str(ctx.device)}
+
+    try:
+        dtrain_magic.run(train, backend="local", cpux=True)
+    except ConfigError as exc:
+        print("REFUSED", exc, flush=True)
+    result = dtrain_magic.run(train, backend="local", num_workers=2, cpu=True, stall_timeout=None)
+    print("VALUES", result.values, result.config.use_gpu, result.config.stall_timeout, flush=True)
+""")
+
+
+def test_run_takes_the_flags_long_names_as_keywords_cpu_true_included(tmp_path):
+    """``run(train, cpu=True)`` is ``--cpu`` (it used to reach train(ctx) as a keyword: "missing ... 'ctx'"); a
+    keyword that is neither is refused naming it and the closest option, before anything starts."""
+    (tmp_path / "keywords.py").write_text(KEYWORDS_SCRIPT)
+    tag = new_tag()
+    env = tagged_env(tag, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'api.db'}", PYTHONUNBUFFERED="1")
+    try:
+        done = subprocess.run([PYTHON, "keywords.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=180)
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, out
+        assert "REFUSED cpux=: is neither an option of run() nor a parameter of train(ctx); did you mean cpu=?" in out
+        assert ("VALUES [{'rank': 0, 'device': 'cpu'}, {'rank': 1, 'device': 'cpu'}] False 0.0" in out), out
+        assert not wait_until_none_left(tag, within_s=10)
+    finally:
+        kill_tagged(tag)
+
+
 CLI_MODULE = textwrap.dedent("""
     import sys
 

@@ -10,11 +10,22 @@ its own run's workers wrote down.
 from __future__ import annotations
 
 import json
+import os
 import re
+import time
 
 import pytest
 
-from hang_cells import FROZEN_CELL, HANG_CELL, INTERRUPTS, assert_dead_within, interrupt_cycles, module_kernel, pids_of
+from hang_cells import (
+    FROZEN_CELL,
+    HANG_CELL,
+    INTERRUPTS,
+    assert_dead_within,
+    interrupt_cycles,
+    module_kernel,
+    pids_of,
+    wait_for_files,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -71,13 +82,60 @@ def train(ctx):
 def test_a_stall_shows_every_ranks_stack_and_the_run_goes_on(kernel):
     run = kernel.run(QUIET_CELL, timeout=90)
     assert run.error is None, run.error
-    assert re.search(r"dtrain_magic: no step, metric or output from any rank for \d+ s \(--stall-timeout 2\)",
+    assert re.search(r"dtrain_magic: no step, metric, output or CPU use from any rank for \d+ s \(--stall-timeout 2\)",
                      run.text), run.text
     assert run.text.count(" is at Cell In[") >= 2 and "the run goes on" in run.text, run.text
     mlflow_run = last_run(kernel)
     assert mlflow_run.info.status == "FINISHED"
     kept = [a.path for a in kernel.mlflow.list_artifacts(mlflow_run.info.run_id, "stacks")]
     assert [path.split("_")[0] for path in kept] == ["stacks/stall"], (kept, run.text)
+
+
+BLOCKED_CELL = """%%distribute --backend local -n 2 --no-ui
+import os, threading
+def train(ctx):
+    record_pids(ctx.rank, {dir!r})
+    release, nothing = os.path.join({dir!r}, "release"), threading.Event()
+    while not os.path.exists(release):  # a source that never answers: every rank waits, without CPU
+        nothing.wait(0.5)
+    return ctx.rank
+"""
+STALL_TITLE = "no step, metric, output or CPU use from any rank for"
+
+
+def test_by_default_a_run_where_every_rank_waits_says_where_each_waits_within_150_s_and_goes_on(kernel):
+    """No flag: the default --stall-timeout (120 s) reports, once, each rank's line and stack in the cell and MLflow,
+    and the run goes on (here until the test releases the ranks). The suite's one 120-s test."""
+    run = kernel.submit(BLOCKED_CELL.format(dir=kernel.cwd))
+    try:
+        wait_for_files(kernel.cwd, ["pids_0.json", "pids_1.json"], 120)
+        blocked = time.monotonic()  # both ranks are in the loop now
+        while STALL_TITLE not in run.text:
+            assert time.monotonic() - blocked < 150 and not run.done.is_set(), run.text[-3000:]
+            time.sleep(0.2)
+        took = time.monotonic() - blocked
+        time.sleep(2)  # the stacks below the line
+        report = run.text
+        assert not run.done.is_set(), "the run ended at the stall: it must go on"
+    finally:
+        open(os.path.join(kernel.cwd, "release"), "w").close()
+    run.wait(60)
+    assert run.error is None, (run.error, run.text[-3000:])
+    title = re.search(STALL_TITLE + r" (\d+) s \(--stall-timeout 120\): (.*)", report)
+    assert title, report
+    assert 120 <= int(title.group(1)) < 150, title.group(0)
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank} waits in wait at Cell In\[\d+\], line \d+", title.group(2)), title.group(2)
+    assert report.count("nothing.wait(0.5)") >= 2, report  # each rank's stack, with the cell's source line
+    assert "the run goes on" in report and run.text.count(STALL_TITLE) == 1, run.text  # once
+    assert took < 150, took
+    mlflow_run = last_run(kernel)
+    assert mlflow_run.info.status == "FINISHED"
+    kept = [a.path for a in kernel.mlflow.list_artifacts(mlflow_run.info.run_id, "stacks")]
+    assert [path.split("_")[0] for path in kept] == ["stacks/stall"], kept
+    assert_dead_within(pids_of(kernel.cwd, 2), 10)
+    os.remove(os.path.join(kernel.cwd, "release"))
+    print(f"local: every rank waiting -> the default stall report in the cell {took:.1f} s after both blocked")
 
 
 def test_distribute_stacks_and_interrupts_through_the_kernel(kernel):
