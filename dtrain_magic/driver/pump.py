@@ -87,6 +87,7 @@ class Pump:
         self.perf = Throughput(config.num_processes, config.tp * config.pp)
         self.collector = StackCollector(self.labels)
         self.outputs = RankOutputs()
+        self.data_read: set[str] = set()  # the --data names rank 0 read batches of (ctx.data), to name the unread
         self.artifacts: dict[str, str] = {}  # MLflow artifacts waiting for the run (stacks), path → text
         self.thinned = 0  # metric values the workers left out (a loop logging faster than MLflow takes)
         self.last_step = 0
@@ -336,6 +337,7 @@ class Pump:
             case ch.ModelFacts():
                 self.perf.facts = message
             case ch.DataProgress():
+                self.data_read.add(message.name)
                 self.observer.data_progress(message.name, message.epoch, message.batch, message.batches)
             case ch.Hello():
                 if message.rank in self.hellos:  # a second Hello from a rank: the backend restarted the workers

@@ -163,6 +163,7 @@ class _Run:
             with Channel(host=self.plan.channel_host) as channel:
                 tracker, values = self._launch_and_pump(channel)
             result = self._result(tracker, values)
+            self._name_unread_data()
             self.status = "FINISHED"
             self.observer.finished(result, None)
             return result
@@ -218,6 +219,13 @@ class _Run:
             self.held = _keep_warm(self.launcher, self.config)
         self.pump.drain()
         return tracker, self.pump.collect()
+
+    def _name_unread_data(self) -> None:
+        """A ``--data`` source the function never read a batch of was staged for nothing: say so, naming it."""
+        unread = [name for name, _ in self.config.data if name not in self.pump.data_read]
+        for name in unread:
+            self.observer.note(f"--data {name}: given, but rank 0 read no batch of it "
+                               f"(ctx.data({name!r}, batch_size=...)); drop it from the line if it is not needed")
 
     def _stage_data(self) -> tuple:
         """The ``--data`` sources made readable by every rank (written once where they must be, or an earlier run's

@@ -72,9 +72,14 @@ def test_every_kind_is_read_once_per_epoch_in_the_documented_order_and_recorded(
     copies = {name: copy.location for copy in staging_area().copies.values() for name in copy.names}
     assert sorted(copies) == ["arrays", "frame", "table", "tensor"]  # the Parquet files are read where they are
     assert all(os.path.isfile(os.path.join(p, "data.arrow")) for p in copies.values())
-    again = shell.run(read_cell("local", {"frame": OPTIONS["frame"]}, flags="--data frame=frame", epochs=1))
+    again = shell.run(read_cell("local", {"frame": OPTIONS["frame"]}, flags="--data frame=frame --data table=table",
+                                epochs=1))
     assert again.error_in_exec is None, again.error_in_exec
-    assert "data frame: reusing the copy of pandas DataFrame frame an earlier run staged" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "data frame: reusing the copy of pandas DataFrame frame an earlier run staged" in out
+    # a source given but never read is named after the run (the one read is not)
+    assert "--data table: given, but rank 0 read no batch of it (ctx.data('table', batch_size=...))" in out
+    assert "--data frame: given, but" not in out
     assert "reused" in mlflow.get_run(again.result.run_id).data.tags["dtrain_magic.data.frame.staging"]
     shell.user_ns["frame"].loc[0, "y"] = -1.0  # changed in place: new data, staged again
     assert shell.run(read_cell("local", {"frame": OPTIONS["frame"]}, flags="--data frame=frame",
