@@ -21,6 +21,7 @@ import importlib
 import importlib.util
 import linecache
 import os
+import shlex
 import sys
 from typing import Any, Callable
 
@@ -101,12 +102,24 @@ def _run(config: RunConfig, target: str, script_args: tuple[str, ...]) -> int:
 
     prepared = runner.prepare(config, make_payload)
     if config.dry_run:
-        print(prepared.dry_run_text())
+        print(prepared.dry_run_text(equivalent=command_line(config, target, script_args)))
         return EXIT_OK
     result = prepared.execute(TextObserver())
     if result.value is not None:
         print(f"dtrain_magic: rank 0 returned {result.value!r}")
     return EXIT_OK
+
+
+def command_line(config: RunConfig, target: str, script_args: tuple[str, ...] = ()) -> str:
+    """The ``python -m dtrain_magic run ...`` command that runs ``config`` (the flags this command line takes, in
+    the flag table's order, quoted for a POSIX shell): what its ``--dry-run`` shows as the equivalent."""
+    def quote(_flag: str, value: Any, _always: bool) -> str:
+        return shlex.quote(str(value))
+
+    words = [word for row in FLAGS if row.field is not None and CLI in row.entry_points and row.field != "dry_run"
+             for word in row.line_words(getattr(config, row.field), quote)]
+    tail = ["--", *map(shlex.quote, script_args)] if script_args else []
+    return " ".join(["python -m dtrain_magic run", shlex.quote(target), *words, *tail])
 
 
 def load_target(target: str) -> tuple[Callable[..., Any], str]:

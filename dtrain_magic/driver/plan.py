@@ -103,9 +103,10 @@ def check_data(plan: RunPlan, payload: Payload, namespace: Mapping[str, Any] | N
     return dataclasses.replace(plan, data=data)
 
 
-def dry_run_text(plan: RunPlan, payload: Payload, model: Any = None) -> str:
+def dry_run_text(plan: RunPlan, payload: Payload, model: Any = None, equivalent: str | None = None) -> str:
     """What ``--dry-run`` prints for a checked ``plan``: the validated config and what would be launched; with
-    ``model`` (a `memory.CellModel`), the memory estimate for the cell's own model, or why it is not known yet."""
+    ``model`` (a `memory.CellModel`), the memory estimate for the cell's own model, or why it is not known yet;
+    ``equivalent``: the line that runs it, as the entry point writes it (default: the ``%%distribute`` line)."""
     from ..strategies.memory import estimate
     from .observer import plan_with_backend
 
@@ -130,5 +131,5 @@ def dry_run_text(plan: RunPlan, payload: Payload, model: Any = None) -> str:
     elif model is not None:
         lines.append(f"  memory estimate: the model is not known before training ({model.description}); "
                      "each worker prints it at ctx.prepare")
-    lines.append(f"  equivalent: {config.flag_line()}")
+    lines.append(f"  equivalent: {equivalent or config.flag_line()}")
     return "\n".join(lines)

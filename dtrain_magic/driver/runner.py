@@ -70,8 +70,10 @@ class PreparedRun:
             bind_result(self.namespace, self.config, result)
         return result
 
-    def dry_run_text(self, model: Any = None) -> str:
-        return dry_run_text(self.plan, self.payload, model=model)
+    def dry_run_text(self, model: Any = None, equivalent: str | None = None) -> str:
+        """What ``--dry-run`` prints (`plan.dry_run_text`); ``equivalent``: the line that runs it (default: the
+        ``%%distribute`` line)."""
+        return dry_run_text(self.plan, self.payload, model=model, equivalent=equivalent)
 
 
 def prepare(config: RunConfig, make_payload: Callable[[], Payload],

@@ -4,6 +4,7 @@ line's parser and targets, the registries, and the call form of a function the c
 from __future__ import annotations
 
 import inspect
+import shlex
 import sys
 
 import cloudpickle
@@ -155,6 +156,24 @@ def test_bad_flags_and_targets_exit_2_before_anything_launches(capsys, tmp_path,
     assert "--zero: applies only to --strategy deepspeed" in capsys.readouterr().err
     assert cli._split_at_dashes(["run", "a:b", "-n", "2", "--", "--lr", "1"]) == (["run", "a:b", "-n", "2"],
                                                                                   ["--lr", "1"])
+
+
+def test_the_command_lines_dry_run_shows_the_equivalent_command(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "proj.py").write_text("def main(ctx):\n    return 1\n")
+    argv = ["run", "proj:main", "--backend", "local", "--cpu", "-n", "3", "--experiment", "my exp", "--dry-run",
+            "--", "--lr", "1e-3"]
+    assert cli.main(argv) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert "dtrain_magic dry run: nothing launched." in out and "%%distribute" not in out
+    line = next(text for text in out.splitlines() if text.startswith("  equivalent: "))
+    command = line.removeprefix("  equivalent: ")
+    assert command.startswith("python -m dtrain_magic run proj:main --backend local")
+    assert "'my exp'" in command and command.endswith(" -- --lr 1e-3")
+    words = shlex.split(command)[3:]  # the command, read back by the command line: the same config
+    at = words.index("--")
+    assert cli._config(cli.parser().parse_args(words[:at])) == cli._config(
+        cli.parser().parse_args(argv[:argv.index("--")])).replace(dry_run=False)
 
 
 def test_a_target_file_is_shipped_by_value_and_a_script_as_its_source(tmp_path, monkeypatch):
