@@ -13,7 +13,7 @@ from dtrain_magic import channel as ch
 from dtrain_magic import procfacts
 from dtrain_magic.config import RunConfig
 from dtrain_magic.driver.perf import Throughput
-from dtrain_magic.driver.pump import OUTPUT_KEPT, RankOutputs
+from dtrain_magic.driver.pump import OUTPUT_KEPT, Pump, RankOutputs
 from dtrain_magic.driver.stacks import Worker, merge_ended, parse_dump, rank_stack, render_all, whereabouts
 from dtrain_magic.driver.watch import Watch
 from dtrain_magic.errors import ConfigError
@@ -134,6 +134,31 @@ def test_the_stall_watch_turned_off_never_reports(off):
     watch.hello(0, now=0)
     quiet_pulses(watch, (0,), until=3600.0)
     assert not watch.stalled(now=3600.0)
+
+
+class StackTitles:
+    def __init__(self):
+        self.titles = []
+
+    def stacks(self, title: str, text: str) -> None:
+        self.titles.append(title)
+
+
+def test_a_sessions_cell_is_watched_from_its_start_and_the_time_between_cells_never_counts():
+    """A session pumps only while a command runs (`Pump.command_started`, then `check_stall` each loop)."""
+    seen = StackTitles()
+    pump = Pump(RunConfig(stall_timeout=120), None, seen, 0.0)
+    for rank in (0, 1):
+        pump.watch.hello(rank, now=0)
+    pump.command_started((0,), now=3600.0)  # an hour idle, then a %%ranks 0 cell
+    pump.check_stall(now=3719.0)
+    assert seen.titles == []
+    pump.check_stall(now=3720.0)
+    pump.check_stall(now=3900.0)
+    assert len(seen.titles) == 1 and "for 120 s (--stall-timeout 120)" in seen.titles[0]  # once
+    pump.command_started((0, 1), now=4000.0)  # the next cell starts afresh
+    pump.check_stall(now=4119.0)
+    assert len(seen.titles) == 1
 
 
 def test_the_last_words_of_a_rank_that_ended_do_not_start_a_new_stall():
