@@ -19,11 +19,22 @@ Every use, all by ``launchers/spark/driver.py``, is a nicety with a fallback, so
   interrupt meant for a cell would kill an interactive session's ranks or the next run's waiting workers (the
   notebook stops a run's workers itself when its cell is interrupted). **Gated**: on an unknown version the
   launch is left as pyspark makes it.
+- `connect_server_here` / `connect_server_python` (Spark Connect): whether the Connect server is on this machine (the
+  ``SPARK_LOCAL_REMOTE`` variable pyspark sets when ``builder.remote("local[...]")`` started the server in this
+  process, else the client's ``_builder.host``), and the ``PYSPARK_PYTHON`` that server's JVM was started with (read
+  through the in-process SparkContext's py4j gateway, ``SparkContext._active_spark_context._jvm``): a Connect server
+  takes the executors' Python from its own environment only, so a variable set later changes nothing.
+  **Fallback**: not on this machine / not known (no refusal is made on what cannot be read).
+
+Public API that differs between a classic session and a Spark Connect one lives here too, so that launchers and
+data staging need not tell them apart: `is_connect`, `job_group` and `cancel_group` (a job group on a classic
+session, an operation tag on a Connect one).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import threading
 from typing import Any, Iterator
@@ -50,6 +61,74 @@ def default_session() -> Any:
             log_dropped(__name__, "default_session", exc)
             return None
     return SparkSession.getActiveSession() or getattr(SparkSession, "_instantiatedSession", None)
+
+
+def is_connect(session: Any) -> bool:
+    """True for a Spark Connect session (``SparkSession.builder.remote(...)``, Databricks serverless), which has no
+    SparkContext, no JVM on this side and no job groups."""
+    return (type(session).__module__ or "").startswith("pyspark.sql.connect")
+
+
+@contextlib.contextmanager
+def job_group(session: Any, group: str, description: str) -> Iterator[None]:
+    """The Spark jobs this thread starts inside belong to ``group``, which `cancel_group` cancels, interrupting their
+    tasks: a job group (``interruptOnCancel``) on a classic session, an operation tag on a Connect one (thread-local
+    there too)."""
+    if is_connect(session):
+        session.addTag(group)
+        try:
+            yield
+        finally:
+            session.removeTag(group)
+        return
+    context = session.sparkContext
+    context.setJobGroup(group, description, interruptOnCancel=True)
+    try:
+        yield
+    finally:
+        clear_job_group(context)
+
+
+def cancel_group(session: Any, group: str) -> None:
+    """Cancel the jobs `job_group` tagged ``group`` (Connect: interrupt the operations with that tag)."""
+    if is_connect(session):
+        session.interruptTag(group)
+    else:
+        session.sparkContext.cancelJobGroup(group)
+
+
+_LOOPBACK = ("localhost", "127.0.0.1", "::1", "[::1]")
+
+
+def connect_server_here(session: Any) -> bool:
+    """Whether a Connect session's server runs on this machine (its executors then write and read this machine's
+    files, and reach its loopback)."""
+    if "SPARK_LOCAL_REMOTE" in os.environ:  # pyspark started a local server in this process
+        return True
+    try:
+        host = str(session.client._builder.host)
+    except Exception as exc:
+        log_dropped(__name__, "connect_server_here", exc)
+        return False
+    return host in _LOOPBACK or host.startswith("127.")
+
+
+UNKNOWN = object()
+
+
+def connect_server_python() -> Any:
+    """The ``PYSPARK_PYTHON`` of the local Connect server this process started (None when it was started without
+    one), or `UNKNOWN` (no such server here, an unknown pyspark, or the JVM cannot be asked)."""
+    if "SPARK_LOCAL_REMOTE" not in os.environ or not PYSPARK.allowed():
+        return UNKNOWN
+    try:
+        from pyspark import SparkContext
+
+        context = SparkContext._active_spark_context
+        return UNKNOWN if context is None else context._jvm.java.lang.System.getenv("PYSPARK_PYTHON")
+    except Exception as exc:
+        log_dropped(__name__, "connect_server_python", exc)
+        return UNKNOWN
 
 
 def context_stopped(context: Any) -> bool:

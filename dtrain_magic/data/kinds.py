@@ -19,10 +19,12 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import time
 from typing import Any, Callable, ClassVar
 
 import pyarrow as pa
 
+from .._compat import spark as spark_compat
 from .blocks import ArrowFileBlocks, ObjectStoreBlocks, ParquetBlocks, StagedSource, TrainerDataset, parquet_blocks
 from .columns import check_schema, hint_for, refusal, schema_text, table_from_arrays
 
@@ -34,8 +36,11 @@ STAGED_BATCH_BYTES = 4 << 20  # record batches of a staged Arrow file (the block
 class Staging:
     """What `Source.stage` may use: where copies go, the backend, and a note for the cell."""
 
-    def __init__(self, backend: str, new_directory: Callable[[], str], note: Callable[[str], None]):
+    def __init__(self, backend: str, new_directory: Callable[[], str], note: Callable[[str], None],
+                 worker_cpus: float = 0.0):
+        """``worker_cpus``: the CPUs the run's workers take on Ray (a Ray Dataset's tasks need some left)."""
         self.backend, self.new_directory, self.note = backend, new_directory, note
+        self.worker_cpus = worker_cpus
 
 
 class Source:
@@ -356,16 +361,15 @@ class SparkDataFrame(Source):
         for column in self.vectors:
             df = df.withColumn(column, vector_to_array(column, "float32"))
         target = directory if "://" in directory else "file://" + os.path.abspath(directory)
-        context = df.sparkSession.sparkContext
+        session = df.sparkSession
         group = f"dtrain_magic-staging-{os.path.basename(directory)}"
-        context.setJobGroup(group, f"dtrain_magic: writing --data {self.name} once as Parquet", interruptOnCancel=True)
-        try:
-            df.write.mode("overwrite").option("parquet.block.size", str(STAGED_ROW_GROUP_BYTES)).parquet(target)
-        except BaseException:
-            context.cancelJobGroup(group)
-            raise
-        finally:
-            context.setLocalProperty("spark.jobGroup.id", None)  # (setJobGroup's own property: no public clear)
+        # A classic session's job group or a Spark Connect session's operation tag: an interrupt cancels the write.
+        with spark_compat.job_group(session, group, f"dtrain_magic: writing --data {self.name} once as Parquet"):
+            try:
+                df.write.mode("overwrite").option("parquet.block.size", str(STAGED_ROW_GROUP_BYTES)).parquet(target)
+            except BaseException:
+                spark_compat.cancel_group(session, group)
+                raise
         return _staged_parquet(self, directory, "Parquet written by Spark")
 
 
@@ -427,8 +431,6 @@ class RayDataset(Source):
             fields.append(pa.field(column, arrow_type))
         self.schema = pa.schema(fields)
         self.backend = backend
-        if backend == "ray":
-            self.rows = int(ds.count())  # Ray's own split needs no copy; the count is from metadata when it can be
 
     @classmethod
     def matches(cls, obj: Any) -> bool:
@@ -457,11 +459,34 @@ class RayDataset(Source):
 
     def stage(self, staging: Staging) -> StagedSource:
         if staging.backend == "ray":
-            return StagedSource(self.name, self.kind, int(self.rows or 0), self.schema, TrainerDataset(self.ds),
+            ds = self._for_trainer(staging)
+            return StagedSource(self.name, self.kind, self.count(), self.schema, TrainerDataset(ds),
                                 tuple(self.schema.names))
         directory = staging.new_directory()
         self.ds.write_parquet(directory)
         return _staged_parquet(self, directory, "Parquet written by Ray Data")
+
+
+    def _for_trainer(self, staging: Staging) -> Any:
+        """The Dataset Ray Train streams to the ranks. Its read and map tasks need CPUs beside the workers': on a Ray
+        whose CPUs the workers take (``ray.init()`` or Ray Data's own start: every core, -n as many), the ranks would
+        wait in ``iter_batches`` forever. There it is materialized first, while every CPU is free, and said so."""
+        import ray
+
+        left = ray.cluster_resources().get("CPU", 0.0) - staging.worker_cpus
+        if left >= 1 or type(self.ds).__name__ == "MaterializedDataset":
+            return self.ds
+        total = ray.cluster_resources().get("CPU", 0.0)
+        staging.note(f"data {self.name}: the run's workers take {staging.worker_cpus:g} of this Ray's {total:g} CPUs, "
+                     f"none left for Ray Data's tasks, which would make the ranks wait for their first batch forever: "
+                     f"materializing Ray Dataset {self.where()} now, into Ray's object store (spilled to disk when it "
+                     "does not fit), before launch; to stream it instead, give Ray more CPUs than workers "
+                     "(ray.init(num_cpus=...)) or use fewer workers (-n)")
+        started = time.monotonic()
+        materialized = self.ds.materialize()  # (not kept here: its blocks go once the run's trainer is gone)
+        self.rows = int(materialized.count())  # from the blocks' metadata: nothing runs again
+        staging.note(f"data {self.name}: materialized {self.rows:,} rows in {time.monotonic() - started:.1f} s")
+        return materialized
 
 
 def find_kind(obj: Any) -> type[Source] | None:

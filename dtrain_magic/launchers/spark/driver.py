@@ -61,6 +61,7 @@ from ..standby import (
     environment_changes,
     keep_warm_s,
 )
+from . import sessions
 from .diagnostics import check_java, gpu_setting_error, is_loopback_master, one_line_reason, torchrun_root_cause
 from .worker import _spark_standby_fn, _spark_train_fn
 
@@ -181,7 +182,7 @@ class SparkJob(StandbyLaunch):
                  watch_host: str, call: Callable[[tuple], tuple[Callable, tuple]]):
         """``call(watch_address)``: the train function and its arguments (they name the rank watch)."""
         self._spark = spark
-        self._sc = spark.sparkContext
+        self._sc = None if sessions.is_connect(spark) else spark.sparkContext  # (a Spark Connect session has none)
         self._emit = emit
         self._config = config
         self.group = group
@@ -222,13 +223,12 @@ class SparkJob(StandbyLaunch):
         # launch starts its own only once that sweep is over (a second or two), or it would be swept too.
         self._cancels.wait_idle(_CANCEL_SWEEP_WAIT_S)
         try:
-            self._sc.setJobGroup(self.group, "dtrain_magic %%distribute run", interruptOnCancel=True)
-            with spark_compat.launches_in_own_session():  # a kernel interrupt is for the cell, not for torchrun
+            # A kernel interrupt is for the cell, not for torchrun.
+            with spark_compat.job_group(self._spark, self.group, "dtrain_magic %%distribute run"), \
+                    spark_compat.launches_in_own_session():
                 self._distributor.run(fn, *args)
         except BaseException as exc:  # noqa: BLE001 - reported through poll()
             self._error = exc
-        finally:
-            spark_compat.clear_job_group(self._sc)
 
     def dump_stacks(self, workers: Any, timeout: float) -> dict[int, tuple[str, str]]:
         """Every worker's stacks through its watchdog, on whichever host it runs."""
@@ -264,19 +264,8 @@ class SparkJob(StandbyLaunch):
         return Failure(rank, reason, dump)
 
     def active_jobs(self) -> list[int]:
-        """Ids of this run's Spark jobs that are still running."""
-        try:
-            tracker = self._sc.statusTracker()
-            jobs = tracker.getJobIdsForGroup(self.group)
-            running = []
-            for job_id in jobs:
-                info = tracker.getJobInfo(job_id)
-                if info is not None and info.status in ("RUNNING", "UNKNOWN"):
-                    running.append(job_id)
-            return running
-        except Exception as exc:
-            log_dropped(__name__, "active_jobs", exc)
-            return []
+        """Ids of this run's Spark jobs that are still running (none known on Spark Connect)."""
+        return sessions.running_jobs(self._spark, self.group)
 
     def release(self) -> None:
         """Every rank's result is in: torchrun normally ends within a moment, and the cell waits for that
@@ -304,7 +293,7 @@ class SparkJob(StandbyLaunch):
     def _cancel_job_group(self) -> None:
         if self._thread.is_alive() or self.active_jobs():
             try:
-                self._sc.cancelJobGroup(self.group)
+                spark_compat.cancel_group(self._spark, self.group)
             except Exception as exc:
                 log_dropped(__name__, "_cancel_job_group", exc)
 
@@ -447,9 +436,13 @@ class SparkLauncher(Launcher):
 
     @classmethod
     def in_use(cls, modules: Mapping[str, Any]) -> bool:
-        """An active SparkSession in the notebook."""
+        """An active SparkSession in the notebook, classic or Spark Connect (pyspark's own ``getActiveSession`` answers
+        with the Connect session once ``builder.remote(...)`` made one; its class's, should pyspark not say)."""
         try:
-            return "pyspark.sql" in modules and modules["pyspark.sql"].SparkSession.getActiveSession() is not None
+            if "pyspark.sql" in modules and modules["pyspark.sql"].SparkSession.getActiveSession() is not None:
+                return True
+            connect = modules.get("pyspark.sql.connect.session")
+            return connect is not None and connect.SparkSession.getActiveSession() is not None
         except Exception as exc:  # a half-imported or broken pyspark: not in use
             logging.getLogger(__name__).debug("--backend auto: pyspark's active session unknown (%s)", exc)
             return False
@@ -466,15 +459,7 @@ class SparkLauncher(Launcher):
     @staticmethod
     def _active_session() -> Any:
         session = spark_compat.default_session()
-        if session is None:
-            return None
-        try:
-            if spark_compat.context_stopped(session.sparkContext):
-                return None
-        except Exception as exc:
-            log_dropped(__name__, "_active_session", exc)
-            return None
-        return session
+        return session if session is not None and sessions.alive(session) else None
 
     def session(self, config: RunConfig) -> Any:
         """The SparkSession a run uses (the active one, else ours, started once and reused)."""
@@ -502,13 +487,7 @@ class SparkLauncher(Launcher):
         self.session_starts += 1
         return self._session
 
-    @staticmethod
-    def _alive(session: Any) -> bool:
-        try:
-            return not spark_compat.context_stopped(session.sparkContext)
-        except Exception as exc:
-            log_dropped(__name__, "_alive", exc)
-            return False
+    _alive = staticmethod(sessions.alive)
 
     @staticmethod
     def _build(master: str) -> Any:
@@ -570,6 +549,7 @@ class SparkLauncher(Launcher):
         spark = self.session(config)
         self._distributor(config, spark)  # TorchDistributor's own checks (GPU settings) before anything runs
         if not config.local_mode:
+            sessions.check_connect_cluster_python(spark)
             self._wait_for_slots(spark, config.num_processes)
 
     # -- standbys (docs/warm-reruns.md) -------------------------------------------------------------------
@@ -590,11 +570,10 @@ class SparkLauncher(Launcher):
     def _placement(config: RunConfig, spark: Any) -> Placement:
         """What a TorchDistributor launch fixes: world size, GPUs, mode, the session and its master; in local mode
         the import-time variables its torchrun workers inherited (a digest: values stay out of messages)."""
-        sc = spark.sparkContext
         items: list[tuple[str, Any]] = [
             ("processes", config.num_processes), ("GPU", config.use_gpu),
             ("process group", config.process_group_backend), ("mode", "local" if config.local_mode else "cluster"),
-            ("SparkSession", sc.applicationId), ("master", redact_uri(sc.master)),
+            ("SparkSession", sessions.identity(spark)), ("master", redact_uri(sessions.master(spark))),
         ]
         if config.local_mode:
             items.append(("import-time environment", _digest(import_time_environment())))
@@ -643,7 +622,7 @@ class SparkLauncher(Launcher):
         where = (f"{config.num_processes} TorchDistributor worker(s) ({device}, local mode: on this machine)"
                  if config.local_mode else
                  f"{config.num_processes} TorchDistributor barrier task(s) ({device}) "
-                 f"on {redact_uri(spark.sparkContext.master)}")
+                 f"on {redact_uri(sessions.master(spark))}")
         standby = Standby(placement, config.num_processes, self.channel_host(config), None, where, order_for)
         try:
             standby.launch = SparkJob.for_standby(self, spark, config, standby,
@@ -669,18 +648,17 @@ class SparkLauncher(Launcher):
     @staticmethod
     def _wait_for_slots(spark: Any, needed: int) -> None:
         """Barrier tasks need one slot each at once; wait for executors to register, else say why not."""
-        sc = spark.sparkContext
-        cpus = sc.getConf().get("spark.task.cpus", "1")
-        master = sc.master
+        cpus = sessions.task_cpus(spark)
+        master = sessions.master(spark)
         # local[N]: the tasks run in the driver JVM, whose N slots are all there already (no wait); too
         # many barrier tasks would otherwise sit in Spark's slot-check retries for minutes.
         in_driver = master == "local" or master.startswith("local[")
         deadline = time.monotonic() + _EXECUTOR_WAIT_S
         slots = 0
         while True:
-            counted = spark_compat.task_slots(sc)
+            counted = sessions.task_slots(spark)
             if counted is None:
-                return  # cannot tell (Spark Connect, another Spark version): let Spark decide
+                return  # cannot tell (a cluster behind Spark Connect, another Spark version): let Spark decide
             executors, slots = counted
             if slots >= needed or in_driver or time.monotonic() > deadline:
                 break
@@ -699,19 +677,22 @@ class SparkLauncher(Launcher):
 
     def workers_share_files(self, config: RunConfig) -> bool:
         """Local mode, or a cluster on this machine (``local-cluster[...]``, a master on loopback)."""
+        session = self._running_session(config)
+        if session is not None and not sessions.writer_here(session):
+            return False  # a remote Spark Connect server's executors write the staged data on their side
         if config.local_mode:
             return True
-        session = self._running_session(config)
-        return is_loopback_master(session.sparkContext.master if session is not None else config.spark_master)
+        return sessions.executors_here(session) if session is not None else is_loopback_master(config.spark_master)
 
     def channel_host(self, config: RunConfig) -> str:
         if config.local_mode:
             return "127.0.0.1"
         session = self._session if self._active_session() is None else self._active_session()
-        master = session.sparkContext.master if session is not None else config.spark_master
-        if is_loopback_master(master):
+        here = sessions.executors_here(session) if session is not None else is_loopback_master(config.spark_master)
+        if here:
             return "127.0.0.1"
-        host = session.conf.get("spark.driver.host", None) if session is not None else None
+        # A Connect server's spark.driver.host is the server's own address, not this notebook's.
+        host = None if session is None or sessions.is_connect(session) else session.conf.get("spark.driver.host", None)
         return host or socket.gethostbyname(socket.gethostname())
 
     @staticmethod
@@ -732,10 +713,10 @@ class SparkLauncher(Launcher):
         """``--cluster``: the task slots of the running SparkSession's executors (each barrier task takes one); None in
         local mode (processes on the driver), before a session runs, or when Spark cannot tell."""
         spark = None if config.local_mode else self._running_session(config)
-        counted = spark_compat.task_slots(spark.sparkContext) if spark is not None else None
+        counted = sessions.task_slots(spark) if spark is not None else None
         if counted is None:
             return None
-        return f"task slots of {redact_uri(spark.sparkContext.master)}", counted[1]
+        return f"task slots of {redact_uri(sessions.master(spark))}", counted[1]
 
     def describe(self, config: RunConfig) -> str:
         device = "GPU" if config.use_gpu else "CPU"
@@ -747,6 +728,8 @@ class SparkLauncher(Launcher):
             log_dropped(__name__, "describe", exc)
         if active is not None and active is self._session:
             master = f"dtrain_magic's SparkSession ({active.sparkContext.master}, reused)"
+        elif active is not None and sessions.is_connect(active):
+            master = f"the active Spark Connect session (server master {redact_uri(sessions.master(active))})"
         elif active is not None:
             master = f"the active SparkSession ({active.sparkContext.master})"
         else:

@@ -1,0 +1,111 @@
+"""What the Spark launcher asks of a SparkSession, for a classic session and a Spark Connect one alike.
+
+A Connect session (``SparkSession.builder.remote(...)``, Databricks serverless and standard access) has no
+SparkContext: whatever a classic session answers through it (master, application id, status tracker, task slots)
+is read here from what Connect offers (``spark.conf``, ``session_id``), or reported as not known (None), in which
+case the launcher lets Spark decide rather than guess.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ..._compat import spark as spark_compat
+from ...errors import ConfigError, log_dropped
+from .diagnostics import is_loopback_master
+
+is_connect = spark_compat.is_connect
+
+_LOCAL_N = re.compile(r"local\[(\d+)(,\d+)?\]$")
+
+
+def master(spark: Any) -> str:
+    """The session's master URL (on Connect: the server's ``spark.master``; "" when it does not say)."""
+    if is_connect(spark):
+        return spark.conf.get("spark.master", None) or ""
+    return spark.sparkContext.master
+
+
+def identity(spark: Any) -> str:
+    """What tells this session from another: its application id, or a Connect session's id (a new Connect session,
+    even on the same server, gets fresh workers: they were launched through the old one)."""
+    if is_connect(spark):
+        return f"connect:{spark.session_id}"
+    return spark.sparkContext.applicationId
+
+
+def alive(spark: Any) -> bool:
+    """Not stopped (a Connect session: not closed)."""
+    try:
+        if is_connect(spark):
+            return not spark.is_stopped
+        return not spark_compat.context_stopped(spark.sparkContext)
+    except Exception as exc:
+        log_dropped(__name__, "alive", exc)
+        return False
+
+
+def executors_here(spark: Any) -> bool:
+    """Whether the session's executors run on this machine (a loopback master, and on Connect a server here)."""
+    if is_connect(spark) and not spark_compat.connect_server_here(spark):
+        return False
+    return is_loopback_master(master(spark))
+
+
+def writer_here(spark: Any) -> bool:
+    """Whether what the session's executors write (a staged DataFrame) lands in this machine's files: a classic
+    session's driver is this process; a Connect server may be anywhere."""
+    return not is_connect(spark) or spark_compat.connect_server_here(spark)
+
+
+def task_slots(spark: Any) -> tuple[int, int] | None:
+    """(executors, barrier-task slots), or None when not known. On Connect only ``local[N]`` tells (N slots, in the
+    server's driver); the executors of a cluster behind a Connect server cannot be counted from here."""
+    if not is_connect(spark):
+        return spark_compat.task_slots(spark.sparkContext)
+    found = _LOCAL_N.match(master(spark))
+    return (0, int(found.group(1))) if found else None
+
+
+def task_cpus(spark: Any) -> str:
+    if is_connect(spark):
+        return spark.conf.get("spark.task.cpus", None) or "1"
+    return spark.sparkContext.getConf().get("spark.task.cpus", "1")
+
+
+def running_jobs(spark: Any, group: str) -> list[int]:
+    """Ids of the jobs of ``group`` still running; always [] on Connect, which has no status tracker (there the end
+    of the operation, which the launch's thread waits for, is what says the jobs ended)."""
+    if is_connect(spark):
+        return []
+    try:
+        tracker = spark.sparkContext.statusTracker()
+        running = []
+        for job_id in tracker.getJobIdsForGroup(group):
+            info = tracker.getJobInfo(job_id)
+            if info is not None and info.status in ("RUNNING", "UNKNOWN"):
+                running.append(job_id)
+        return running
+    except Exception as exc:
+        log_dropped(__name__, "running_jobs", exc)
+        return []
+
+
+def check_connect_cluster_python(spark: Any) -> None:
+    """``--cluster`` on a Spark Connect server this notebook started (``builder.remote("local[...]")``): its barrier
+    tasks run the Python its JVM was started with, read from ``PYSPARK_PYTHON`` then and never again (a server stopped
+    and started again in the same process runs in the same JVM). Without it they
+    run ``python3`` from the PATH, which lacks pyarrow (the launch would fail in Spark's task with ``No module named
+    'pyarrow'``): refused before anything is launched, with the fix."""
+    if not is_connect(spark):
+        return
+    python = spark_compat.connect_server_python()
+    if python is None:
+        raise ConfigError(
+            "--cluster",
+            "the local Spark Connect server was started without PYSPARK_PYTHON, so its barrier tasks would run "
+            "`python3` from the PATH (no pyarrow, no dtrain_magic); set os.environ['PYSPARK_PYTHON'] = sys.executable "
+            "before the notebook's first SparkSession (restart the kernel: Spark's JVM keeps the environment it "
+            "started with), or leave out --cluster (local mode); nothing was launched",
+        )
