@@ -1,6 +1,6 @@
 """Live charts of a run, read from MLflow: training metrics against step, system metrics over time.
 
-`RunCharts` owns two plotly ``FigureWidget``s and a background poller (`start`) that reads the run with
+`RunCharts` owns two plotly figures and a background poller (`start`) that reads the run with
 ``MlflowClient.get_run`` (which keys exist, the run's status) and ``get_metric_history`` per key, every
 ``interval_s`` (0.25 s by default; one history of a few hundred points costs 1-2 ms on SQLite). The
 poller stops after the run is terminal in MLflow (the tracker flushes every queued metric before it
@@ -14,10 +14,19 @@ read, synchronously: ``%distribute_show RUN_ID`` uses it for a finished run.
   ``system/gpu_N_memory_usage_percentage``, nvidia-ml-py) when the run has them, else CPU and RAM
   (``system/cpu_utilization_percentage``, ``system/system_memory_usage_percentage``), in percent,
   x = seconds since the run started. Node-prefixed keys (``system/<node>/...``) get one trace per node.
+
+How they reach the front-end: each figure is shown as plotly's MIME bundle (``application/vnd.plotly.v1+json``,
+the figure's data and layout) in an ``ipywidgets.Output``, replaced when the figure changed (at most every
+``redraw_s`` while the run goes, and once at its end). JupyterLab draws the bundle with the jupyterlab-plotly
+extension plotly's wheel installs, VS Code natively. Not a ``FigureWidget``: that is an anywidget whose saved
+state carries plotly's whole JavaScript bundle (4.9 MB), and a notebook executed headless (nbclient keeps the
+state of every widget ever opened) saved 15 MB for one run. An Output's state is the last bundle only: a few KB,
+which a front-end reopening the notebook without its kernel draws as the run's final charts.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import sys
@@ -27,7 +36,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .._compat import plotly as plotly_compat
-from ..errors import log_dropped
 
 _log = logging.getLogger(__name__)
 
@@ -41,15 +49,15 @@ _preload_lock = threading.Lock()
 
 
 def preload_plotly() -> threading.Thread | None:
-    """Import what the first ``FigureWidget`` needs in the background (`tracking.import_in_background`,
-    so it never overlaps MLflow's import), once per kernel; the thread, or None when already imported.
+    """Import what the first figure needs in the background (`tracking.import_in_background`, so it never
+    overlaps MLflow's import), once per kernel; the thread, or None when already imported.
 
-    In a fresh kernel that first figure costs seconds of CPU (plotly's renderers import nbformat, which
-    imports jsonschema and its format checkers); done here, the driver's message loop goes on meanwhile."""
+    In a fresh kernel that first figure costs a second or more of CPU (plotly's figure classes, its
+    validators and the template); done here, the driver's message loop goes on meanwhile."""
     global _preload
     with _preload_lock:
         if _preload is None:
-            if plotly_compat.FIGURE_WIDGET_MODULE in sys.modules:
+            if plotly_compat.FIGURE_MODULE in sys.modules:
                 return None
             from ..tracking import import_in_background
 
@@ -60,8 +68,9 @@ def preload_plotly() -> threading.Thread | None:
 def _import_plotly() -> None:
     try:
         import plotly.graph_objects as go
+        import plotly.io  # noqa: F401  (what `figure_bundle` serialises with)
 
-        go.FigureWidget  # noqa: B018  (plotly imports it lazily, on first access)
+        go.Figure(layout=dict(template=TEMPLATE))  # the first figure loads the classes and the template
     except Exception:  # missing or broken: creating the charts says so in the panel
         _log.debug("importing plotly failed", exc_info=True)
 
@@ -112,6 +121,8 @@ class Series:
 
 
 Point = tuple[int, float, int]  # (step, value, timestamp in ms): one logged value of a training metric
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+TEMPLATE = "plotly_white"
 LOG_Y_DECADES = 3.0  # automatic log y once the shown metric spans this many powers of ten (all values > 0)
 Y_SCALES = ("auto", "linear", "log")
 
@@ -125,6 +136,19 @@ def wants_log_y(values: list[float], decades: float = LOG_Y_DECADES) -> bool:
     return max(finite) / min(finite) >= 10.0 ** decades
 
 
+def figure_bundle(figure: Any) -> dict[str, Any]:
+    """``figure`` as a display_data output: plotly's MIME bundle (its JSON: NaN as null, as plotly writes it)
+    and, for a front-end without a plotly renderer, a line of text per trace."""
+    import plotly.io as pio
+
+    lines = [figure.layout.title.text or "chart"]
+    for trace in figure.data:
+        y = list(trace.y or ())
+        lines.append(f"  {trace.name}: {len(y)} points" + (f", last {y[-1]:.6g}" if y else ""))
+    return {"output_type": "display_data", "metadata": {},
+            "data": {PLOTLY_MIME: json.loads(pio.to_json(figure, validate=False)), "text/plain": "\n".join(lines)}}
+
+
 class RunCharts:
     """The two charts of one run and the poller that keeps them current.
 
@@ -135,6 +159,9 @@ class RunCharts:
     `attach`), and later points do not wait for the writer and the poll. A fed point is identified by
     (step, worker timestamp), the same pair MLflow stores, so it is shown once: it leaves the fed list
     when the poll finds it in MLflow's history. System metrics are MLflow's only.
+
+    ``metrics_figure`` and ``system_figure`` are plain plotly figures (the Python side's copy); the widget
+    shows them as plotly MIME bundles (see the module's docstring), redrawn at most every ``redraw_s``.
     """
 
     def __init__(
@@ -144,13 +171,14 @@ class RunCharts:
         interval_s: float = 0.25,
         on_update: Callable[["RunCharts"], None] | None = None,
         figure_factory: Callable[..., Any] | None = None,
+        redraw_s: float = 1.0,
     ):
         import plotly.graph_objects as go
 
-        self.client, self.run_id, self.interval_s = client, run_id, interval_s
+        self.client, self.run_id, self.interval_s, self.redraw_s = client, run_id, interval_s, redraw_s
         self.on_update = on_update
-        factory = self._factory = figure_factory or go.FigureWidget
-        common = dict(height=320, width=480, margin=dict(l=50, r=10, t=40, b=40), template="plotly_white",
+        factory = figure_factory or go.Figure
+        common = dict(height=320, width=480, margin=dict(l=50, r=10, t=40, b=40), template=TEMPLATE,
                       legend=dict(orientation="h", y=-0.2))
         self.metrics_figure = factory(layout=dict(
             title=dict(text="Training metrics"), xaxis=dict(title=dict(text="step")),
@@ -168,16 +196,16 @@ class RunCharts:
         self.error: str | None = None
         self.y_scale = "auto"  # the metrics chart's y axis: auto (log for a wide positive range), linear, log
         self._live = False
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # the y-scale control's callback takes it while `set_y_scale` may hold it
         self._stop = threading.Event()
         self._run_ended = threading.Event()
         self._grace_until = float("inf")
         self._thread: threading.Thread | None = None
         self._widget: Any = None
         self._scale_control: Any = None
-        self._added: set[int] = set()
-        self._frames: dict[int, Any] = {}
-        self._synced: dict[int, float] = {}
+        self._outputs: dict[str, Any] = {}  # "metrics" / "system" -> the Output showing that figure
+        self._stale: set[str] = set()  # figures changed since they were last shown
+        self._shown_at = float("-inf")  # time.monotonic() of the last redraw
         self._recorded: dict[str, list[Point]] = {}  # MLflow's history per training metric, sorted
         self._fed: dict[str, list[Point]] = {}  # received from the workers, not yet seen in MLflow
         self._fed_lock = threading.Lock()  # `feed` runs in the driver's thread, the poller in its own
@@ -187,21 +215,48 @@ class RunCharts:
     # -- display ---------------------------------------------------------------------------------
     @property
     def widget(self) -> Any:
-        """Both figures side by side (an ipywidgets HBox), under the y-scale control of the metrics chart."""
-        if self._widget is None:
-            import ipywidgets as w
+        """Both figures side by side (an ipywidgets HBox of two Outputs), under the y-scale control of the
+        metrics chart. Built showing the figures as they are now."""
+        with self._lock:
+            if self._widget is None:
+                self._widget = self._build_widget()
+                self._stale = {"metrics", "system"}
+                self._show(force=True)
+        return self._widget
 
-            self._frames = {id(f): w.Box([f]) for f in (self.metrics_figure, self.system_figure)}
-            self._scale_control = w.ToggleButtons(
+    def _build_widget(self) -> Any:
+        import ipywidgets as w
+
+        # The minimum size keeps the chart's place while an Output is emptied and refilled: no jump.
+        size = w.Layout(min_width="480px", min_height="320px")
+        self._outputs = {"metrics": w.Output(layout=size), "system": w.Output(layout=size)}
+        for name, output in self._outputs.items():
+            output.add_class(f"dtm-chart-{name}")
+        self._scale_control = w.ToggleButtons(
                 options=[(name, name) for name in Y_SCALES], value=self.y_scale, description="loss y axis",
                 tooltips=["log when the values span 1000x or more", "linear", "logarithmic"],
                 style={"button_width": "60px", "description_width": "80px"})
-            self._scale_control.add_class("dtm-y-scale")
-            self._scale_control.observe(lambda change: self.set_y_scale(change["new"]), names="value")
-            figures = w.HBox(list(self._frames.values()), layout=w.Layout(flex_flow="row wrap"))
-            self._widget = w.VBox([self._scale_control, figures])
-            self._widget.add_class("dtm-charts")
-        return self._widget
+        self._scale_control.add_class("dtm-y-scale")
+        self._scale_control.observe(lambda change: self.set_y_scale(change["new"]), names="value")
+        figures = w.HBox(list(self._outputs.values()), layout=w.Layout(flex_flow="row wrap"))
+        widget = w.VBox([self._scale_control, figures])
+        widget.add_class("dtm-charts")
+        return widget
+
+    def _show(self, force: bool = False) -> None:
+        """Redraw the figures that changed (caller holds ``_lock``): at most every ``redraw_s`` unless
+        ``force``. Replacing the Output's one output is the redraw: a front-end renders the new bundle, and
+        the widget's state (what a saved notebook keeps) is the latest figure only."""
+        if not self._outputs or not self._stale:
+            return
+        now = time.monotonic()
+        if not force and now - self._shown_at < self.redraw_s:
+            return
+        figures = {"metrics": self.metrics_figure, "system": self.system_figure}
+        for name in sorted(self._stale):
+            self._outputs[name].outputs = (figure_bundle(figures[name]),)
+        self._stale.clear()
+        self._shown_at = now
 
     def trace_data(self, figure: Any, name: str) -> tuple[list, list]:
         """(x, y) of the trace called ``name`` in ``figure``, as the front-end receives them."""
@@ -218,6 +273,7 @@ class RunCharts:
         with self._lock:
             self.y_scale = scale
             self._apply_y_scale()
+            self._show(force=True)  # the user's click: at once
         if self._scale_control is not None and self._scale_control.value != scale:
             self._scale_control.value = scale
 
@@ -230,6 +286,7 @@ class RunCharts:
         wanted = "log" if log else "linear"
         if self.metrics_figure.layout.yaxis.type != wanted:
             self.metrics_figure.layout.yaxis.type = wanted
+            self._stale.add("metrics")
 
     # -- values from the workers, before MLflow has them ------------------------------------------
     def feed(self, step: int, metrics: dict[str, float], timestamp_ms: int | None = None) -> None:
@@ -278,15 +335,16 @@ class RunCharts:
             if changed_metrics:
                 self._draw(self.metrics_figure, self.metrics, changed_metrics,
                            visible_default=default_metric(list(self.metrics)))
+                self._stale.add("metrics")
                 self._apply_y_scale()
             if changed_system:
                 self._draw(self.system_figure, self.system, changed_system, names=wanted)
                 title = "System (GPU)" if any("gpu_" in k for k in wanted) else "System (CPU / RAM, no GPU)"
                 if self.system_figure.layout.title.text != title:
                     self.system_figure.layout.title.text = title
-                    self._added.add(id(self.system_figure))
-            for figure in (self.metrics_figure, self.system_figure):
-                self._sync_initial_state(figure, final=final)
+                self._stale.add("system")
+            # The final read, and a read outside the poller (%distribute_show), are shown at once.
+            self._show(force=final or not self._live)
             changed = bool(changed_metrics or changed_system)
         if changed and self.on_update is not None:
             self.on_update(self)
@@ -338,42 +396,6 @@ class RunCharts:
                 changed.append(key)
         return changed
 
-    def _sync_initial_state(self, figure: Any, final: bool = False) -> None:
-        """Keep the state a *new* front-end view starts from current (plotly sets it only at display time).
-
-        Our figures live in a Box and get traces after the Box was displayed; a view created later (the
-        browser loads plotly's large module slowly, or the notebook is reopened) would start from the
-        empty initial state and miss the add-trace messages. Existing views ignore this state (they get
-        restyle messages), so it is only sent when traces were added (then a fresh figure replaces it), every few
-        seconds, and at the end.
-        """
-        if not plotly_compat.can_set_view_state(figure):
-            return
-        now = time.monotonic()
-        key = id(figure)
-        added = key in self._added
-        if added or final or now - self._synced.get(key, 0.0) > 5.0:
-            plotly_compat.set_view_state(figure)
-            self._synced[key] = now
-            self._added.discard(key)
-        frame = self._frames.get(key)
-        if added and frame is not None:
-            # A view that was still starting when the traces were added may miss them for good (seen in
-            # JupyterLab under load; mounting the same model again draws an empty plot). So show a fresh
-            # FigureWidget built with every trace: its view starts from complete state.
-            fresh = self._factory(data=figure.data, layout=figure.layout)
-            if figure is self.metrics_figure:
-                self.metrics_figure = fresh
-            else:
-                self.system_figure = fresh
-            self._frames[id(fresh)] = self._frames.pop(key)
-            self._synced[id(fresh)] = now
-            frame.children = (fresh,)
-            try:
-                figure.close()
-            except Exception as exc:
-                log_dropped(__name__, "_sync_initial_state", exc)
-
     def _draw(self, figure: Any, source: dict[str, Series], keys: list[str], names: dict[str, str] | None = None,
               visible_default: str | None = None) -> None:
         existing = {trace.name: trace for trace in figure.data}
@@ -384,7 +406,6 @@ class RunCharts:
                 if name in existing:
                     existing[name].x, existing[name].y = list(series.x), list(series.y)
                 else:
-                    self._added.add(id(figure))
                     visible = True if names is not None or key == visible_default else "legendonly"
                     figure.add_scatter(x=list(series.x), y=list(series.y), name=name, mode="lines+markers",
                                        marker=dict(size=4), visible=visible)
@@ -404,6 +425,18 @@ class RunCharts:
             self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
             self._thread.start()
         return self
+
+    def show_now(self) -> None:
+        """Read once more and draw at once, in the caller's thread: every value the workers sent is drawn
+        before the cell returns. A headless executor (nbclient) keeps only the widget messages sent while a
+        cell runs, so this is what a notebook executed headless saves; the poller's later reads still
+        reach a live front-end."""
+        try:
+            self.poll_once()
+        except Exception as exc:  # MLflow unreadable: draw what was fed
+            self.error = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            self._show(force=True)
 
     def run_ended(self, grace_s: float = 30.0) -> None:
         """The driver is done: poll until MLflow marks the run terminal (at most ``grace_s``), then stop.
@@ -441,7 +474,9 @@ class RunCharts:
                     _log.debug("final MLflow poll failed", exc_info=True)
                 break
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
-        self._live = False
+        with self._lock:
+            self._show(force=True)  # a change held back by `redraw_s` (or a stop before the final read)
+            self._live = False
 
 
 def lag_summary(lags_s: list[float]) -> dict[str, float]:

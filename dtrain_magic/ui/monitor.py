@@ -47,6 +47,7 @@ from . import _kernel
 from .charts import preload_plotly
 
 LOG_TAIL = 200
+CHARTS_WAIT_S = 20.0  # at the run's end, how long to wait for charts still being made (a fresh kernel's plotly import)
 RANK_LOG_TAIL = 40  # lines kept per rank for the rank tabs (what the front-end shows: js/monitor.js LOG_LINES)
 
 
@@ -250,11 +251,15 @@ class MonitorObserver(RunObserver):
         self.stop_button.tooltip = f"the run {outcome}"
         with self._charts_lock:
             self._closed.set()
-            charts = self.charts
+            starting = self.charts is None and self._charts_starter is not None
         self._dirty.set()
         self._flush()
+        if starting:  # a short run: its charts may still be in the making (plotly's first import)
+            self._charts_done.wait(CHARTS_WAIT_S)
+        charts = self.charts
         if charts is not None:
             charts.run_ended()
+            charts.show_now()  # every value drawn before the cell returns: what a headless run saves
 
     def perf(self, snapshot: Any) -> None:
         self.text.perf(snapshot)

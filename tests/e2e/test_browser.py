@@ -558,3 +558,54 @@ def test_session_cells_show_output_by_rank(chromium, jupyterlab):
     assert shot.stat().st_size > 10_000
     print(f"screenshot: {shot}")
     print(f"session browser test: {time.monotonic() - t0:.1f} s; cell back {back_s:.1f} s after JupyterLab's interrupt")
+
+
+def test_saved_notebook_shows_its_final_charts_without_its_kernel(chromium, jupyterlab):
+    """A notebook with the panel on, executed headless (``jupyter nbconvert --execute``, the notebook of
+    tests/e2e/test_saved_notebook.py), opened in JupyterLab without running a cell: its run's kernel is gone and
+    the fresh one holds none of its widgets, so what draws is the saved widget state alone: the finished
+    monitor and both charts, the loss chart with every logged value."""
+    from playwright.sync_api import expect, sync_playwright
+    from test_saved_notebook import STEPS, execute_headless, logged_losses
+
+    url, token, root = jupyterlab
+    folder = root / "nb" / "headless"
+    folder.mkdir()
+    t0 = time.monotonic()
+    saved = execute_headless(folder, {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{folder / 'mlflow.db'}"})
+    executed_s = time.monotonic() - t0
+    # JupyterLab draws no widget of a notebook it does not trust (any notebook run elsewhere): trust it, as a
+    # user does (`jupyter trust`, or File > Trust Notebook), in the server's own signature store.
+    subprocess.run([sys.executable, "-m", "jupyter", "trust", str(saved)], check=True, timeout=60,
+                   env={**os.environ, "JUPYTER_DATA_DIR": str(root / "data")}, capture_output=True)
+    name = f"headless/{saved.name}"
+    shot = _output_dir() / "saved_notebook.png"
+    profile = tempfile.mkdtemp(prefix="dtm_chromium_")
+    try:
+        with sync_playwright() as pw:
+            context = pw.chromium.launch_persistent_context(
+                profile, executable_path=chromium, headless=True, args=CHROMIUM_ARGS,
+                viewport={"width": 1400, "height": 1100},
+            )
+            try:
+                page = context.new_page()
+                page.goto(f"{url}/lab/workspaces/saved/tree/{name}?reset&token={token}")
+                page.wait_for_function(KERNEL_CONNECTED, timeout=90_000)  # the widgets load once a kernel is up
+                panel = page.locator(".dtm-monitor-panel").first
+                expect(panel.locator(".dtm-monitor")).to_have_attribute("data-state", "finished", timeout=60_000)
+                charts = panel.locator(".dtm-charts .js-plotly-plot")
+                expect(charts).to_have_count(2, timeout=90_000)
+                expect(charts.nth(0)).to_contain_text("Training metrics")
+                expect(charts.nth(1)).to_contain_text("System")
+                _wait_for(lambda: _points(charts.nth(0)) == STEPS, 30, f"the {STEPS} logged loss values")
+                losses = charts.nth(0).evaluate("(el) => el.data.find((t) => t.name === 'loss').y")
+                assert losses == pytest.approx(logged_losses())
+                page.screenshot(path=str(shot), full_page=True)
+            finally:
+                context.close()
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+    assert shot.stat().st_size > 10_000
+    print(f"screenshot: {shot}")
+    print(f"saved notebook browser test: executed in {executed_s:.1f} s, "
+          f"shown in {time.monotonic() - t0 - executed_s:.1f} s")

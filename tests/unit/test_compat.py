@@ -210,19 +210,6 @@ def test_ipykernel_subshells_only_on_a_known_ipykernel(installed, monkeypatch):
     assert comm._reply_subshell_for({"x": 1}, None) == "sub-1"
 
 
-def test_plotly_view_state_only_on_a_known_plotly(installed):
-    figure = types.SimpleNamespace(_widget_data=[], _widget_layout={}, _data=[{"y": [1, 2]}],
-                                   _layout_obj=types.SimpleNamespace(_props={"title": "t"}))
-    installed("plotly", "7.1.0")
-    assert plotly_compat.can_set_view_state(figure)
-    plotly_compat.set_view_state(figure)
-    assert figure._widget_data == [{"y": [1, 2]}] and figure._widget_data[0] is not figure._data[0]
-    assert figure._widget_layout == {"title": "t"}
-    assert not plotly_compat.can_set_view_state(types.SimpleNamespace(_widget_data=[]))
-    installed("plotly", "8.0.0")
-    assert not plotly_compat.can_set_view_state(figure)
-
-
 # -- fallback niceties: used when the attribute is there ---------------------------------------------------
 def test_mlflow_one_sample_is_published_only_when_none_was():
     calls = []
