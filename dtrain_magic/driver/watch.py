@@ -40,7 +40,7 @@ class Watch:
     stall_timeout: float | None = DEFAULT_STALL_TIMEOUT_S  # None or 0: no stall watch
     restartable: bool = False  # --max-restarts: a failed or dead rank is the backend's to restart, not a hang's start
     ranks: dict[int, _Rank] = field(default_factory=dict)
-    stall_reported: bool = False
+    stall_reported_at: float | None = None  # when the current stall was reported; progress since re-arms the rule
 
     def hello(self, rank: int, now: float) -> None:
         self.ranks[rank] = _Rank(now, now)
@@ -62,10 +62,10 @@ class Watch:
         if before is not None and (_counters_moved(before, message) or busy(before, message)):
             self._progressed(state, now)
 
-    def _progressed(self, state: _Rank, now: float) -> None:
+    @staticmethod
+    def _progressed(state: _Rank, now: float) -> None:
         if state.ended is None:
             state.last_progress = now
-            self.stall_reported = False
 
     def ended(self, rank: int, how: str, now: float) -> None:
         """``rank`` returned, failed or died (``how``: "returned", "failed: ...", "died: ..."). Under restarts a
@@ -80,7 +80,7 @@ class Watch:
     def forget(self) -> None:
         """The workers were restarted: start over."""
         self.ranks.clear()
-        self.stall_reported = False
+        self.stall_reported_at = None
 
     def live(self) -> list[int]:
         return sorted(rank for rank, state in self.ranks.items() if state.ended is None)
@@ -105,12 +105,16 @@ class Watch:
 
     def stalled(self, now: float) -> bool:
         """True once per stall: the ranks still running made no progress (no step, metric, output or CPU use) for
-        ``stall_timeout``."""
+        ``stall_timeout``. Once reported, only progress of a rank still running starts a new one (not the last
+        words of a rank that ended since, whose peers are still in the stall reported)."""
         live = self.live()
-        if not self.stall_timeout or self.stall_reported or not live:
+        if not self.stall_timeout or not live:
+            return False
+        reported = self.stall_reported_at
+        if reported is not None and max(self.ranks[rank].last_progress for rank in live) <= reported:
             return False
         if self.quiet_for(now) >= self.stall_timeout:
-            self.stall_reported = True
+            self.stall_reported_at = now
             return True
         return False
 

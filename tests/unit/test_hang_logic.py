@@ -104,6 +104,20 @@ def test_by_default_every_rank_waiting_for_120_s_is_a_stall_reported_once():
     assert watch.hung(now=300.0) == []  # no rank ended: no hang, the run goes on
 
 
+def test_a_rank_that_speaks_and_ends_after_the_report_starts_no_second_report_for_its_waiting_peer():
+    """Seen on Ray: both ranks waited, the stall was reported; rank 1 then printed and returned while rank 0 still
+    waited: the same stall (rank 0's silence), not a new one."""
+    watch = Watch(hang_timeout=None, stall_timeout=15)
+    for rank in (0, 1):
+        watch.hello(rank, now=0)
+    assert watch.stalled(now=15)
+    watch.activity(1, now=45)  # its last line...
+    watch.ended(1, "returned", now=45.1)  # ... and its result
+    assert not watch.stalled(now=45.2) and not watch.stalled(now=100)
+    watch.activity(0, now=101)  # rank 0 moves, then waits again: a new stall
+    assert not watch.stalled(now=115.9) and watch.stalled(now=116)
+
+
 def test_a_long_first_step_using_cpu_is_no_stall():
     """A big model's first step: no ctx.step, no metric, no output for minutes, but the rank computes."""
     watch = Watch(hang_timeout=15)
