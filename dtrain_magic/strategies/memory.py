@@ -162,12 +162,6 @@ def memory_model(strategy: str | type, zero: int | None, precision: str) -> Memo
     return strategy_class(strategy).memory_model(zero, precision)
 
 
-def bytes_per_param(strategy: str, zero: int | None, precision: str) -> tuple[int, int, int, int]:
-    """(parameter bytes, gradient bytes, K optimizer bytes, of which Adam moments) per parameter."""
-    model = memory_model(strategy, zero, precision)
-    return model.param_bytes, model.grad_bytes, model.optimizer_bytes, model.moment_bytes
-
-
 def estimate(num_params: int, strategy: str | type = "ddp", zero: int | None = None, precision: str = "fp32",
              world_size: int = 1, k: int | None = None, tp: int = 1, pp: int = 1, facts: ModelFacts | None = None,
              settings: Mapping[str, Any] | None = None) -> MemoryEstimate:

@@ -6,8 +6,9 @@ memory estimate (for the cell's own model when `memory.model_of_cell` can count 
 else a what-if for the size typed in the panel, said as such). `ConfigurePanel` wires ipywidgets to
 it; `show_panel` (called by the magic) displays it.
 
-Run captures the cell in the notebook (on the kernel's main thread, as any cell), then runs
-``runner.execute`` in a background thread with a `MonitorObserver`; the kernel stays responsive (other
+Run prepares the run as the magic does (``runner.prepare``: the checks, the next run's workers ahead, the cell
+captured in the notebook on the kernel's main thread, as any cell), then runs ``PreparedRun.execute`` in a
+background thread with a `MonitorObserver`; the kernel stays responsive (other
 cells run, Stop is handled at once). The monitor (status per rank, progress, Stop, live charts) is a
 child of the panel's own widget tree, not display data inside an ``Output``: an ``Output`` that the
 front-end also captures into (the cell's prints) syncs its outputs back to the kernel and would

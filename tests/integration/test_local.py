@@ -276,7 +276,7 @@ def test_dry_run_shows_plan_and_launches_nothing(shell, mlflow, capsys):
 
 def test_a_run_looks_up_its_launcher_store_state_and_channel_host_once(shell, count_calls, tracking_uri):
     """`runner.check`'s plan is what `execute` runs: through the magic (check, capture, execute with the plan)
-    and through `runner.execute` alone (the panel's Run, which checks itself), once per run each."""
+    and through `runner.execute` alone (which checks itself), once per run each."""
     from dtrain_magic import launchers
     from dtrain_magic.config import RunConfig
     from dtrain_magic.driver import runner
