@@ -16,6 +16,16 @@
   (``ray.train.v2._internal.callbacks.datasets.DatasetsCallback``): Ray's own starts a ``DatasetManager`` actor for
   every run, datasets or not (a Python process importing Ray Data: about 4 s of CPU, 3 s of each launch on 2 cores).
   **Gated**: when missing, Ray's own callback is kept.
+- `cluster_demand` (``launchers/ray/yielding.py``): ``ray._private.worker.global_worker.gcs_client`` for
+  ``ray.autoscaler.v2.sdk.get_cluster_resource_state`` (the GCS's view the autoscaler reads: queued tasks and actors
+  by resource shape, pending placement groups, each node's available resources). **Gated**: on an unknown version,
+  or when missing, the answer is None, and waiting workers are held on a Ray the notebook started only when the
+  cell asks (``--keep-warm``), as on a cluster.
+- `free_placement_groups` (``launchers/ray/driver.py``, for `yielding`): the GCS's placement group table
+  (``ray._private.state.state``'s accessor, ``gcs_pb2.PlacementGroupTableData.creator_actor_id``) and an actor
+  handle's ``_actor_id``, to remove the placement groups a standby's controller made (its CPUs free at once, even
+  while Ray Train still starts the workers, when its own abort would wait for that). **Fallback**: when missing,
+  nothing is removed and the standby's release frees them as before (seconds later).
 - `unpatched_print` (``launchers/ray/worker.py``): ``ray.train.v2._internal.logging.patch_print._original_print``.
   **Fallback** when missing: Ray Train's own ``print``, which also tees each line into its logger (each worker
   line then shows twice).
@@ -188,6 +198,75 @@ def init_local_instance(num_cpus: int, temp_dir: str) -> None:
         _node_ip_address="127.0.0.1",
         _temp_dir=temp_dir,
     )
+
+
+Shape = dict  # a resource request: {"CPU": 1.0, ...}
+
+
+def cluster_demand() -> tuple[list[Shape], list[list[Shape]], Shape] | None:
+    """What waits for resources on the Ray this process is connected to, as the GCS sees it (the raylets report
+    their queues about every 100 ms): (the shape of each kind of queued task or actor, each pending placement
+    group's bundles, the resources available summed over the alive nodes). None where this Ray's parts are unknown
+    or fail."""
+    reader = _demand_reader()
+    if reader is None:
+        return None
+    try:
+        state = reader()
+    except Exception as exc:  # Ray shut down meanwhile, or the GCS does not answer
+        log_dropped(__name__, "cluster_demand", exc)
+        return None
+    tasks = [dict(entry.request.resources_bundle) for entry in state.pending_resource_requests]
+    gangs = [[dict(bundle.resources_bundle) for bundle in gang.requests]
+             for gang in state.pending_gang_resource_requests]
+    available: Shape = {}
+    for node in state.node_states:
+        for key, value in node.available_resources.items():
+            available[key] = available.get(key, 0.0) + value
+    return tasks, gangs, available
+
+
+def _demand_reader() -> Any:
+    """``get_cluster_resource_state`` bound to this process's GCS client; None on an unknown Ray or without it."""
+    if not RAY.allowed():
+        return None
+    try:
+        from ray._private.worker import global_worker
+        from ray.autoscaler.v2.sdk import get_cluster_resource_state
+    except ImportError as exc:
+        log_dropped(__name__, "_demand_reader", exc)
+        return None
+    client = getattr(global_worker, "gcs_client", None)
+    return None if client is None else functools.partial(get_cluster_resource_state, client)
+
+
+def free_placement_groups(actor: Any) -> int:
+    """Remove the live placement groups ``actor`` created (Ray Train's controller: its worker group's), which kills
+    the actors in them and frees their resources now; how many. 0 where this Ray's parts are missing."""
+    import ray
+
+    try:
+        from ray._private.state import state
+        from ray._raylet import PlacementGroupID
+        from ray.core.generated import gcs_pb2
+        from ray.util.placement_group import PlacementGroup
+
+        creator = actor._actor_id.binary()
+        table = state._connect_and_get_accessor().get_placement_group_table()
+    except Exception as exc:
+        log_dropped(__name__, "free_placement_groups", exc)
+        return 0
+    removed = 0
+    for raw in table:
+        data = gcs_pb2.PlacementGroupTableData.FromString(raw)
+        if data.creator_actor_id != creator or data.state == gcs_pb2.PlacementGroupTableData.REMOVED:
+            continue
+        try:
+            ray.util.remove_placement_group(PlacementGroup(PlacementGroupID(data.placement_group_id)))
+            removed += 1
+        except Exception as exc:  # removed meanwhile (the controller's own clean-up)
+            log_dropped(__name__, "free_placement_groups", exc)
+    return removed
 
 
 def unpatched_print() -> Any:

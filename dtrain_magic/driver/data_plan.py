@@ -46,6 +46,7 @@ class DataPlan:
     backend: str
     data_dir: str | None
     ranks: int  # data-parallel ranks (processes / (tp x pp))
+    worker_cpus: float = 0.0  # the CPUs the run's workers take on Ray (Ray Train's default: 1 each, none with GPUs)
     staged: dict[str, Staged] = field(default_factory=dict)  # by name, once `stage` ran
 
     # -- before launch ----------------------------------------------------------------------------
@@ -94,7 +95,7 @@ class DataPlan:
         from .staging import remove
 
         if not source.stages(self.backend):
-            return Staged(source.stage(Staging(self.backend, _no_directory, note)))
+            return Staged(source.stage(Staging(self.backend, _no_directory, note, self.worker_cpus)))
         identity, where = source.identity(), self._copy_place(source)
         found = area.reuse(source.name, identity, where)
         if found is not None:
@@ -192,7 +193,8 @@ def resolve(config: RunConfig, shares_files: bool, namespace: Mapping[str, Any] 
     if not config.data:
         return None
     plan = DataPlan(tuple(_source(name, text, config.backend, namespace) for name, text in config.data),
-                    config.backend, config.data_dir, config.data_parallel_size)
+                    config.backend, config.data_dir, config.data_parallel_size,
+                    0.0 if config.use_gpu else float(config.num_processes))
     split_by_ray = [s for s in plan.sources if isinstance(s, RayDataset) and config.backend == "ray"]
     if split_by_ray and config.tp * config.pp > 1:
         first = split_by_ray[0]

@@ -372,6 +372,24 @@ class StandbySlot:
             self._release_locked(reason, wait=True, grace_s=grace_s)
             return standby
 
+    def release_if(self, standby: Standby, reason: str, free: Callable[[], Any] | None = None) -> bool:
+        """Release ``standby`` if it is still the one waiting (not claimed or replaced meanwhile); whether it was.
+        ``free()`` runs first, once no run can claim it any more (a launcher freeing its resources at once); the
+        launch then ends in the background."""
+        with self._lock:
+            if self.standby is not standby:
+                return False
+            self.standby = None
+            self._cancel_timer()
+            if free is not None:
+                try:
+                    free()
+                except Exception as exc:  # the release below frees them anyway, later
+                    log_dropped(__name__, "release_if", exc)
+        # Its launch ends in the background (a run may claim the slot's next standby meanwhile)
+        threading.Thread(target=standby.release, args=(reason,), name="dtrain-standby-release", daemon=True).start()
+        return True
+
     def _release_locked(self, reason: str, wait: bool, grace_s: float = _RELEASE_GRACE_S) -> None:
         standby, self.standby = self.standby, None
         self._cancel_timer()

@@ -243,7 +243,9 @@ class Dataset:
 def test_a_ray_dataset_goes_to_ray_train_on_ray_and_is_staged_elsewhere_but_not_under_model_parallelism():
     ns = {"ds": Dataset()}
     on_ray = plan(ns, backend="ray", train="ds")
-    assert on_ray.sources[0].rows == 10 and not on_ray.sources[0].stages("ray")  # Ray Train's own split
+    # Ray Train's own split; counted when handed to it, at launch (where a full Ray has it materialized first)
+    assert on_ray.sources[0].rows is None and not on_ray.sources[0].stages("ray")
+    assert on_ray.worker_cpus == 2.0  # what Ray Train's 2 CPU workers take (-n 2), none left on a 2-CPU Ray
     assert "get_dataset_shard" in on_ray.dry_run_lines()[1] and "reads 5 row(s)" in on_ray.dry_run_lines()[1]
     elsewhere = plan(ns, backend="local", train="ds")
     assert elsewhere.sources[0].rows is None and elsewhere.sources[0].needs_files("local")  # counted when written

@@ -38,6 +38,7 @@ from ..standby import Claim, Placement, Standby, StandbyLaunch, StandbySlot, def
 from .diagnostics import failures_from
 from .instance import RayInstance, _current_address, _host_port
 from .worker import _standby_loop, _train_loop, dump_stacks_here
+from .yielding import GiveWay
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -151,6 +152,24 @@ class RayJob(StandbyLaunch):
             return LaunchState(True, [])
         return LaunchState(True, failures_from(self._error))
 
+    def free_now(self) -> None:
+        """End this launch now, its CPUs/GPUs back at once: its worker group's placement group removed (the workers
+        die with it), then its controller killed (nothing of the run is left to stop). Ray Train's own abort would
+        first wait for a worker group still starting (seconds to tens of seconds on a small machine)."""
+        import ray
+
+        with self._lock:
+            self._cancelled = self._thread.is_alive()  # what fit() raises now is this, not a failure
+        self.trainer.cancel_requested = True  # a controller not made yet aborts as soon as it is
+        controller = self.trainer.controller
+        if controller is None:
+            return
+        ray_compat.free_placement_groups(controller)
+        try:
+            ray.kill(controller, no_restart=True)
+        except Exception as exc:  # gone already
+            log_dropped(__name__, "RayJob.free_now", exc)
+
     def cancel(self) -> None:
         with self._lock:
             if self._cancelled:
@@ -189,6 +208,7 @@ class RayLauncher(Launcher):
         self.instance = RayInstance()  # the Ray this kernel started or joined, kept between runs
         self.standbys = StandbySlot()  # the next run's workers, launched ahead (docs/warm-reruns.md)
         self._jobs: "weakref.WeakSet[RayJob]" = weakref.WeakSet()  # this kernel's fits (runs and standbys)
+        self.give_way = GiveWay(self.standbys, self._in_use)  # on a Ray not the magic's own: the user's work first
 
     def check(self, config: RunConfig) -> None:
         try:
@@ -217,7 +237,9 @@ class RayLauncher(Launcher):
         return True  # Ray Train's run is named after the checkpoint root, not the MLflow run
 
     def warm_up(self, config: RunConfig) -> None:
-        self._connect(config)  # ray.init (seconds, cold) while the MLflow run opens
+        how = self._connect(config)  # ray.init (seconds, cold) while the MLflow run opens
+        if config.data:  # a Ray Dataset is staged before launch, for the CPUs the run will find: grow the instance now
+            self._make_room(config, how)
 
     def _connect(self, config: RunConfig) -> str:
         if self.standbys.standby is not None and self.instance.connected_for(config) is None:
@@ -251,16 +273,20 @@ class RayLauncher(Launcher):
         address = config.ray_address or os.environ.get("RAY_ADDRESS") or None
         return address is None or _host_port(address)[0] in _LOOPBACK
 
+    def _make_room(self, config: RunConfig, how: str) -> None:
+        """Enough CPUs/GPUs for ``config``'s workers, or a `LaunchError` now (the local instance grows)."""
+        if not self.instance.has_capacity(config):  # the instance must grow: a stopped run's abort ends first
+            for aborting in [other for other in list(self._jobs) if other.aborting]:
+                aborting.wait_stopped(aborting.abort_wait_s + 2)
+        self.instance.ensure_capacity(config, how, in_use=self._in_use())
+
     def _in_use(self) -> bool:
         return any(job.running() for job in list(self._jobs))
 
     def start(self, job: WorkerJob, emit: Emit) -> RunningJob:
         how = self._connect(job.config)
         self.standbys.make_way(self._placement(job.config))  # another placement's workers go first
-        if not self.instance.has_capacity(job.config):  # the instance must grow: a stopped run's abort ends first
-            for aborting in [other for other in list(self._jobs) if other.aborting]:
-                aborting.wait_stopped(aborting.abort_wait_s + 2)
-        self.instance.ensure_capacity(job.config, how, in_use=self._in_use())
+        self._make_room(job.config, how)
         try:
             running = RayJob.for_job(job, emit)
         except (ConfigError, LaunchError):
@@ -287,6 +313,9 @@ class RayLauncher(Launcher):
     def claim_standby(self, config: RunConfig) -> Claim | None:
         if self.standbys.standby is None or self.instance.connected_for(config) is None:
             return None
+        if config.data:  # never its placement; and Ray Data (the Dataset's count or tasks) needs the CPUs they hold
+            self.standbys.release("a run with --data: Ray Data needs the CPUs they hold")
+            return None
         return self.standbys.claim(self._placement(config))
 
     def keep_warm(self, config: RunConfig) -> str | None:
@@ -295,14 +324,34 @@ class RayLauncher(Launcher):
         cluster only with ``--keep-warm``); nothing before Ray is up (a kernel's first run starts it after the
         cell ran: the cell may call ray.init itself)."""
         how = self.instance.connected_for(config)
-        if how is None or config.data:  # a run with --data gives Ray Train its datasets at launch: nothing ahead
+        if how is not None and config.data:  # Ray Train gets its datasets at launch: nothing ahead for such a run,
+            # and Ray Data (the Dataset's count, its map tasks) needs the CPUs that other workers would hold
+            self.standbys.release("a run with --data: Ray Data needs the CPUs they hold")
+        if how is None or config.data:
             return None
-        keep = keep_warm_s(config, holds_by_default=how in ("embedded", "notebook"))
+        # On a Ray that is not the magic's own, waiting workers give way to its own work (`GiveWay`), which needs the
+        # GCS's view of what waits: where that cannot be read, they are held only when the cell asks, as on a cluster.
+        yields = how != "embedded"
+        can_yield = yields and ray_compat.cluster_demand() is not None
+        keep = keep_warm_s(config, holds_by_default=how == "embedded" or (how == "notebook" and can_yield))
         placement = self._placement(config)
         standby = self.standbys.ensure(placement, keep, lambda: self._launch_standby(config, placement))
-        return standby.describe() if standby is not None else None
+        if standby is None:
+            return None
+        if can_yield:
+            per_worker = {"GPU": 1.0} if config.use_gpu else {"CPU": 1.0}  # Ray Train's default per worker
+            self.give_way.watch(per_worker, config.num_processes, lambda keep_s: self._relaunch(config, keep_s))
+        return standby.describe()
+
+    def _relaunch(self, config: RunConfig, keep_s: float) -> None:
+        """Waiting workers that gave way come back (`GiveWay`), on the same Ray, for what is left of their time."""
+        if self.instance.connected_for(config) is None:
+            return
+        placement = self._placement(config)
+        self.standbys.ensure(placement, keep_s, lambda: self._launch_standby(config, placement))
 
     def release_standby(self, reason: str) -> str | None:
+        self.give_way.stop()  # released on purpose: nothing comes back
         standby = self.standbys.release(reason)
         return None if standby is None else standby.where
 
@@ -339,6 +388,7 @@ class RayLauncher(Launcher):
             for job in list(self._jobs):
                 job.at_exit = True
                 job.abort_wait_s = 0.0 if job is waiting else 4.0  # a run's workers get a moment to stop
+        self.give_way.stop()
         self.standbys.release("the kernel exits" if at_exit else "the backend shuts down",
                               grace_s=3.0 if at_exit else 15.0)
         self.instance.shutdown()
