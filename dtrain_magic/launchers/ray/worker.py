@@ -123,18 +123,26 @@ def _standby_loop(config: dict) -> None:
     from ...worker import preload
     from ..waiting import job_of, wait_for_job
 
+    # Watched from the start: a signal that ends it between the job's arrival and run_worker's own handlers (the
+    # job's unpickling, imports) is still named.
+    exit_watch = _start_exit_watch()
     preload(tuple(config.get("strategies", ("ddp",))))
     order = wait_for_job(config["standby"], ray.train.get_context().get_world_rank())
     if order is None:
+        watchdog.tell_done(exit_watch, wait=True)
         return  # released: nothing to run
-    _run_job(job_of(order), order.cwd)
+    _run_job(job_of(order), order.cwd, exit_watch)
 
 
-def _run_job(job: Any, cwd: str | None) -> None:
-    """``run_worker(job)`` on this Ray Train worker, in the notebook's working directory."""
+def _run_job(job: Any, cwd: str | None, exit_watch: Any = None) -> None:
+    """``run_worker(job)`` on this Ray Train worker, in the notebook's working directory (``exit_watch``: one
+    started already, else one now)."""
     import ray.train
 
     from ...worker import run_worker
+
+    if exit_watch is None:
+        exit_watch = _start_exit_watch()
 
     if cwd and os.path.isdir(cwd):  # same relative paths and imports as the notebook (and as --backend local)
         os.chdir(cwd)
@@ -157,7 +165,6 @@ def _run_job(job: Any, cwd: str | None) -> None:
     for logger in quiet:
         logger.setLevel(logging.WARNING)
     builtins.print = ray_compat.unpatched_print()  # Ray Train tees print() into its logger too: each line came twice
-    exit_watch = _start_exit_watch()
     try:
         run_worker(job, ranks, checkpoints=store)
     finally:
