@@ -62,6 +62,17 @@ def test_slots_behind_a_connect_server_are_not_guessed(master):
     assert sessions.task_slots(FakeConnectSession({"spark.master": master})) is None
 
 
+def test_a_server_that_refuses_reading_its_settings_is_not_known():
+    spark = FakeConnectSession({})
+
+    def refuse(key, default=None):
+        raise RuntimeError("[CONFIG_NOT_AVAILABLE] Configuration spark.master is not available.")
+
+    spark.conf = types.SimpleNamespace(get=refuse)
+    assert sessions.master(spark) == "" and sessions.task_slots(spark) is None and sessions.task_cpus(spark) == "1"
+    assert not sessions.executors_here(spark)
+
+
 def test_cancel_is_an_operation_tag_on_connect():
     spark = FakeConnectSession({})
     with spark_compat.job_group(spark, "dtrain_magic-1", "a run"):

@@ -23,8 +23,18 @@ _LOCAL_N = re.compile(r"local\[(\d+)(,\d+)?\]$")
 def master(spark: Any) -> str:
     """The session's master URL (on Connect: the server's ``spark.master``; "" when it does not say)."""
     if is_connect(spark):
-        return spark.conf.get("spark.master", None) or ""
+        return _connect_conf(spark, "spark.master") or ""
     return spark.sparkContext.master
+
+
+def _connect_conf(spark: Any, key: str) -> str | None:
+    """A setting of a Connect session's server, or None where it is unset or not readable (a managed server may
+    refuse reads of its settings)."""
+    try:
+        return spark.conf.get(key, None)
+    except Exception as exc:
+        log_dropped(__name__, "_connect_conf", exc)
+        return None
 
 
 def identity(spark: Any) -> str:
@@ -47,10 +57,12 @@ def alive(spark: Any) -> bool:
 
 
 def executors_here(spark: Any) -> bool:
-    """Whether the session's executors run on this machine (a loopback master, and on Connect a server here)."""
-    if is_connect(spark) and not spark_compat.connect_server_here(spark):
-        return False
-    return is_loopback_master(master(spark))
+    """Whether the session's executors run on this machine (a loopback master, and on Connect a server here whose
+    master it says)."""
+    if not is_connect(spark):
+        return is_loopback_master(master(spark))
+    url = master(spark)
+    return bool(url) and spark_compat.connect_server_here(spark) and is_loopback_master(url)
 
 
 def writer_here(spark: Any) -> bool:
@@ -70,7 +82,7 @@ def task_slots(spark: Any) -> tuple[int, int] | None:
 
 def task_cpus(spark: Any) -> str:
     if is_connect(spark):
-        return spark.conf.get("spark.task.cpus", None) or "1"
+        return _connect_conf(spark, "spark.task.cpus") or "1"
     return spark.sparkContext.getConf().get("spark.task.cpus", "1")
 
 
