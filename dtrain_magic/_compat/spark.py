@@ -1,6 +1,7 @@
 """pyspark's private parts, written against pyspark 4.3 (constraints.txt: 4.3.0).
 
-Every use, all by ``launchers/spark/driver.py``, is a nicety with a fallback, so no pyspark version is refused:
+Every use (by ``launchers/spark/driver.py`` and ``sessions.py``) is a nicety with a fallback, so no pyspark version is
+refused:
 
 - `default_session`: ``SparkSession._instantiatedSession`` (a session built in another thread), only on pyspark
   < 3.5, which lacks the public ``SparkSession.active()``. **Fallback**: the thread's active session only.
