@@ -34,7 +34,7 @@ def import_in_background(name: str, target: Any) -> threading.Thread:
     ended; MLflow's own import waits for it too (`wait_for_preload`). Two threads importing modules they
     share (numpy, pandas, ...) at once can deadlock on Python's import locks or see a half-initialised
     module, so background imports never overlap each other. Used for MLflow and for the live charts'
-    plotly (whose first FigureWidget imports nbformat and jsonschema: seconds in a fresh kernel)."""
+    plotly (whose first figure loads its classes and template: a second or more in a fresh kernel)."""
     with _import_lock:
         earlier = [t for t in _import_threads if t.is_alive()]
 

@@ -5,7 +5,7 @@
 - `monitor.MonitorObserver`: the `RunObserver` of ``--ui`` runs (per-rank status, progress, Stop,
   MLflow link, live charts) — it also keeps printing plain text, so headless kernels (nbclient) still
   get the worker output in the cell.
-- `charts.RunCharts`: plotly ``FigureWidget`` charts fed from the MLflow run by a background poller.
+- `charts.RunCharts`: plotly charts (MIME bundles in ``Output``s) fed from the MLflow run by a background poller.
 - `magics.UIMagics`: ``%distribute_show RUN_ID``.
 
 Importing this package imports ipywidgets (not plotly/anywidget); a missing extra raises ImportError,

@@ -26,6 +26,8 @@ which a front-end reopening the notebook without its kernel draws as the run's f
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import logging
 import re
@@ -71,6 +73,12 @@ def _import_plotly() -> None:
         import plotly.io  # noqa: F401  (what `figure_bundle` serialises with)
 
         go.Figure(layout=dict(template=TEMPLATE))  # the first figure loads the classes and the template
+        # plotly's validators and JSON encoder look at sys.modules["pandas"] without importing it: while
+        # MLflow's import (next in line, in another thread) is half-way through pandas, they would meet a
+        # half-initialised module ("partially initialized module 'pandas' has no attribute 'Series'").
+        # Imported here, in the same queue of background imports, it is complete before either begins.
+        if importlib.util.find_spec("pandas") is not None:
+            importlib.import_module("pandas")
     except Exception:  # missing or broken: creating the charts says so in the panel
         _log.debug("importing plotly failed", exc_info=True)
 
@@ -203,6 +211,9 @@ class RunCharts:
         self._thread: threading.Thread | None = None
         self._widget: Any = None
         self._scale_control: Any = None
+        self._metric_control: Any = None
+        self._chosen_metric: str | None = None  # the metric menu's choice (None: `default_metric`)
+        self._syncing: int | None = None  # the thread updating the metric menu (its own notifications: no choice)
         self._outputs: dict[str, Any] = {}  # "metrics" / "system" -> the Output showing that figure
         self._stale: set[str] = set()  # figures changed since they were last shown
         self._shown_at = float("-inf")  # time.monotonic() of the last redraw
@@ -233,15 +244,64 @@ class RunCharts:
         for name, output in self._outputs.items():
             output.add_class(f"dtm-chart-{name}")
         self._scale_control = w.ToggleButtons(
-                options=[(name, name) for name in Y_SCALES], value=self.y_scale, description="loss y axis",
-                tooltips=["log when the values span 1000x or more", "linear", "logarithmic"],
-                style={"button_width": "60px", "description_width": "80px"})
+            options=[(name, name) for name in Y_SCALES], value=self.y_scale, description="loss y axis",
+            tooltips=["log when the values span 1000x or more", "linear", "logarithmic"],
+            style={"button_width": "60px", "description_width": "80px"})
         self._scale_control.add_class("dtm-y-scale")
         self._scale_control.observe(lambda change: self.set_y_scale(change["new"]), names="value")
+        # Which metric the chart shows: kept here, so each redraw keeps it (a click on a live chart's legend
+        # lasts only until the next redraw: the front-end's plotly tells the kernel nothing).
+        self._metric_control = w.Dropdown(description="metric", style={"description_width": "50px"},
+                                          layout=w.Layout(width="260px"))
+        self._metric_control.add_class("dtm-metric")
+        self._sync_metric_control()
+        self._metric_control.observe(self._metric_chosen, names="value")
         figures = w.HBox(list(self._outputs.values()), layout=w.Layout(flex_flow="row wrap"))
-        widget = w.VBox([self._scale_control, figures])
+        widget = w.VBox([w.HBox([self._scale_control, self._metric_control]), figures])
         widget.add_class("dtm-charts")
         return widget
+
+    def _sync_metric_control(self) -> None:
+        """The metric menu lists the metrics logged so far and shows the one drawn (caller holds ``_lock``)."""
+        control = self._metric_control
+        if control is None:
+            return
+        options, value = tuple(sorted(self.metrics)), self.shown_metric()
+        if control.options != options or control.value != value:
+            self._syncing = threading.get_ident()  # observers run in the thread that sets the value
+            try:
+                control.options = options  # first: a value is checked against the options it has
+                control.value = value
+            finally:
+                self._syncing = None
+
+    def _metric_chosen(self, change: dict) -> None:
+        if self._syncing != threading.get_ident() and change["new"]:
+            self.show_metric(change["new"])
+
+    def shown_metric(self) -> str | None:
+        """The training metric drawn (the others are in the legend, hidden): the one chosen in the menu, else
+        `default_metric`."""
+        if self._chosen_metric in self.metrics:
+            return self._chosen_metric
+        return default_metric(list(self.metrics))
+
+    def show_metric(self, name: str) -> None:
+        """Draw ``name`` in the training metrics chart, hide the others (the metric menu's choice)."""
+        with self._lock:
+            self._chosen_metric = name
+            self._apply_visibility()
+            self._apply_y_scale()
+            self._sync_metric_control()
+            self._show(force=True)  # the user's choice: at once
+
+    def _apply_visibility(self) -> None:
+        shown = self.shown_metric()
+        for trace in self.metrics_figure.data:
+            wanted = True if trace.name == shown else "legendonly"
+            if trace.visible != wanted:
+                trace.visible = wanted
+                self._stale.add("metrics")
 
     def _show(self, force: bool = False) -> None:
         """Redraw the figures that changed (caller holds ``_lock``): at most every ``redraw_s`` unless
@@ -279,7 +339,7 @@ class RunCharts:
 
     def _apply_y_scale(self) -> None:
         if self.y_scale == "auto":
-            shown = default_metric(list(self.metrics))
+            shown = self.shown_metric()
             log = wants_log_y(self.metrics[shown].y) if shown else False
         else:
             log = self.y_scale == "log"
@@ -333,10 +393,11 @@ class RunCharts:
             changed_metrics = self._merge_metrics(histories, final)
             self.polls += 1
             if changed_metrics:
-                self._draw(self.metrics_figure, self.metrics, changed_metrics,
-                           visible_default=default_metric(list(self.metrics)))
+                self._draw(self.metrics_figure, self.metrics, changed_metrics, visible_default=self.shown_metric())
                 self._stale.add("metrics")
+                self._apply_visibility()
                 self._apply_y_scale()
+                self._sync_metric_control()
             if changed_system:
                 self._draw(self.system_figure, self.system, changed_system, names=wanted)
                 title = "System (GPU)" if any("gpu_" in k for k in wanted) else "System (CPU / RAM, no GPU)"

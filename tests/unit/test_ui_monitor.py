@@ -224,3 +224,34 @@ def test_metrics_before_the_charts_exist_are_fed_to_them():
     obs.finished(None, None)
     assert charts.wait(timeout=10)  # no MLflow run: stops after one last draw of what was fed
     assert charts.trace_data(charts.metrics_figure, "loss") == ([0, 1, 2, 3, 4], [1.0, 2.0, 3.0, 4.0, 5.0])
+
+
+def test_charts_show_plotly_bundles_redrawn_at_most_every_redraw_s_and_the_chosen_metric_stays():
+    """What the front-end gets is plotly's MIME bundle in an Output (no FigureWidget: a saved notebook keeps the
+    figure, not plotly's JavaScript); while the run goes it is redrawn at most every ``redraw_s``, at once on the
+    user's choice of metric, and that choice survives every later redraw."""
+    from dtrain_magic.ui.charts import PLOTLY_MIME
+
+    charts = _charts()
+    charts.redraw_s, charts._live = 3600.0, True
+    charts.feed(0, {"loss": 1.0, "lr": 0.1}, timestamp_ms=1)
+    charts.poll_once()
+    metrics_output = charts.widget.children[1].children[0]
+
+    def shown() -> dict:
+        (output,) = metrics_output.outputs
+        figure = output["data"][PLOTLY_MIME]
+        assert figure["layout"]["title"]["text"] == "Training metrics" and "loss" in output["data"]["text/plain"]
+        return {t["name"]: (t["x"], t.get("visible", True)) for t in figure["data"]}
+
+    assert shown() == {"loss": ([0], True), "lr": ([0], "legendonly")}  # the widget starts complete
+    charts.feed(1, {"loss": 0.5, "lr": 0.1}, timestamp_ms=2)
+    charts.poll_once()
+    assert charts.trace_data(charts.metrics_figure, "loss")[0] == [0, 1]
+    assert shown()["loss"][0] == [0]  # held back until redraw_s passed
+    charts._metric_control.value = "lr"  # the user's choice: drawn at once, with every point so far
+    assert shown() == {"loss": ([0, 1], "legendonly"), "lr": ([0, 1], True)}
+    charts.feed(2, {"loss": 0.25, "lr": 0.1}, timestamp_ms=3)
+    charts.show_now()  # what the run's end does before the cell returns
+    assert shown() == {"loss": ([0, 1, 2], "legendonly"), "lr": ([0, 1, 2], True)}
+    assert charts._metric_control.options == ("loss", "lr") and charts._metric_control.value == "lr"
