@@ -98,7 +98,8 @@ class RunHung(DistributeError):
 
 
 class RunStalled(RunHung):
-    """No rank showed any activity for ``--stall-timeout`` seconds and ``--on-stall fail`` was given."""
+    """No rank made progress (no step, metric, output or CPU use) for ``--stall-timeout`` seconds (default 120) and
+    ``--on-stall fail`` was given."""
 
     title = "RunStalled"
 
