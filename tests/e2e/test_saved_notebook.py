@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import nbformat
@@ -91,15 +90,13 @@ def saved_figures(states: dict[str, dict], models: set[str]) -> dict[str, dict]:
     return figures
 
 
-def test_headless_run_saves_a_small_notebook_with_its_final_charts(tmp_path):
-    from leftovers import new_tag, tagged_env, wait_until_none_left
+def test_headless_run_saves_a_small_notebook_with_its_final_charts(headless_notebook):
+    """(The notebook is executed once per session by the ``headless_notebook`` fixture, tests/e2e/conftest.py.)"""
+    from leftovers import wait_until_none_left
 
-    tag = new_tag()
-    started = time.monotonic()
-    out = execute_headless(tmp_path, tagged_env(tag))
-    elapsed = time.monotonic() - started
+    out = headless_notebook.path
     size = out.stat().st_size
-    print(f"saved notebook: {size / 1e6:.2f} MB, executed in {elapsed:.1f} s")
+    print(f"saved notebook: {size / 1e6:.2f} MB, executed in {headless_notebook.executed_s:.1f} s")
     assert size < MAX_BYTES, f"the executed notebook is {size / 1e6:.1f} MB"
 
     notebook = nbformat.read(out, as_version=4)
@@ -115,4 +112,4 @@ def test_headless_run_saves_a_small_notebook_with_its_final_charts(tmp_path):
     assert traces["loss"]["x"] == list(range(STEPS))
     assert traces["loss"]["y"] == pytest.approx(logged_losses())
     assert traces["loss"].get("visible", True) is True and traces["lr"]["visible"] == "legendonly"
-    assert wait_until_none_left(tag, 10.0) == []
+    assert wait_until_none_left(headless_notebook.tag, 10.0) == []
