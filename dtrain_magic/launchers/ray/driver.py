@@ -326,6 +326,7 @@ class RayLauncher(Launcher):
         how = self.instance.connected_for(config)
         if how is not None and config.data:  # Ray Train gets its datasets at launch: nothing ahead for such a run,
             # and Ray Data (the Dataset's count, its map tasks) needs the CPUs that other workers would hold
+            self.give_way.stop()  # (nor do workers that gave way come back after it)
             self.standbys.release("a run with --data: Ray Data needs the CPUs they hold")
         if how is None or config.data:
             return None
