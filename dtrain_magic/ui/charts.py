@@ -392,12 +392,7 @@ class RunCharts:
                                                 key=lambda p: (p[0], p[2]))
             changed_metrics = self._merge_metrics(histories, final)
             self.polls += 1
-            if changed_metrics:
-                self._draw(self.metrics_figure, self.metrics, changed_metrics, visible_default=self.shown_metric())
-                self._stale.add("metrics")
-                self._apply_visibility()
-                self._apply_y_scale()
-                self._sync_metric_control()
+            self._draw_metrics(changed_metrics)
             if changed_system:
                 self._draw(self.system_figure, self.system, changed_system, names=wanted)
                 title = "System (GPU)" if any("gpu_" in k for k in wanted) else "System (CPU / RAM, no GPU)"
@@ -410,6 +405,14 @@ class RunCharts:
         if changed and self.on_update is not None:
             self.on_update(self)
         return changed
+
+    def _draw_metrics(self, changed: list[str]) -> None:
+        if changed:
+            self._draw(self.metrics_figure, self.metrics, changed, visible_default=self.shown_metric())
+            self._stale.add("metrics")
+            self._apply_visibility()
+            self._apply_y_scale()
+            self._sync_metric_control()
 
     def _update_system(self, key: str, history: list) -> bool:
         old = self.system.get(key)
@@ -488,15 +491,12 @@ class RunCharts:
         return self
 
     def show_now(self) -> None:
-        """Read once more and draw at once, in the caller's thread: every value the workers sent is drawn
-        before the cell returns. A headless executor (nbclient) keeps only the widget messages sent while a
-        cell runs, so this is what a notebook executed headless saves; the poller's later reads still
-        reach a live front-end."""
-        try:
-            self.poll_once()
-        except Exception as exc:  # MLflow unreadable: draw what was fed
-            self.error = f"{type(exc).__name__}: {exc}"
+        """Draw at once, in the caller's thread, every value the workers sent (and what MLflow gave so far),
+        so it is drawn before the cell returns: a headless executor (nbclient) keeps only the widget messages
+        sent while a cell runs, so this is what a notebook executed headless saves. No MLflow read here (a
+        dead tracking server is retried for minutes): the poller's final read still reaches a live front-end."""
         with self._lock:
+            self._draw_metrics(self._merge_metrics({}, final=False))
             self._show(force=True)
 
     def run_ended(self, grace_s: float = 30.0) -> None:
