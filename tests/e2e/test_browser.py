@@ -12,6 +12,8 @@
    charts in a fresh kernel.
 3. An interactive session (``%distribute_session start``, ``%%ranks``): the session's monitor in the start cell,
    each rank's output and value, JupyterLab's interrupt on a long cell, and the next cell seeing the ranks' state.
+4. A notebook with the panel executed headless (``jupyter nbconvert --execute``), opened without running a cell:
+   the saved widget state alone draws the finished monitor and both final charts.
 
 Screenshots go to ``test-output/e2e/`` (git-ignored; ``$DTRAIN_TEST_OUTPUT`` overrides) and their paths
 are printed.
