@@ -81,6 +81,7 @@ def task_slots(spark: Any) -> tuple[int, int] | None:
 
 
 def task_cpus(spark: Any) -> str:
+    """``spark.task.cpus`` (CPUs each task takes; "1" when unset or not readable)."""
     if is_connect(spark):
         return _connect_conf(spark, "spark.task.cpus") or "1"
     return spark.sparkContext.getConf().get("spark.task.cpus", "1")
