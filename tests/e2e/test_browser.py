@@ -237,8 +237,11 @@ def _cell_sources(page) -> list[str]:
 
 
 def _points(plot) -> int:
-    """How many points the largest trace of a plotly chart holds in the browser (plotly keeps them on the div)."""
-    return plot.evaluate("(el) => el.data && el.data.length ? Math.max(...el.data.map((t) => (t.x || []).length)) : 0")
+    """How many points the largest trace of a plotly chart holds in the browser (plotly keeps them on the div).
+    Found and read in one step (``evaluate_all``): a live chart's div is replaced at each redraw, and a locator's
+    ``evaluate`` that found the old one retries until a new one stays put."""
+    return plot.evaluate_all("(els) => els.length && els[0].data && els[0].data.length"
+                             " ? Math.max(...els[0].data.map((t) => (t.x || []).length)) : 0")
 
 
 def _wait_for(predicate, timeout: float, what: str, every: float = 0.25):
