@@ -12,12 +12,11 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ..api import make_observer
 from ..driver import runner
-from ..errors import MissingDependencyError
 from ..magic_line import takes_comments
 from ..result import RunResult
 from . import flags
 from .capture import capture, payload_maker
-from .session_magic import session_starter
+from .session_magic import panel_shower, session_starter
 
 
 def _in_frontend(shell: Any) -> bool:
@@ -49,14 +48,7 @@ class DistributeMagics(Magics):
     def _configure(self, args: Any, cell: str) -> None:
         """``--configure``: the panel, opened even when the line's choice is invalid here (the problem shown in it)."""
         config, held = flags.config_for_panel(args, in_frontend=_in_frontend(self.shell))
-        try:
-            from ..ui.panel import show_panel
-        except ImportError as exc:
-            raise MissingDependencyError(
-                f"--configure shows an ipywidgets panel, and the widget packages are missing ({exc}). "
-                "Install them with `pip install ipywidgets plotly anywidget` (or dtrain_magic[ui]), or run "
-                "with flags only; nothing was launched"
-            ) from None
+        show_panel = panel_shower()
         from .model_of_cell import model_of_cell
 
         model = model_of_cell(cell, self.shell.user_ns, config.fn)

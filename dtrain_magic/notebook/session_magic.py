@@ -202,12 +202,7 @@ class SessionMagics(Magics):
 
     def _configure(self, args: Any, idle: float) -> None:
         config, held = flags.config_for_panel(args, in_frontend=_in_frontend(self.shell))
-        try:
-            from ..ui.panel import show_panel
-        except ImportError as exc:
-            raise MissingDependencyError(
-                f"--configure shows an ipywidgets panel, and the widget packages are missing ({exc}). Install them "
-                "with `pip install ipywidgets plotly anywidget` (or dtrain_magic[ui]); nothing was started") from None
+        show_panel = panel_shower()
         show_panel(config, "", self.shell, start_session=session_starter(self.shell, idle), held=held,
                    session_line=lambda chosen: start_line(chosen.replace(dry_run=False), idle))
 
@@ -266,6 +261,19 @@ def _cell_name(shell: Any, source: str) -> tuple[str, str]:
     filename = compiler.cache(source, cell_number(shell))
     named = getattr(compiler, "format_code_name", lambda name: None)(filename)
     return filename, " ".join(named) if named else filename
+
+
+def panel_shower() -> Any:
+    """`ui.panel.show_panel`, for ``--configure`` (the run's and the session's); a clear error naming the missing
+    widget packages when the ``ui`` extra is not installed (nothing was started)."""
+    try:
+        from ..ui.panel import show_panel
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"--configure shows an ipywidgets panel, and the widget packages are missing ({exc}). Install them with "
+            "`pip install ipywidgets plotly anywidget` (or dtrain_magic[ui]), or run with flags only; nothing was "
+            "started") from None
+    return show_panel
 
 
 def session_starter(shell: Any, idle: float | None = None) -> Any:
