@@ -269,17 +269,21 @@ def test_tensor_and_pipeline_degrees_in_the_panel():
     assert any("--pp" in p and "deepspeed" in p for p in s.problems())
 
 
-def test_an_invalid_line_opens_the_panel_with_the_problem_shown_and_run_off():
-    """docs/ui.md: a combination that is invalid here is explained in the panel and disables Run (no ConfigError)."""
+def panel_of_cell(cell: str):
+    """The configure panel a cell shows through a real IPython shell with the extension loaded (and the shell)."""
     from IPython.core.interactiveshell import InteractiveShell
 
     shell = InteractiveShell.instance()
     shell.run_cell("%load_ext dtrain_magic", store_history=False)
     shell.user_ns.pop("_distribute_panel", None)
-    result = shell.run_cell("%%distribute --configure --precision fp16 --cpu -n 3\ndef train(ctx):\n    pass\n",
-                            store_history=False)
+    result = shell.run_cell(cell, store_history=False)
     assert result.error_in_exec is None, result.error_in_exec
-    panel = shell.user_ns["_distribute_panel"]
+    return shell.user_ns["_distribute_panel"], shell
+
+
+def test_an_invalid_line_opens_the_panel_with_the_problem_shown_and_run_off():
+    """docs/ui.md: a combination that is invalid here is explained in the panel and disables Run (no ConfigError)."""
+    panel, shell = panel_of_cell("%%distribute --configure --precision fp16 --cpu -n 3\ndef train(ctx):\n    pass\n")
     assert panel.state.values["precision"] == "fp16" and panel.state.values["num_processes"] == 3
     assert panel.controls["precision"].value == "fp16" and panel.run_button.disabled
     assert "fp16 needs a GPU" in panel.problems.value
@@ -290,15 +294,7 @@ def test_an_invalid_line_opens_the_panel_with_the_problem_shown_and_run_off():
 
 
 def test_the_session_panel_is_the_sessions():
-    from IPython.core.interactiveshell import InteractiveShell
-
-    shell = InteractiveShell.instance()
-    shell.run_cell("%load_ext dtrain_magic", store_history=False)
-    shell.user_ns.pop("_distribute_panel", None)
-    result = shell.run_cell("%distribute_session start --configure --backend local -n 2 --cpu --idle-timeout 60",
-                            store_history=False)
-    assert result.error_in_exec is None, result.error_in_exec
-    panel = shell.user_ns["_distribute_panel"]
+    panel, _ = panel_of_cell("%distribute_session start --configure --backend local -n 2 --cpu --idle-timeout 60")
     assert "configure the session" in panel.widget.children[0].value
     assert panel.run_button.layout.display == "none" and panel.writer.layout.display == "none"
     assert panel.flag_line.value.startswith("%distribute_session start --backend local")
