@@ -207,6 +207,13 @@ def jupyterlab():
             shutil.rmtree(root, ignore_errors=True)
 
 
+def _launch_chromium(pw, chromium: str, profile: str, height: int = 1100):
+    """Headless Chromium with a fresh profile, as every browser test here starts it (the machine's closed network
+    needs `CHROMIUM_ARGS`)."""
+    return pw.chromium.launch_persistent_context(profile, executable_path=chromium, headless=True, args=CHROMIUM_ARGS,
+                                                 viewport={"width": 1400, "height": height})
+
+
 def _output_dir() -> Path:
     out = Path(os.environ.get("DTRAIN_TEST_OUTPUT", REPO / "test-output")) / "e2e"
     out.mkdir(parents=True, exist_ok=True)
@@ -265,10 +272,7 @@ def test_panel_and_charts_in_jupyterlab(chromium, jupyterlab):
     profile = tempfile.mkdtemp(prefix="dtm_chromium_")
     try:
         with sync_playwright() as pw:
-            context = pw.chromium.launch_persistent_context(
-                profile, executable_path=chromium, headless=True, args=CHROMIUM_ARGS,
-                viewport={"width": 1400, "height": 1100},
-            )
+            context = _launch_chromium(pw, chromium, profile)
             try:
                 page = context.new_page()
                 _open_and_run_all(page, url, token, "train.ipynb")
@@ -373,10 +377,7 @@ def test_configure_panel_runs_with_the_live_monitor(chromium, jupyterlab):
     profile = tempfile.mkdtemp(prefix="dtm_chromium_")
     try:
         with sync_playwright() as pw:
-            context = pw.chromium.launch_persistent_context(
-                profile, executable_path=chromium, headless=True, args=CHROMIUM_ARGS,
-                viewport={"width": 1400, "height": 1400},
-            )
+            context = _launch_chromium(pw, chromium, profile, height=1400)
             try:
                 page = context.new_page()
                 _open_and_run_all(page, url, token, "panel.ipynb")
@@ -524,10 +525,7 @@ def test_session_cells_show_output_by_rank(chromium, jupyterlab):
     profile = tempfile.mkdtemp(prefix="dtm_chromium_")
     try:
         with sync_playwright() as pw:
-            context = pw.chromium.launch_persistent_context(
-                profile, executable_path=chromium, headless=True, args=CHROMIUM_ARGS,
-                viewport={"width": 1400, "height": 1100},
-            )
+            context = _launch_chromium(pw, chromium, profile)
             try:
                 page = context.new_page()
                 _open_and_run_all(page, url, token, "session.ipynb")
@@ -588,10 +586,7 @@ def test_saved_notebook_shows_its_final_charts_without_its_kernel(chromium, jupy
     profile = tempfile.mkdtemp(prefix="dtm_chromium_")
     try:
         with sync_playwright() as pw:
-            context = pw.chromium.launch_persistent_context(
-                profile, executable_path=chromium, headless=True, args=CHROMIUM_ARGS,
-                viewport={"width": 1400, "height": 1100},
-            )
+            context = _launch_chromium(pw, chromium, profile)
             try:
                 page = context.new_page()
                 page.goto(f"{url}/lab/workspaces/saved/tree/{name}?reset&token={token}")
