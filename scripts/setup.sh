@@ -26,7 +26,7 @@ build_ops() {  # DeepSpeed's CPU op, compiled once here so that no notebook cell
     echo "setup: building DeepSpeed's CPU op for this environment (about a minute on 2 cores, once)"
     DS_ACCELERATOR=cpu .venv/bin/python -m dtrain_magic.strategies.extensions
 }
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import dtrain_magic, torch, deepspeed, ray, pyspark, mlflow" 2>/dev/null; then
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c "import dtrain_magic, torch, deepspeed, ray, pyspark, mlflow, optuna" 2>/dev/null; then
     [ -f "$ops" ] || build_ops
     echo "setup: .venv is up to date"
     exit 0
