@@ -71,6 +71,7 @@ RAY = "Ray (TorchTrainer)"
 DEEPSPEED = "DeepSpeed and batch arithmetic"
 MODEL_PARALLEL = "Model parallelism"
 DATA = "Data (docs/data.md)"
+SWEEP = "Sweeps (docs/sweeps.md)"  # the sweep's own options: no RunConfig field (`dtrain_magic.sweep.options`)
 
 # Where a flag applies: the ``%%distribute`` magic (and its panel), `dtrain_magic.run`'s keyword options, the command
 # line (``python -m dtrain_magic run``).
@@ -203,6 +204,16 @@ def seconds(text: str) -> float:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid number of seconds: {text!r}") from None
+
+
+def count_or_auto(text: str) -> int | str:
+    """``--parallel-trials`` values: an integer, or ``auto``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r} (or auto)") from None
 
 
 def seconds_or_off(text: str) -> float:
@@ -369,6 +380,45 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--train-batch",), "train_batch", DEEPSPEED, type=int, default=None, placeholder="N",
          help="global batch (DeepSpeed train_batch_size); must equal micro x grad-accum x processes",
          doc="global batch (DeepSpeed `train_batch_size`); must equal micro × grad-accum × processes"),
+    # -- sweeps (docs/sweeps.md): the sweep's own options, no RunConfig field; --sweep sends the cell to a sweep ---
+    Flag(("--sweep",), None, SWEEP, cheatsheet=True, default=None, line=NEVER, placeholder="SPACE",
+         help="run the function once per trial of this space, e.g. \"lr=loguniform(1e-4,1e-1) batch=choice(16,32) "
+              "zero=choice(2,3)\" (kinds: loguniform, uniform, int, choice, grid); run options set the trial's run, "
+              "other names are ctx.params",
+         doc="run the function once per trial of this space (`lr=loguniform(1e-4,1e-1) batch=choice(16,32)`; kinds "
+             "`loguniform`, `uniform`, `int`, `choice`, `grid`): a run option's name (`zero`, `strategy`, `-n`'s "
+             "`num_processes`) sets the trial's run, any other is `ctx.params[NAME]`; Optuna samples and prunes "
+             "(docs/sweeps.md)"),
+    Flag(("--trials",), None, SWEEP, type=int, default=None, line=NEVER, placeholder="N",
+         help="how many trials the sweep's study holds (None means the grid's size with the grid sampler)",
+         doc="how many trials the sweep's study holds (a resumed sweep runs only the rest)",
+         default_doc="the grid's size (grid sampler); else needed"),
+    Flag(("--metric",), None, SWEEP, default=None, line=NEVER, placeholder="NAME",
+         help="the ctx.log metric the sweep compares and prunes on (its last value is the trial's)",
+         doc="the `ctx.log` metric the sweep compares and prunes on (its last value is the trial's)",
+         default_doc="needed with `--sweep`"),
+    Flag(("--mode",), None, SWEEP, choices=("min", "max"), default="min", line=NEVER,
+         help="whether the best trial has the lowest or highest --metric"),
+    Flag(("--sampler",), None, SWEEP, choices=("auto", "tpe", "random", "grid"), default="auto", line=NEVER,
+         help="Optuna's sampler (auto means grid when every word is grid(...), else tpe)",
+         doc="Optuna's sampler: `tpe` (model-based), `random`, `grid` (a space of choice/grid words)",
+         default_doc="grid when every word is `grid(...)`, else tpe"),
+    Flag(("--pruner",), None, SWEEP, choices=("median", "halving", "none"), default="median", line=NEVER,
+         help="Optuna's pruner, fed rank 0's --metric at each ctx.log: median, successive halving, or none",
+         doc="Optuna's pruner, fed rank 0's `--metric` as it is logged: `median`, `halving` (successive halving), "
+             "`none`; a pruned trial is stopped, status PRUNED"),
+    Flag(("--parallel-trials",), None, SWEEP, type=count_or_auto, default="auto", line=NEVER, placeholder="N",
+         help="trials at once (auto means the backend's capacity / processes per trial; local CPU: the cores)",
+         doc="trials run at once, each its own run", default_doc="`auto`: the backend's capacity / processes per "
+                                                                  "trial (local CPU runs: the cores)"),
+    Flag(("--sweep-name",), None, SWEEP, default=None, line=NEVER, placeholder="NAME",
+         help="keep the study in optuna.db beside the MLflow store under this name: the same name continues it "
+              "(None means in memory, not resumable)",
+         doc="keep the study in `optuna.db` beside the MLflow store: the same name continues it, finished trials "
+             "are not run again", default_doc="in memory"),
+    Flag(("--max-failed-trials",), None, SWEEP, type=int, default=3, line=NEVER, placeholder="N",
+         help="stop the sweep once this many trials failed",
+         doc="stop the sweep (every trial) once N trials failed"),
 )
 
 BY_FIELD: dict[str, Flag] = {row.field: row for row in FLAGS if row.field is not None}
