@@ -4,6 +4,8 @@ Every entry point ends here: the magic's flags (`dtrain_magic.notebook.flags`), 
 and the command line. Validation is pure logic, runs before anything is launched, and every error names the
 flag, the value and what is allowed. The rules that belong to one backend or one strategy live with its class
 (``validate``, ``own_fields``: `dtrain_magic.registry`); the rules here are the ones that hold for all of them.
+They are read as facts (`Registry.facts`), which load neither torch nor a backend's library, and nothing they
+load imports this module.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
+from .batch_arithmetic import check_batch_arithmetic
 from .dataspec import normalize as normalize_data
 from .errors import ConfigError, log_dropped
 from .flagtable import BY_FIELD, DEFAULT_EXPERIMENT, DEFAULT_HANG_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, FLAGS, SWITCH
@@ -34,24 +37,6 @@ def _positive_int(flag: str, value: Any, minimum: int = 1) -> None:
         raise ConfigError(flag, f"got {value!r}; must be an integer >= {minimum}")
 
 
-# The batch arithmetic DeepSpeed insists on, checked on the flags here and again on the DeepSpeed config they
-# build with --deepspeed-config merged in (`strategies.deepspeed.build_config`).
-def check_batch_arithmetic(train: int | None, micro: int | None, accum: int, world: int) -> None:
-    """Raise a `ConfigError` on ``--train-batch`` naming the numbers and the fix unless ``train`` (global batch)
-    equals ``micro`` (per process) x ``accum`` x ``world``; nothing to check while either batch is unknown."""
-    if train is None or micro is None:
-        return
-    expected = micro * accum * world
-    if train != expected:
-        raise ConfigError(
-            "--train-batch",
-            f"train_batch_size {train} != micro_batch_per_gpu {micro} x gradient_accumulation_steps {accum} x "
-            f"world_size {world} (= {expected}); set --train-batch {expected} (train_batch_size in a DeepSpeed "
-            "config), or change --micro-batch (train_micro_batch_size_per_gpu), --grad-accum or --num-processes "
-            "so the product matches",
-        )
-
-
 @dataclass(frozen=True)
 class RunConfig:
     """Everything a run needs to know, validated on construction.
@@ -60,8 +45,8 @@ class RunConfig:
     ``grad_accum``). Build one with keywords; invalid values raise :class:`ConfigError`.
     """
 
-    backend: str = "local"
-    strategy: str = "ddp"
+    backend: str = BACKENDS.default
+    strategy: str = STRATEGIES.default
     zero: int | None = None
     precision: str = "fp32"
     num_processes: int = 2
@@ -147,8 +132,8 @@ class RunConfig:
         check_batch_arithmetic(self.train_batch, self.micro_batch, self.grad_accum, self.num_processes)
         self._check_model_parallel()
         if self.backend != "auto":
-            BACKENDS.load(self.backend).validate(self)
-        STRATEGIES.load(self.strategy).validate(self)
+            BACKENDS.facts(self.backend).validate(self)
+        STRATEGIES.facts(self.strategy).validate(self)
 
     def _check_stall_watch(self) -> None:
         """``--stall-timeout``: seconds >= 0, None and 0 both "never" (kept as 0); ``--on-stall fail`` needs it on."""
@@ -168,7 +153,7 @@ class RunConfig:
         for registry in (BACKENDS, STRATEGIES):
             if chosen[registry.flag] == "auto":
                 continue  # resolved before the run: the owner's own checks run then
-            for owner, cls in registry.classes().items():
+            for owner, cls in registry.all_facts().items():
                 for name in cls.own_fields:
                     value = getattr(self, name)
                     if owner == chosen[registry.flag] or value == _FIELD_DEFAULTS[name]:
@@ -192,7 +177,7 @@ class RunConfig:
         if self.tp == 1 and self.pp == 1:
             return
         degrees = " x ".join(f"--{name} {value}" for name, value in (("tp", self.tp), ("pp", self.pp)) if value > 1)
-        strategy = STRATEGIES.load(self.strategy)
+        strategy = STRATEGIES.facts(self.strategy)
         if strategy.model_parallel_refusal:
             raise ConfigError("--tp" if self.tp > 1 else "--pp", f"{degrees} is not supported with "
                               f"{strategy.label(self.zero)}: {strategy.model_parallel_refusal}")
@@ -231,7 +216,7 @@ class RunConfig:
     @property
     def process_group_backend(self) -> str:
         """The torch.distributed backend of the run's process group, as the strategy chooses it (nccl/gloo)."""
-        return STRATEGIES.load(self.strategy).process_group_backend(self.use_gpu)
+        return STRATEGIES.facts(self.strategy).process_group_backend(self.use_gpu)
 
     @property
     def zero_stage(self) -> int:
@@ -302,11 +287,11 @@ def resolve_config(
 
 def default_strategy(given: Mapping[str, Any]) -> str:
     """``--strategy`` when not given: the strategy that owns a flag that was given (``--zero`` → deepspeed), else
-    the first registered one (ddp)."""
-    for name, cls in STRATEGIES.classes().items():
+    the default one (`Registry.default`: the first registered)."""
+    for name, cls in STRATEGIES.all_facts().items():
         if any(given.get(field) not in (None, _FIELD_DEFAULTS[field]) for field in cls.own_fields):
             return name
-    return STRATEGIES.names()[0]
+    return STRATEGIES.default
 
 
 _NEEDS_QUOTES = re.compile(r"[\s'\"]")
@@ -374,17 +359,17 @@ def cuda_device_count() -> int:
 
 def detect_backend(modules: Mapping[str, Any] | None = None) -> str:
     """``--backend auto``: the first registered backend whose class says it is in use in this process
-    (``in_use``: spark with an active SparkSession, ray when Ray is initialised), else local.
+    (``in_use``: spark with an active SparkSession, ray when Ray is initialised), else the default one (local).
 
     Backends look only at libraries the notebook has already imported, so ``auto`` never pays their import time.
     """
     import sys
 
     modules = sys.modules if modules is None else modules
-    for name, cls in BACKENDS.classes().items():
+    for name, cls in BACKENDS.all_facts().items():
         if cls.in_use(modules):
             return name
-    return "local"
+    return BACKENDS.default
 
 
 def default_tracking_uri(cwd: str | None = None) -> str:

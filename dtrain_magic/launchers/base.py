@@ -14,12 +14,11 @@ import signal
 import socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
+from ..backends import Backend
 from ..channel import Message
 from ..config import RunConfig
-from ..errors import ConfigError
-from ..registry import BACKENDS
 from ..worker import WorkerJob
 
 # Variables read once, when torch and numpy load (thread pools, preloaded libraries, hashing): a process that
@@ -120,48 +119,12 @@ class StandbyClaim(Protocol):
         """Give the workers back (the run stopped before its launch): they wait for the next run."""
 
 
-class Launcher(ABC):
-    """One backend: its facts (class attributes, `validate`, `in_use`) and how it starts a run's workers.
+class Launcher(Backend, ABC):
+    """One backend: how it starts a run's workers. Its facts (name, own fields, capabilities, `validate`, `in_use`)
+    are its `dtrain_magic.backends.Backend` class, which a subclass inherits (``class RayLauncher(Ray, Launcher)``).
 
-    Subclasses set ``name`` and are found through `dtrain_magic.registry.BACKENDS` (one line there).
+    Subclasses are found through `dtrain_magic.registry.BACKENDS` (one line there, naming both classes).
     """
-
-    name: ClassVar[str]
-    #: `RunConfig` fields that apply only to this backend (``--spark-master``): another backend refuses them.
-    own_fields: ClassVar[tuple[str, ...]] = ()
-    #: restarts failed workers itself (``--max-restarts N``)
-    restarts_workers: ClassVar[bool] = False
-    #: launches the next run's workers ahead and keeps them waiting (``--keep-warm S``)
-    keeps_workers_warm: ClassVar[bool] = False
-    #: ``--storage`` may be a URL (``s3://``, ``gs://``), not only a path
-    storage_urls: ClassVar[bool] = False
-
-    @classmethod
-    def validate(cls, config: RunConfig) -> None:
-        """Pure rules on the flags for this backend (`RunConfig` calls it): what it cannot do is a `ConfigError`
-        naming the flag and the backends that can. Subclasses add their own after calling this."""
-        def able(fact: str) -> str:
-            return " or ".join(name for name, other in BACKENDS.classes().items() if getattr(other, fact))
-
-        if config.max_restarts and not cls.restarts_workers:
-            raise ConfigError("--max-restarts", f"--backend {cls.name} does not restart failed workers; use "
-                                                f"--backend {able('restarts_workers')} for restarts")
-        if config.keep_warm is not None and not cls.keeps_workers_warm:
-            raise ConfigError("--keep-warm", f"applies only to --backend {able('keeps_workers_warm')} (the next run's "
-                                             f"workers waiting for it), not --backend {cls.name}")
-        if config.storage is not None and "://" in config.storage and not cls.storage_urls:
-            raise ConfigError(
-                "--storage",
-                f"got {config.storage!r}; --backend {cls.name} writes checkpoints as plain files: give a path (on a "
-                f"multi-host cluster, one every node can reach, such as /dbfs/...); URLs (s3://, gs://) are for "
-                f"--backend {able('storage_urls')}",
-            )
-
-    @classmethod
-    def in_use(cls, modules: Mapping[str, Any]) -> bool:
-        """For ``--backend auto``: is this backend's library in use in the notebook (``modules``: `sys.modules`)?
-        Looks only at what is already imported. Default: no."""
-        return False
 
     def check(self, config: RunConfig) -> None:
         """Validate in the notebook, before any MLflow run or process exists (deps, resources)."""

@@ -32,6 +32,7 @@ import time
 
 import cloudpickle
 
+from ..backends import Local
 from ..channel import Output
 from ..config import RunConfig
 from ..errors import ConfigError, LaunchError
@@ -287,11 +288,8 @@ class LocalJob(RunningJob):
             shutil.rmtree(self._run_dir, ignore_errors=True)
 
 
-class LocalLauncher(Launcher):
+class LocalLauncher(Local, Launcher):
     """torch.distributed on this machine; needs neither Spark nor Ray."""
-
-    name = "local"
-    restarts_workers = True  # --max-restarts: the whole group again, resuming from the run's checkpoints
 
     def __init__(self) -> None:
         self.pool = WorkerPool()  # its fork server starts with the first run (or warm_up)

@@ -12,6 +12,10 @@ without holding it whole (``ctx.init_model()``: parameters on the meta device fo
 ``deepspeed.zero.Init`` for ZeRO-3, a plain build where every rank keeps a whole copy anyway); `wrap` takes such a
 model and the checkpoint to fill it from (``weights``), and `stream_full_state` gives the whole model to rank 0 one
 tensor at a time.
+
+A strategy class is also its own facts, read by `RunConfig`'s validation and the notebook's plan (through
+`dtrain_magic.registry.STRATEGIES`): so this package imports torch only inside the methods that run it (in a
+worker, or for an estimate), and never imports `dtrain_magic.config` (which reads these facts).
 """
 
 from __future__ import annotations
@@ -20,13 +24,15 @@ import contextlib
 import os
 from abc import ABC, abstractmethod
 from types import MappingProxyType
-from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
-import torch
-
-from ..config import RunConfig
 from . import sharded_checkpoint
 from .memory import MemoryModel, ModelFacts
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..config import RunConfig
 
 ADAM_TEMPORARIES = 2  # Adam's step: sqrt(exp_avg_sq), then its quotient, each the size of the tensor stepped
 WHOLE_COPY_NOTE = (
@@ -157,6 +163,8 @@ class Strategy(ABC):
     def prepared_optimizer(self, optimizer: Any, model: torch.nn.Module, old_names: Mapping[int, str]) -> Any:
         """The optimizer for the prepared ``model``: a factory's, called with its parameters; or the user's, pointed
         at the new parameters when preparing replaced them (sharded, or given storage)."""
+        import torch
+
         from ..parallel.state import repoint_optimizer
         from ..weights.deferred import optimizer_for
 
@@ -251,14 +259,20 @@ class Strategy(ABC):
         """Release what the strategy holds (engines, hooks) before the process group goes."""
 
 
-@torch.no_grad()
 def _whole(value: torch.Tensor) -> torch.Tensor:
     """A DTensor gathered whole (a collective over its mesh); a plain tensor as it is."""
+    import torch
+
     full_tensor = getattr(value, "full_tensor", None)
-    return full_tensor() if callable(full_tensor) else value
+    if not callable(full_tensor):
+        return value
+    with torch.no_grad():
+        return full_tensor()
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
+    import torch
+
     if isinstance(value, torch.Tensor):
         return value.to(device)
     if isinstance(value, tuple):
@@ -272,6 +286,8 @@ def _to_device(value: Any, device: torch.device) -> Any:
 
 def _as_float(output: Any) -> Any:
     """bf16/fp16 outputs of an autocast forward in fp32 for the loss (as ``model(x).float()``); others as they are."""
+    import torch
+
     if isinstance(output, torch.Tensor) and output.is_floating_point() and output.dtype != torch.float32:
         return output.float()
     return output
@@ -281,7 +297,7 @@ class TorchStrategy(Strategy):
     """Shared by the strategies that use a plain torch optimizer (DDP, FSDP), including their model-parallel
     forms (``--tp``/``--pp``: `dtrain_magic.parallel.ModelParallel`, sharded checkpoints)."""
 
-    _dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    _dtypes = {"bf16": "bfloat16", "fp16": "float16"}  # torch's dtype names (torch loads in the worker only)
     sharded_checkpoints: ClassVar[bool] = False  # DCP (every rank its shards) rather than rank 0's torch.save
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -289,6 +305,8 @@ class TorchStrategy(Strategy):
         self.micro_step = 0
         self.scaler = None
         if self.config.precision == "fp16":
+            import torch
+
             self.scaler = torch.amp.GradScaler(self.device.type)
         self.parallel: Any = None
         if self.config.tp > 1 or self.config.pp > 1:
@@ -350,10 +368,12 @@ class TorchStrategy(Strategy):
         return (self.micro_step + 1) % self.accumulation == 0
 
     def autocast(self) -> contextlib.AbstractContextManager:
+        import torch
+
         dtype = self._dtypes.get(self.config.precision)
         if dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=dtype)
+        return torch.autocast(device_type=self.device.type, dtype=getattr(torch, dtype))
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Skip the gradient all-reduce on micro-batches that do not end an accumulation window."""
@@ -435,6 +455,8 @@ class TorchStrategy(Strategy):
             sharded_checkpoint.save(directory, module, self.optimizer, self.rank, self._extra_state(client_state))
             return
         if self.rank == 0:
+            import torch
+
             os.makedirs(directory, exist_ok=True)
             state = {
                 "model": getattr(self.model, "module", self.model).state_dict(),
@@ -454,6 +476,8 @@ class TorchStrategy(Strategy):
         path = os.path.join(directory, "checkpoint.pt")
         if not os.path.exists(path):
             return None
+        import torch
+
         state = torch.load(path, map_location=self.device, weights_only=False)
         getattr(self.model, "module", self.model).load_state_dict(state["model"])
         if self.optimizer is not None and state.get("optimizer") is not None:

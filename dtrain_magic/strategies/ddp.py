@@ -9,14 +9,13 @@ during accumulation) amounts to.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-import torch
-from torch.nn.parallel import DistributedDataParallel
-
-from ..parallel.state import AVERAGE_CHUNK_ELEMENTS
 from .base import TorchStrategy
 from .memory import ModelFacts
+
+if TYPE_CHECKING:  # torch loads in the worker (`wrap`), not with the strategy's facts
+    import torch
 
 
 class DDPStrategy(TorchStrategy):
@@ -27,6 +26,8 @@ class DDPStrategy(TorchStrategy):
                        pp: int = 1, settings: Mapping[str, Any] | None = None) -> list[tuple[str, float]]:
         """DDP's reducer keeps its gradient buckets beside the gradients (``gradient_as_bucket_view`` off): a second
         copy of every gradient. With ``--tp``/``--pp`` the replicas' gradients are averaged in chunks instead."""
+        from ..parallel.state import AVERAGE_CHUNK_ELEMENTS  # here: that module imports torch
+
         share = facts.num_params / (tp * pp)
         parts = super().memory_buffers(facts, zero, precision, world_size, tp, pp, settings)
         if world_size // (tp * pp) > 1:
@@ -45,12 +46,16 @@ class DDPStrategy(TorchStrategy):
         model = model.to(self.device)
         optimizer = self.prepared_optimizer(optimizer, model, old_names)
         if self.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             model = DistributedDataParallel(model, device_ids=device_ids)
         self.model, self.optimizer = model, optimizer
         return model, optimizer
 
     def no_sync(self) -> contextlib.AbstractContextManager:
+        from torch.nn.parallel import DistributedDataParallel
+
         if isinstance(self.model, DistributedDataParallel):
             return self.model.no_sync()
         return contextlib.nullcontext()

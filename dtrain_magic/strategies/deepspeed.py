@@ -43,16 +43,19 @@ import re
 import sys
 import warnings
 from types import MappingProxyType
-from typing import Any, Iterator, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from .._compat import deepspeed as deepspeed_compat
-from ..config import RunConfig, check_batch_arithmetic
+from ..batch_arithmetic import check_batch_arithmetic
 from ..errors import ConfigError, MissingDependencyError
 from .base import ADAM_TEMPORARIES, Strategy
 from .extensions import load_deepspeed_cpu_ops, use_private_extensions_dir
 from .memory import ADAM_MIXED_K, MemoryModel, ModelFacts
+
+if TYPE_CHECKING:  # torch loads in the worker (`wrap`), not with the strategy's facts (base.py says why)
+    import torch
+
+    from ..config import RunConfig
 
 # DeepSpeed's own defaults (deepspeed/runtime/zero/config.py), for the estimate when a size is not set
 DEEPSPEED_DEFAULTS = {
@@ -353,6 +356,7 @@ class DeepSpeedStrategy(Strategy):
 
     def wrap(self, model: torch.nn.Module, optimizer: Any, weights: Any = None) -> tuple[Any, Any]:
         import deepspeed
+        import torch
 
         from ..weights import deferred, loading
         from .memory import model_facts
@@ -404,6 +408,8 @@ class DeepSpeedStrategy(Strategy):
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """DeepSpeed holds bf16/fp16 weights itself; autocast keeps mixed-dtype user code (fp32 losses) working."""
+        import torch
+
         if self.config.precision == "bf16":
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         if self.config.precision == "fp16":
@@ -482,6 +488,7 @@ class DeepSpeedStrategy(Strategy):
 
 def _cast_inputs(dtype: torch.dtype):
     """A forward pre-hook that casts floating-point inputs to the engine's bf16/fp16 weights' dtype."""
+    import torch
 
     def cast(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:

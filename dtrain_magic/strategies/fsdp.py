@@ -31,12 +31,13 @@ With ``--tp N`` this is 2-D parallelism: the model is tensor-parallel over N ran
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .base import ADAM_TEMPORARIES, TorchStrategy
 from .memory import MemoryModel, ModelFacts, blocks
+
+if TYPE_CHECKING:  # torch loads in the worker (`wrap`), not with the strategy's facts
+    import torch
 
 UNSHARDED_BLOCKS = 3  # the block in use, the next one prefetched, and the block's unsharded gradient
 

@@ -150,7 +150,7 @@ def strategy_class(strategy: str | type) -> Any:
     if isinstance(strategy, type):
         return strategy
     try:
-        return STRATEGIES.load(strategy)
+        return STRATEGIES.facts(strategy)
     except ConfigError:
         raise ValueError(f"unknown strategy {strategy!r}") from None
 
@@ -162,13 +162,14 @@ def memory_model(strategy: str | type, zero: int | None, precision: str) -> Memo
     return strategy_class(strategy).memory_model(zero, precision)
 
 
-def estimate(num_params: int, strategy: str | type = "ddp", zero: int | None = None, precision: str = "fp32",
+def estimate(num_params: int, strategy: str | type | None = None, zero: int | None = None, precision: str = "fp32",
              world_size: int = 1, k: int | None = None, tp: int = 1, pp: int = 1, facts: ModelFacts | None = None,
              settings: Mapping[str, Any] | None = None) -> MemoryEstimate:
     """Per-process bytes for parameters, gradients and optimizer states; ``k`` overrides K. With ``tp``/``pp``
     each process holds an even 1/(tp x pp) of the model, sharded further over the world/(tp x pp) replicas. With
     ``facts`` (the model's, `model_facts`), the strategy's own buffers too (`Strategy.memory_buffers`; ``settings``:
-    the strategy's sizes, DeepSpeed's ``zero_optimization`` section)."""
+    the strategy's sizes, DeepSpeed's ``zero_optimization`` section). ``strategy`` None: the default one."""
+    strategy = STRATEGIES.default if strategy is None else strategy
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
     if tp < 1 or pp < 1 or world_size % (tp * pp):
@@ -198,7 +199,7 @@ def table(num_params: int, precision: str = "fp32", world_size: int = 2, tp: int
     """A text table of the estimate for every strategy and stage (for the dry run or the docs); with ``tp``/``pp``,
     the strategies that support them (ddp, fsdp)."""
     rows = []
-    for cls in STRATEGIES.classes().values():  # every registered strategy; each ZeRO stage of the one that owns --zero
+    for cls in STRATEGIES.all_facts().values():  # every registered strategy; each ZeRO stage of the --zero owner
         if (tp > 1 or pp > 1) and cls.model_parallel_refusal:
             continue
         stages = BY_FIELD["zero"].choices if "zero" in cls.own_fields else (None,)

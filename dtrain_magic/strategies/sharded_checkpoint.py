@@ -10,9 +10,10 @@ checkpoint as complete.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads with the worker's first checkpoint, not with the strategy's facts
+    import torch
 
 EXTRA = "dtrain_extra.pt"
 
@@ -36,6 +37,7 @@ def _state(module: torch.nn.Module, optimizer: Any) -> dict:
 
 def save(directory: str, module: torch.nn.Module, optimizer: Any, rank: int, extra: dict) -> None:
     """Write ``module``'s and ``optimizer``'s shards (a collective) and, from rank 0, ``extra``."""
+    import torch
     import torch.distributed.checkpoint as dcp
 
     os.makedirs(directory, exist_ok=True)
@@ -46,6 +48,7 @@ def save(directory: str, module: torch.nn.Module, optimizer: Any, rank: int, ext
 
 def load(directory: str, module: torch.nn.Module, optimizer: Any) -> dict | None:
     """Restore ``module`` and ``optimizer`` in place (a collective); the saved ``extra``, or None without one."""
+    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 

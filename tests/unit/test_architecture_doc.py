@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from dtrain_magic.backends import Backend
 from dtrain_magic.driver.observer import RunObserver
 from dtrain_magic.launchers.base import Launcher, RunningJob
 from dtrain_magic.strategies.base import Strategy
@@ -20,7 +21,7 @@ def public_members(cls: type) -> list[str]:
             and (callable(value) or isinstance(value, (property, classmethod, staticmethod)))]
 
 
-@pytest.mark.parametrize("cls", [Launcher, RunningJob, Strategy, RunObserver])
+@pytest.mark.parametrize("cls", [Backend, Launcher, RunningJob, Strategy, RunObserver])
 def test_every_public_member_of_an_interface_is_in_the_architecture_doc(cls):
     missing = [name for name in public_members(cls) if not re.search(rf"\b{name}\b", TEXT)]
     assert not missing, f"docs/ARCHITECTURE.md does not name {cls.__name__}'s {', '.join(missing)}"

@@ -24,9 +24,10 @@ import os
 import threading
 import uuid
 import weakref
-from typing import Any, Mapping
+from typing import Any
 
 from ..._compat import ray as ray_compat
+from ...backends import Ray
 from ...channel import StandbyJob
 from ...config import RunConfig, redact_uri
 from ...data.blocks import without_trainer_datasets
@@ -186,23 +187,8 @@ class RayJob(StandbyLaunch):
         self._thread.join(self.abort_wait_s + 2)
 
 
-class RayLauncher(Launcher):
+class RayLauncher(Ray, Launcher):
     """Ray Train (``TorchTrainer``) on the connected, given or an embedded local Ray instance."""
-
-    name = "ray"
-    own_fields = ("ray_address",)  # --ray-address
-    restarts_workers = True  # Ray Train's FailureConfig(max_failures)
-    keeps_workers_warm = True
-    storage_urls = True  # Ray Train's run storage: s3://, gs://
-
-    @classmethod
-    def in_use(cls, modules: Mapping[str, Any]) -> bool:
-        """Ray initialised in the notebook (by the user's ``ray.init()`` or an earlier run)."""
-        try:
-            return "ray" in modules and bool(modules["ray"].is_initialized())
-        except Exception as exc:
-            logging.getLogger(__name__).debug("--backend auto: whether Ray is initialised is unknown (%s)", exc)
-            return False
 
     def __init__(self) -> None:
         self.instance = RayInstance()  # the Ray this kernel started or joined, kept between runs

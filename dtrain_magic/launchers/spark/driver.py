@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import logging
 import os
 import signal
 import socket
@@ -33,9 +32,10 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator
 
 from ..._compat import spark as spark_compat
+from ...backends import Spark
 from ...channel import (
     AuthenticatedListener,
     RankDied,
@@ -427,25 +427,8 @@ def _terminate(procs: list, grace: float) -> None:
     psutil.wait_procs(alive, timeout=2)
 
 
-class SparkLauncher(Launcher):
+class SparkLauncher(Spark, Launcher):
     """TorchDistributor on the active SparkSession, or on one started (once) by this launcher."""
-
-    name = "spark"
-    own_fields = ("local_mode", "spark_master")  # --cluster, --spark-master
-    keeps_workers_warm = True  # TorchDistributor never restarts failed workers: no restarts_workers
-
-    @classmethod
-    def in_use(cls, modules: Mapping[str, Any]) -> bool:
-        """An active SparkSession in the notebook, classic or Spark Connect (pyspark's own ``getActiveSession`` answers
-        with the Connect session once ``builder.remote(...)`` made one; its class's, should pyspark not say)."""
-        try:
-            if "pyspark.sql" in modules and modules["pyspark.sql"].SparkSession.getActiveSession() is not None:
-                return True
-            connect = modules.get("pyspark.sql.connect.session")
-            return connect is not None and connect.SparkSession.getActiveSession() is not None
-        except Exception as exc:  # a half-imported or broken pyspark: not in use
-            logging.getLogger(__name__).debug("--backend auto: pyspark's active session unknown (%s)", exc)
-            return False
 
     def __init__(self) -> None:
         self._session: Any = None  # a session this launcher started (and may stop)

@@ -1,0 +1,118 @@
+"""What each ``--backend`` is, readable without loading it: its name, the flags that are its own, what it can do,
+and its rules on the flags. `RunConfig`'s validation, the run's plan, the data routes and the workers' integrations
+ask these facts (through `dtrain_magic.registry.BACKENDS.facts`) instead of testing a backend's name.
+
+Each backend's `Launcher` (`dtrain_magic.launchers`) inherits its facts class here, so a fact is written once. They
+live apart from the launchers because a launcher module imports the channel, the worker and the config: reading a
+fact from there would cost those imports (and config → launcher → config would be a circle). This module imports
+no backend library: `in_use` looks only at what the notebook already imported.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+
+from .errors import ConfigError
+from .registry import BACKENDS
+
+if TYPE_CHECKING:
+    from .config import RunConfig
+
+
+def backends_that(fact: str) -> str:
+    """The registered backends for which ``fact`` (a class attribute of `Backend`) holds, as words ("spark or ray")."""
+    return " or ".join(name for name, facts in BACKENDS.all_facts().items() if getattr(facts, fact, False))
+
+
+class Backend:
+    """One backend's facts (class attributes and classmethods); its `Launcher` subclass adds how it runs."""
+
+    name: ClassVar[str]
+    #: `RunConfig` fields that apply only to this backend (``--spark-master``): another backend refuses them.
+    own_fields: ClassVar[tuple[str, ...]] = ()
+    #: restarts failed workers itself (``--max-restarts N``)
+    restarts_workers: ClassVar[bool] = False
+    #: launches the next run's workers ahead and keeps them waiting (``--keep-warm S``)
+    keeps_workers_warm: ClassVar[bool] = False
+    #: ``--storage`` may be a URL (``s3://``, ``gs://``), not only a path
+    storage_urls: ClassVar[bool] = False
+    #: the workers are Ray Train's: a Ray Train loop (``ray.train.report``, ``get_context``...) runs in them
+    #: unchanged, and a Ray Dataset reaches them as Ray Train's shards (``TorchTrainer(datasets=...)``), no file
+    ray_train: ClassVar[bool] = False
+    #: the workers are in the notebook's Ray job: an in-memory source reaches them through Ray's object store
+    #: (``ray.put`` once), not as a file written on this machine
+    object_store: ClassVar[bool] = False
+
+    @classmethod
+    def validate(cls, config: RunConfig) -> None:
+        """Pure rules on the flags for this backend (`RunConfig` calls it): what it cannot do is a `ConfigError`
+        naming the flag and the backends that can. Subclasses add their own after calling this."""
+        if config.max_restarts and not cls.restarts_workers:
+            raise ConfigError("--max-restarts", f"--backend {cls.name} does not restart failed workers; use "
+                                                f"--backend {backends_that('restarts_workers')} for restarts")
+        if config.keep_warm is not None and not cls.keeps_workers_warm:
+            raise ConfigError("--keep-warm", f"applies only to --backend {backends_that('keeps_workers_warm')} (the "
+                                             f"next run's workers waiting for it), not --backend {cls.name}")
+        if config.storage is not None and "://" in config.storage and not cls.storage_urls:
+            raise ConfigError(
+                "--storage",
+                f"got {config.storage!r}; --backend {cls.name} writes checkpoints as plain files: give a path (on a "
+                f"multi-host cluster, one every node can reach, such as /dbfs/...); URLs (s3://, gs://) are for "
+                f"--backend {backends_that('storage_urls')}",
+            )
+
+    @classmethod
+    def in_use(cls, modules: Mapping[str, Any]) -> bool:
+        """For ``--backend auto``: is this backend's library in use in the notebook (``modules``: `sys.modules`)?
+        Looks only at what is already imported. Default: no."""
+        return False
+
+
+class Local(Backend):
+    """torch.distributed on this machine (`dtrain_magic.launchers.local.LocalLauncher`)."""
+
+    name = "local"
+    restarts_workers = True  # --max-restarts: the whole group again, resuming from the run's checkpoints
+
+
+class Spark(Backend):
+    """pyspark's TorchDistributor (`dtrain_magic.launchers.spark.SparkLauncher`)."""
+
+    name = "spark"
+    own_fields = ("local_mode", "spark_master")  # --cluster, --spark-master
+    keeps_workers_warm = True  # TorchDistributor never restarts failed workers: no restarts_workers
+
+    @classmethod
+    def in_use(cls, modules: Mapping[str, Any]) -> bool:
+        """An active SparkSession in the notebook, classic or Spark Connect (pyspark's own ``getActiveSession`` answers
+        with the Connect session once ``builder.remote(...)`` made one; its class's, should pyspark not say)."""
+        try:
+            if "pyspark.sql" in modules and modules["pyspark.sql"].SparkSession.getActiveSession() is not None:
+                return True
+            connect = modules.get("pyspark.sql.connect.session")
+            return connect is not None and connect.SparkSession.getActiveSession() is not None
+        except Exception as exc:  # a half-imported or broken pyspark: not in use
+            logging.getLogger(__name__).debug("--backend auto: pyspark's active session unknown (%s)", exc)
+            return False
+
+
+class Ray(Backend):
+    """Ray Train's TorchTrainer (`dtrain_magic.launchers.ray.RayLauncher`)."""
+
+    name = "ray"
+    own_fields = ("ray_address",)  # --ray-address
+    restarts_workers = True  # Ray Train's FailureConfig(max_failures)
+    keeps_workers_warm = True
+    storage_urls = True  # Ray Train's run storage: s3://, gs://
+    ray_train = True
+    object_store = True
+
+    @classmethod
+    def in_use(cls, modules: Mapping[str, Any]) -> bool:
+        """Ray initialised in the notebook (by the user's ``ray.init()`` or an earlier run)."""
+        try:
+            return "ray" in modules and bool(modules["ray"].is_initialized())
+        except Exception as exc:  # a half-imported or broken Ray: not in use
+            logging.getLogger(__name__).debug("--backend auto: whether Ray is initialised is unknown (%s)", exc)
+            return False
