@@ -20,6 +20,15 @@ refused:
   interrupt meant for a cell would kill an interactive session's ranks or the next run's waiting workers (the
   notebook stops a run's workers itself when its cell is interrupted). **Gated**: on an unknown version the
   launch is left as pyspark makes it.
+- `quiet_launches`: the ``sys`` module as ``pyspark.ml.torch.distributor`` sees it, so that what it writes to
+  ``sys.stdout`` from a launch of ours (local mode: torchrun's merged output, copied line by line from the launch's
+  thread) goes to the kernel's backend log instead of whichever cell runs then (a waiting launch's lines would land
+  in the next cell); and, through the ``subprocess`` view above, environment variables the launch's processes get
+  where the notebook has none (``OMP_NUM_THREADS``: torchrun prints a banner when it sets it itself). **Gated**: on
+  an unknown version the launch prints as pyspark makes it.
+- `route_distributor_log`: a TorchDistributor's ``logger`` attribute (pyspark gives it a logger of its own that
+  prints "Started local training ..." to stderr), pointed at the kernel's backend log. **Fallback**: left as is
+  when the attribute is missing.
 - `connect_server_here` / `connect_server_python` (Spark Connect): whether the Connect server is on this machine (the
   ``SPARK_LOCAL_REMOTE`` variable pyspark sets when ``builder.remote("local[...]")`` started the server in this
   process, else the client's ``_builder.host``), and the ``PYSPARK_PYTHON`` that server's JVM was started with (read
@@ -37,8 +46,9 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping, TextIO
 
 from ..errors import log_dropped
 from . import Library
@@ -173,7 +183,22 @@ class _SubprocessForDistributor:
     def Popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen:  # noqa: N802 - subprocess's own name
         if getattr(_own_session, "on", False):
             kwargs.setdefault("start_new_session", True)
+        defaults = getattr(_own_session, "env", None)
+        if defaults:
+            kwargs["env"] = {**defaults, **(kwargs.get("env") or os.environ)}
         return subprocess.Popen(*args, **kwargs)
+
+
+class _SysForDistributor:
+    """``sys`` as pyspark's distributor module sees it: the same, except that ``sys.stdout`` is `quiet_launches`'s
+    output for a thread inside it."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(sys, name)
+
+    @property
+    def stdout(self) -> Any:
+        return getattr(_own_session, "output", None) or sys.stdout
 
 
 @contextlib.contextmanager
@@ -200,3 +225,31 @@ def _install_subprocess_view() -> bool:
     if getattr(distributor, "subprocess", None) is subprocess:
         distributor.subprocess = _SubprocessForDistributor()
     return isinstance(getattr(distributor, "subprocess", None), _SubprocessForDistributor)
+
+
+@contextlib.contextmanager
+def quiet_launches(output: TextIO, env: Mapping[str, str]) -> Iterator[bool]:
+    """While the calling thread runs ``TorchDistributor.run`` inside this, what pyspark writes to ``sys.stdout`` for
+    it goes to ``output``, and the processes it starts get ``env``'s variables where their environment has none.
+    Yields whether that is so (False on an unknown pyspark)."""
+    installed = _install_subprocess_view() and _install_sys_view()
+    if installed:
+        _own_session.output, _own_session.env = output, dict(env)
+    try:
+        yield installed
+    finally:
+        _own_session.output = _own_session.env = None
+
+
+def _install_sys_view() -> bool:
+    import pyspark.ml.torch.distributor as distributor  # (imported already: `_install_subprocess_view`)
+
+    if getattr(distributor, "sys", None) is sys:
+        distributor.sys = _SysForDistributor()
+    return isinstance(getattr(distributor, "sys", None), _SysForDistributor)
+
+
+def route_distributor_log(distributor: Any, logger: Any) -> None:
+    """``distributor`` (a TorchDistributor) logs through ``logger`` instead of the stderr handler pyspark gave it."""
+    if hasattr(distributor, "logger"):
+        distributor.logger = logger

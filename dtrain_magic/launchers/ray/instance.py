@@ -11,6 +11,7 @@ import tempfile
 import threading
 from typing import Any
 
+from ... import backend_log
 from ..._compat import ray as ray_compat
 from ...config import RunConfig
 from ...errors import LaunchError, log_dropped, summary
@@ -159,7 +160,10 @@ class RayInstance:
             return
         try:
             if ray.is_initialized():
-                ray.shutdown()
+                # The driver's core worker logs what fails as the instance stops (actor handles it cannot report
+                # out of scope once the GCS is gone) on fd 2: to the backend log, with what Ray logs meanwhile.
+                with backend_log.fds_to_log(), backend_log.logger_to_log("ray"):
+                    ray.shutdown()
         finally:
             self._stop_sweeper()
             shutil.rmtree(self.temp_dir, ignore_errors=True)
@@ -201,7 +205,10 @@ class RayInstance:
         try:
             # Ray makes its temp dir world-writable (0777, for shared clusters); inside ours (0700, the
             # user's alone) nobody else can reach its sockets, logs or spilled objects.
-            ray_compat.init_local_instance(num_cpus, os.path.join(temp_dir, "r"))
+            # What Ray says as it starts (its token-auth notice on the "ray" logger) and what the processes it
+            # starts write outside their own log files (they inherit fds 1 and 2 now) go to the backend log.
+            with backend_log.fds_to_log(), backend_log.logger_to_log("ray"):
+                ray_compat.init_local_instance(num_cpus, os.path.join(temp_dir, "r"))
         except BaseException as exc:
             os.environ.pop(_INSTANCE_ENV, None)
             try:

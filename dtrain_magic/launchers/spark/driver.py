@@ -34,6 +34,7 @@ import time
 import uuid
 from typing import Any, Callable, Iterator
 
+from ... import backend_log
 from ..._compat import spark as spark_compat
 from ...backends import Spark
 from ...channel import (
@@ -48,6 +49,7 @@ from ...channel import (
 )
 from ...config import RunConfig, redact_uri
 from ...errors import ConfigError, LaunchError, MissingDependencyError, log_dropped
+from ...registry import STRATEGIES
 from ...state import kernel_state
 from ...worker import WorkerJob
 from ..base import IMPORT_TIME_ENV, Emit, Failure, Launcher, LaunchState, RunningJob, import_time_environment
@@ -225,7 +227,8 @@ class SparkJob(StandbyLaunch):
         try:
             # A kernel interrupt is for the cell, not for torchrun.
             with spark_compat.job_group(self._spark, self.group, "dtrain_magic %%distribute run"), \
-                    spark_compat.launches_in_own_session():
+                    spark_compat.launches_in_own_session(), \
+                    spark_compat.quiet_launches(backend_log.stream(), _torchrun_env(self._config)):
                 self._distributor.run(fn, *args)
         except BaseException as exc:  # noqa: BLE001 - reported through poll()
             self._error = exc
@@ -326,6 +329,12 @@ class SparkJob(StandbyLaunch):
 # read at import time (part of the placement: a change there is a fresh launch).
 _TORCHRUN_SETS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                   "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"}
+
+
+def _torchrun_env(config: RunConfig) -> dict[str, str]:
+    """What a local-mode launch's torchrun gets where the notebook sets nothing: ``OMP_NUM_THREADS=1``, the value
+    torchrun itself sets for more than one process, after printing a banner about it into the cell."""
+    return {"OMP_NUM_THREADS": "1"} if config.local_mode and config.num_processes > 1 else {}
 
 
 def _managed(key: str) -> bool:
@@ -489,9 +498,13 @@ class SparkLauncher(Spark, Launcher):
                 .config("spark.ui.enabled", "false")
             )
         try:
-            session = builder.getOrCreate()
+            # The JVM inherits fds 1 and 2 as they are when it starts: pointed at the backend log meanwhile, its
+            # start-up lines, log4j's, stage bars and its exit's go there for its whole life, not to the cell.
+            with backend_log.fds_to_log():
+                session = builder.getOrCreate()
         except Exception as exc:
-            raise LaunchError(f"could not start a SparkSession on {master}: {one_line_reason(exc)}") from None
+            raise LaunchError(f"could not start a SparkSession on {master}: {one_line_reason(exc)} (the JVM's "
+                              f"output: {backend_log.path()})") from None
         session.sparkContext.setLogLevel("ERROR")
         return session
 
@@ -560,7 +573,7 @@ class SparkLauncher(Spark, Launcher):
         ]
         if config.local_mode:
             items.append(("import-time environment", _digest(import_time_environment())))
-        return Placement("spark", tuple(items))
+        return Placement(Spark.name, tuple(items))
 
     def claim_standby(self, config: RunConfig) -> Claim | None:
         spark = self._running_session(config)
@@ -609,7 +622,7 @@ class SparkLauncher(Spark, Launcher):
         standby = Standby(placement, config.num_processes, self.channel_host(config), None, where, order_for)
         try:
             standby.launch = SparkJob.for_standby(self, spark, config, standby,
-                                                  tuple(dict.fromkeys(("ddp", config.strategy))))
+                                                  tuple(dict.fromkeys((STRATEGIES.default, config.strategy))))
         except BaseException:
             standby.release("its launch failed")
             raise
@@ -619,7 +632,7 @@ class SparkLauncher(Spark, Launcher):
         from pyspark.ml.torch.distributor import TorchDistributor
 
         try:
-            return TorchDistributor(
+            distributor = TorchDistributor(
                 num_processes=config.num_processes, local_mode=config.local_mode, use_gpu=config.use_gpu
             )
         except RuntimeError as exc:
@@ -627,6 +640,8 @@ class SparkLauncher(Spark, Launcher):
             if message:
                 raise ConfigError("--gpu", message) from None
             raise LaunchError(f"TorchDistributor refused the run: {str(exc).strip().splitlines()[0]}") from None
+        spark_compat.route_distributor_log(distributor, backend_log.logger("TorchDistributor"))
+        return distributor
 
     @staticmethod
     def _wait_for_slots(spark: Any, needed: int) -> None:
