@@ -57,6 +57,7 @@ class RunConfig:
     experiment: str = DEFAULT_EXPERIMENT
     tracking_uri: str | None = None
     ui: bool = False
+    verbose: bool = False  # the run's slice of the backend log shown in the cell (dtrain_magic.backend_log)
     dry_run: bool = False
     seed: int | None = None
     timeout: float | None = None

@@ -344,6 +344,12 @@ FLAGS: tuple[Flag, ...] = (
          entry_points=(MAGIC, PYTHON),
          help="show the live panel (None means on in a notebook front-end)", off_help="plain text progress only",
          doc="live panel, or plain-text progress", default_doc="ui in a notebook front-end"),
+    Flag(("--verbose",), "verbose", TRACKING, kind=STORE_TRUE, default=False,
+         help="also show what the backends printed during the run (Spark's JVM, TorchDistributor, torchrun, Ray); "
+              "it is always in the kernel's backend log and the MLflow run's logs/backend.txt",
+         doc="also show the backends' own lines from the run (Spark's JVM, TorchDistributor, torchrun, Ray); "
+             "otherwise only in the kernel's backend log and the MLflow run's `logs/backend.txt`, and their last "
+             "lines in the cell when the run fails (docs/reliability.md)"),
     # The magic itself acts on it (shows the panel): no RunConfig field, never on a line.
     Flag(("--configure",), None, TRACKING, cheatsheet=True, kind=STORE_TRUE, default=False, line=NEVER,
          entry_points=(MAGIC,),

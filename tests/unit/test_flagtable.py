@@ -48,6 +48,7 @@ ROUND_TRIP: dict[str, list[dict]] = {
     "result": [{"result": "out"}],
     "dry_run": [{"dry_run": True}],
     "ui": [{"ui": True}, {"ui": False}],
+    "verbose": [{"verbose": True}],
     "local_mode": [{"backend": "spark", "local_mode": False}],
     "max_restarts": [{"max_restarts": 3}],
     "keep_warm": [{"backend": "spark", "keep_warm": 0.0}, {"backend": "ray", "keep_warm": 30},
