@@ -12,8 +12,9 @@ RUN_ID_ATTR = "mlflow_run_id"  # a trial's user attribute: its MLflow child run
 
 @dataclass(frozen=True)
 class BestTrial:
-    """The best trial: Optuna's number, its hyperparameters (``ctx.params`` and run options, by the space's names),
-    its ``--metric`` value, its MLflow run and (when it ran in this session) its `RunResult`."""
+    """The best trial: its Optuna number (from 0: the line "trial 3/12" is number 2), its hyperparameters
+    (``ctx.params`` and run options, by the space's names), its ``--metric`` value, its MLflow run and (when it ran in
+    this session) its `RunResult`."""
 
     number: int
     params: dict[str, Any]
@@ -56,7 +57,7 @@ class SweepResult:
         for trial in self.study.get_trials(deepcopy=False):
             counts[trial.state.name] = counts.get(trial.state.name, 0) + 1
         states = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-        shown = (f"best=trial {best.number} {self.metric}={best.value:.4g} "
+        shown = (f"best=trial {best.number + 1} {self.metric}={best.value:.4g} "
                  + " ".join(f"{k}={v!r}" for k, v in best.params.items()) if best and best.value is not None
                  else "best=None")
         return f"SweepResult({states}; {shown}; MLflow parent run {self.parent_run_id})"

@@ -38,7 +38,8 @@ class Outcome:
 
 class TrialObserver(RunObserver):
     """A trial's run as it happens: its workers' output prefixed with the trial, rank 0's ``--metric`` reported to the
-    Optuna trial at each logged step, and the run's ``stop`` set once Optuna's pruner prunes it."""
+    Optuna trial at each logged step, and the run's ``stop`` set once Optuna's pruner prunes it (and its MLflow run is
+    open: the workers start first, and the pruned run's tags need its id)."""
 
     def __init__(self, trial: Any, metric: str, label: str, stop: threading.Event, out: TextIO | None = None):
         self.trial, self.metric_name, self.label, self.stop = trial, metric, label, stop
@@ -56,6 +57,8 @@ class TrialObserver(RunObserver):
 
     def started(self, config: RunConfig, run_id: str, link: str, plan: str) -> None:
         self.run_id = run_id
+        if self.pruned_at is not None:
+            self.stop.set()  # pruned while its MLflow run was opening: stopped now, so that the run exists to say so
 
     def output(self, rank: int, stream: str, text: str) -> None:
         lines, self._pending[(rank, stream)] = prefix_lines(rank, text, self._pending.get((rank, stream), ""))
@@ -79,7 +82,8 @@ class TrialObserver(RunObserver):
         self.trial.report(self.last, step)
         if self.trial.should_prune():
             self.pruned_at = step
-            self.stop.set()
+            if self.run_id is not None:  # else at `started`: a run stopped before its MLflow run opened has no id here
+                self.stop.set()
 
 
 def run_trial(prepared: Any, trial: Any, params: dict[str, Any], parent_run_id: str | None, metric: str,
