@@ -66,11 +66,13 @@ class Sweep:
 
     def check_options(self) -> None:
         """Every combination of the space's run options made into a checked run now, when they are finite: an invalid
-        one is a `ConfigError` naming it before any trial runs (else each trial's is checked when it is drawn)."""
+        one is a `ConfigError` naming it before any trial runs (else each trial's is checked when it is drawn); and
+        ``--parallel-trials``."""
         combos = self.space.option_combinations()
         for combo in combos or ():
             if combo:
                 self._prepare(combo)
+        self.slots(1)  # --parallel-trials that cannot be: refused now
 
     def _prepare(self, options: Mapping[str, Any]) -> Any:
         """The `PreparedRun` for a trial's run options (one per combination; the payload is the base's)."""
@@ -88,10 +90,16 @@ class Sweep:
 
     def slots(self, to_run: int) -> int:
         """How many trials run at once: ``--parallel-trials``, or auto: the backend's capacity (local CPU runs: this
-        machine's cores) over the most processes a trial takes."""
+        machine's cores) over the most processes a trial takes. Local GPU runs one trial at a time: each run numbers
+        its GPUs from 0 (`worker.process_group.device_for`), so trials at once would share them."""
         wanted = self.options.parallel_trials
+        config = self.base.config
+        if self.base.plan.launcher.name == "local" and config.use_gpu:
+            if wanted not in ("auto", 1):
+                raise ConfigError("--parallel-trials", f"got {wanted}; local GPU trials run one at a time (each run's "
+                                                       "ranks take GPUs from 0, so trials at once would share them)")
+            return 1
         if wanted == "auto":
-            config = self.base.config
             capacity = self.base.plan.launcher.capacity(config)
             size = capacity[1] if capacity else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
                 else (os.cpu_count() or 1)

@@ -3,6 +3,7 @@ best trial, pruning through the run's stop event, failures, run options checked 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import threading
 import time
@@ -23,6 +24,8 @@ from dtrain_magic.sweep.space import parse_space
 
 
 class FakeLauncher:
+    name = "ray"
+
     def __init__(self, capacity=None):
         self._capacity = capacity
 
@@ -176,6 +179,16 @@ def test_parallel_trials_auto_is_the_capacity_over_the_processes_a_trial_takes()
     assert s.slots(8) == 8 and s.slots(3) == 3
     s, *_ = sweep("lr=uniform(0,1)", quadratic, trials=8, parallel_trials=2)
     assert s.slots(8) == 2
+
+
+def test_local_gpu_trials_run_one_at_a_time():
+    s, *_ = sweep("lr=uniform(0,1)", quadratic, trials=8)
+    s.base = dataclasses.replace(s.base, plan=FakePlan(RunConfig(num_processes=1).replace(use_gpu=True),
+                                                         type("Local", (FakeLauncher,), {"name": "local"})()))
+    assert s.slots(8) == 1
+    s.options = dataclasses.replace(s.options, parallel_trials=2)
+    with pytest.raises(ConfigError, match="--parallel-trials: got 2; local GPU trials run one at a time"):
+        s.slots(8)
 
 
 def test_parallel_trials_run_at_once_never_more_than_the_slots():
