@@ -12,7 +12,23 @@ pruned), `result` (`SweepResult`).
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import Any
+
+
+class _CallablePackage(types.ModuleType):
+    """``dtrain_magic.sweep`` names both this package and the function ``dtrain_magic.sweep(fn, space, ...)``: once
+    the package is imported, Python binds that name to it, so the package itself is callable (`entry.sweep`)."""
+
+    def __call__(self, fn: Any, space: str, /, *args: Any, **kwargs: Any) -> Any:
+        """``dtrain_magic.sweep(fn, space, trials=..., metric=..., **options)``: `dtrain_magic.sweep.entry.sweep`."""
+        from .entry import sweep
+
+        return sweep(fn, space, *args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePackage
 
 
 def __getattr__(name: str) -> Any:
