@@ -25,6 +25,7 @@ from typing import Any, Callable, ClassVar
 import pyarrow as pa
 
 from .._compat import spark as spark_compat
+from ..registry import BACKENDS
 from .blocks import ArrowFileBlocks, ObjectStoreBlocks, ParquetBlocks, StagedSource, TrainerDataset, parquet_blocks
 from .columns import check_schema, hint_for, refusal, schema_text, table_from_arrays
 
@@ -198,7 +199,7 @@ class InMemory(Source):
         return True
 
     def needs_files(self, backend: str) -> bool:
-        return backend != "ray"
+        return not BACKENDS.facts(backend).object_store
 
     def identity(self) -> str:
         """A digest of the table's content (its buffers) and schema: an object changed in place is new data."""
@@ -214,14 +215,14 @@ class InMemory(Source):
         return self._identity
 
     def route(self, backend: str) -> str:
-        if backend == "ray":
+        if BACKENDS.facts(backend).object_store:
             return "put once in Ray's object store; each rank fetches it (no copy on its own node) and reads its share"
         return "written once to an Arrow file that every rank memory-maps, reading its share (no pickled copy per rank)"
 
     def stage(self, staging: Staging) -> StagedSource:
         block = max(1, STAGED_BATCH_BYTES // max(1, self.table.nbytes // max(1, self.rows or 1)))
         sizes = tuple(min(block, self.table.num_rows - start) for start in range(0, self.table.num_rows, block))
-        if staging.backend == "ray":
+        if BACKENDS.facts(staging.backend).object_store:
             import ray
 
             blocks: Any = ObjectStoreBlocks(ray.put(self.table), block, sizes)
@@ -423,7 +424,7 @@ class RayDataset(Source):
             if not isinstance(arrow_type, pa.DataType):
                 arrow_type = pa.from_numpy_dtype(arrow_type) if hasattr(arrow_type, "kind") else pa.null()
             extension = isinstance(arrow_type, pa.ExtensionType)
-            if extension and backend != "ray":
+            if extension and not BACKENDS.facts(backend).ray_train:
                 raise ValueError(f"column {column!r} ({arrow_type}) is one of Ray's tensor columns: it is read "
                                  "through Ray Train on --backend ray; elsewhere keep plain numeric columns")
             if not extension and refusal(arrow_type) is not None:
@@ -438,10 +439,10 @@ class RayDataset(Source):
                                                                                               "MaterializedDataset")
 
     def stages(self, backend: str) -> bool:
-        return backend != "ray"
+        return not BACKENDS.facts(backend).ray_train  # Ray Train reads the Dataset itself
 
     def needs_files(self, backend: str) -> bool:
-        return backend != "ray"
+        return not BACKENDS.facts(backend).ray_train
 
     def identity(self) -> str | None:
         return f"ray-dataset:{id(self.ds)}"  # the staging area holds the Dataset while its copy is kept
@@ -452,13 +453,13 @@ class RayDataset(Source):
         return self.rows
 
     def route(self, backend: str) -> str:
-        if backend == "ray":
+        if BACKENDS.facts(backend).ray_train:
             return ("given to Ray Train (TorchTrainer(datasets=...)): each rank reads its shard "
                     "(ray.train.get_dataset_shard, streaming)")
         return "written once as Parquet by Ray Data; each rank reads its row groups"
 
     def stage(self, staging: Staging) -> StagedSource:
-        if staging.backend == "ray":
+        if BACKENDS.facts(staging.backend).ray_train:
             ds = self._for_trainer(staging)
             return StagedSource(self.name, self.kind, self.count(), self.schema, TrainerDataset(ds),
                                 tuple(self.schema.names))

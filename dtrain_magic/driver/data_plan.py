@@ -23,6 +23,7 @@ from ..data.blocks import StagedSource
 from ..data.kinds import SUPPORTED, InMemory, ParquetPath, RayDataset, Source, SparkDataFrame, Staging, find_kind
 from ..dataspec import FLAG, split_columns
 from ..errors import ConfigError
+from ..registry import BACKENDS
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 NOTHING = "nothing was launched"
@@ -64,7 +65,7 @@ class DataPlan:
         from ..data.split import Split
 
         per_rank = Split(source.rows, self.ranks).rows_per_rank
-        if isinstance(source, RayDataset) and self.backend == "ray":
+        if isinstance(source, RayDataset) and BACKENDS.facts(self.backend).ray_train:  # Ray Train's own split
             per_rank = source.rows // self.ranks
         ranks = f"{self.ranks} data-parallel rank(s)"
         return f"each of {ranks} reads {per_rank:,} row(s) per epoch"
@@ -134,7 +135,7 @@ class DataPlan:
             context = ray.get_runtime_context()
             return f"ray:{context.get_node_id()}:{context.get_job_id()}"
         except Exception:
-            return "ray"
+            return self.backend
 
     # -- records ---------------------------------------------------------------------------------------
     def tags(self) -> dict[str, str]:
@@ -195,7 +196,7 @@ def resolve(config: RunConfig, shares_files: bool, namespace: Mapping[str, Any] 
     plan = DataPlan(tuple(_source(name, text, config.backend, namespace) for name, text in config.data),
                     config.backend, config.data_dir, config.data_parallel_size,
                     0.0 if config.use_gpu else float(config.num_processes))
-    split_by_ray = [s for s in plan.sources if isinstance(s, RayDataset) and config.backend == "ray"]
+    split_by_ray = [s for s in plan.sources if isinstance(s, RayDataset) and BACKENDS.facts(config.backend).ray_train]
     if split_by_ray and config.tp * config.pp > 1:
         first = split_by_ray[0]
         raise ConfigError(FLAG, f"{first.name}={first.where()}: Ray Train splits a Ray Dataset over every worker, "

@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Mapping
 
+from ..backends import backends_that
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..launchers import Launcher, get_launcher
 from ..payload import Payload
+from ..registry import BACKENDS
 from ..state import kernel_state
 from ..strategies import get_strategy
 from ..tracking import check_tracking_uri, preload_mlflow, resolve_tracking_uri, sqlite_experiment_stage
@@ -76,13 +78,15 @@ def check(config: RunConfig) -> RunPlan:
 
 def check_payload(config: RunConfig, payload: Payload) -> None:
     """What the captured function needs of the backend, before launch: a Ray Train loop (it calls
-    ``ray.train``) runs only under ``--backend ray``, where Ray Train's own session exists."""
-    if payload.uses_ray_train and config.backend != "ray":
+    ``ray.train``) runs only on a backend whose workers are Ray Train's (``ray_train``: ``--backend ray``), where Ray
+    Train's own session exists."""
+    if payload.uses_ray_train and not BACKENDS.facts(config.backend).ray_train:
         raise ConfigError(
             "--backend",
             f"{payload.call_text or payload.name} calls Ray Train "
             "(ray.train.report / get_context / prepare_model ...), "
-            f"which works only inside Ray Train: run it with --backend ray, where it runs unchanged, not --backend "
+            f"which works only inside Ray Train: run it with --backend {backends_that('ray_train')}, where it runs "
+            "unchanged, not --backend "
             f"{config.backend} (or use ctx.rank, ctx.prepare, ctx.log instead). Nothing was launched",
         )
 

@@ -27,6 +27,7 @@ import sys
 from typing import Any, Callable, Mapping
 
 from ..errors import log_dropped
+from ..registry import BACKENDS
 from . import compat_dist
 
 _hooks: "_PostImportHooks | None" = None
@@ -122,7 +123,7 @@ def _when_imported(hooks: dict[str, Callable[[Any], None]]) -> None:
 
 def install(config: Any, ctx: Any, backend: str) -> None:
     """Prepare this worker for existing training code (see the module's docstring). Idempotent per call
-    of `uninstall`. ``backend``: "local", "spark" or "ray"."""
+    of `uninstall`. ``backend``: the run's ``--backend`` name (`in_ray_train` asks its facts)."""
     global _sink
     from . import hf, ray_train
 
@@ -134,12 +135,18 @@ def install(config: Any, ctx: Any, backend: str) -> None:
         "transformers.trainer": lambda module: hf.patch_trainer(module, config),
         "accelerate.accelerator": hf.patch_accelerator,
     }
-    if backend == "ray":
+    if in_ray_train(backend):
         ray_train.patch_report()
     else:
         hooks["ray.train"] = ray_train.refuse
         hooks["ray.train.torch"] = ray_train.refuse
     _when_imported(hooks)
+
+
+def in_ray_train(backend: str) -> bool:
+    """Are ``--backend backend``'s workers Ray Train's (`dtrain_magic.backends.Backend.ray_train`)? A backend
+    registered only in the notebook is unknown to a worker's registry: it is not Ray Train (the base facts)."""
+    return backend in BACKENDS.names() and BACKENDS.facts(backend).ray_train
 
 
 def uninstall() -> None:

@@ -48,7 +48,7 @@ def _preload() -> None:
     (OpenMP's thread pool must not exist before fork), no process group."""
     from ..worker import preload
 
-    preload(("ddp",))
+    preload()
 
 
 def _send(sock: socket.socket, message: dict) -> None:

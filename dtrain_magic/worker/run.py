@@ -215,22 +215,23 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-def preload(strategies: tuple[str, ...] = ("ddp",)) -> None:
+def preload(strategies: tuple[str, ...] = ()) -> None:
     """Import what a worker needs before its job comes, so the job does not pay it: torch, torch.distributed,
     this package's worker side, DDP's first-use imports (torch._dynamo, sympy: about 1 s on 2 cores) and the
-    modules of ``strategies``. Imports only: no tensor op (a fork server forks after this: OpenMP's thread pool
-    must not exist yet), no process group. Not DeepSpeed itself: imported inside the run, its logger writes to
-    the run's channel (imported before, it would write to the process's own stdout)."""
+    modules of ``strategies`` (none given: the default one). Imports only: no tensor op (a fork server forks
+    after this: OpenMP's thread pool must not exist yet), no process group. Not DeepSpeed itself: imported inside
+    the run, its logger writes to the run's channel (imported before, it would write to the process's own stdout)."""
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
     import torch.nn.parallel  # noqa: F401
 
     from .._compat import torch as torch_compat
+    from ..registry import STRATEGIES
     from ..strategies import get_strategy
     from . import context  # noqa: F401
 
     torch_compat.preload_compiler()
-    for name in strategies:
+    for name in strategies or (STRATEGIES.default,):
         try:
             get_strategy(name)
         except Exception as exc:  # an optional speed-up only: the job imports it and reports what goes wrong

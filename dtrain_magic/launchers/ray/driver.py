@@ -32,6 +32,7 @@ from ...channel import StandbyJob
 from ...config import RunConfig, redact_uri
 from ...data.blocks import without_trainer_datasets
 from ...errors import ConfigError, LaunchError, MissingDependencyError, log_dropped, summary
+from ...registry import STRATEGIES
 from ...worker import WorkerJob
 from ...worker.checkpoints import run_checkpoint_root, storage_path
 from ..base import Emit, Launcher, LaunchState, RunningJob
@@ -294,7 +295,7 @@ class RayLauncher(Ray, Launcher):
         )
         if config.data:  # Ray Train takes its datasets when the trainer is made: such a run launches afresh
             items += (("data", tuple(name for name, _ in config.data)),)
-        return Placement("ray", items)
+        return Placement(Ray.name, items)
 
     def claim_standby(self, config: RunConfig) -> Claim | None:
         if self.standbys.standby is None or self.instance.connected_for(config) is None:
@@ -360,7 +361,8 @@ class RayLauncher(Ray, Launcher):
         standby = Standby(placement, config.num_processes, self.channel_host(config), root,
                           f"{config.num_processes} Ray Train worker(s) ({device}) on {on}", order_for)
         try:
-            standby.launch = RayJob.for_standby(config, standby, tuple(dict.fromkeys(("ddp", config.strategy))))
+            preload = tuple(dict.fromkeys((STRATEGIES.default, config.strategy)))
+            standby.launch = RayJob.for_standby(config, standby, preload)
         except BaseException:
             standby.release("its launch failed")
             raise

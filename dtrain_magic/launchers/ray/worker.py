@@ -126,7 +126,7 @@ def _standby_loop(config: dict) -> None:
     # Watched from the start: a signal that ends it between the job's arrival and run_worker's own handlers (the
     # job's unpickling, imports) is still named.
     exit_watch = _start_exit_watch()
-    preload(tuple(config.get("strategies", ("ddp",))))
+    preload(tuple(config.get("strategies", ())))
     order = wait_for_job(config["standby"], ray.train.get_context().get_world_rank())
     if order is None:
         watchdog.tell_done(exit_watch, wait=True)
