@@ -78,7 +78,8 @@ def _run(config: RunConfig, make_config: Callable[[Mapping[str, Any]], RunConfig
     sweep_run = Sweep(base, make_config, space, settings, sources)
     if config.dry_run:
         print(base.dry_run_text())
-        print(f"  sweep: {settings.space} ({space.size or 'unbounded'} configurations), --metric {settings.metric} "
-              f"--mode {settings.mode}; nothing launched")
+        trials = settings.trials or space.size or "?"
+        print(f"  sweep: {settings.space} ({space.size or 'unbounded'} configurations), {trials} trial(s), --metric "
+              f"{settings.metric} --mode {settings.mode}; every combination of its run options checked")
         return None
     return sweep_run.run()
