@@ -235,13 +235,13 @@ class Probes:
         from dtrain_magic.launchers import get_launcher
 
         marks = self.marks
-        execute = runner.execute
+        execute = runner.PreparedRun.execute
 
         def timed_execute(*args, **kwargs):
             marks["execute_in"] = time.time()
             return execute(*args, **kwargs)
 
-        runner.execute = timed_execute
+        runner.PreparedRun.execute = timed_execute
         tracker_cls = getattr(tracking, "RunTracker", None)
         if tracker_cls is not None and hasattr(tracker_cls, "start"):
             start = tracker_cls.start  # bound classmethod

@@ -49,11 +49,17 @@ def run(fn: Callable[..., Any], /, *args: Any, fn_kwargs: Mapping[str, Any] | No
     call_kwargs.update(fn_kwargs or {})
     config_values, data_objects = data_option(config_values)
     config = config_from_options(config_values)
-    prepared = runner.prepare(config, lambda: payload_of(fn, args, call_kwargs), sources=data_objects)
-    if config.dry_run:
-        print(prepared.dry_run_text())
+    return execute_prepared(runner.prepare(config, lambda: payload_of(fn, args, call_kwargs), sources=data_objects))
+
+
+def execute_prepared(prepared: runner.PreparedRun, dry_run_text: Callable[[], str] | None = None) -> RunResult | None:
+    """What every entry point does once `runner.prepare` returned: a dry run prints what would run
+    (``dry_run_text()``, default `PreparedRun.dry_run_text`) and returns None; any other run executes with the
+    observer its config asks for (`make_observer`) and that observer's Stop."""
+    if prepared.config.dry_run:
+        print(dry_run_text() if dry_run_text is not None else prepared.dry_run_text())
         return None
-    observer = make_observer(config)
+    observer = make_observer(prepared.config)
     return prepared.execute(observer, stop=getattr(observer, "stop_event", None))
 
 
@@ -202,5 +208,5 @@ def _options_doc() -> str:
 run.__signature__ = _signature()  # type: ignore[attr-defined]
 run.__doc__ = (run.__doc__ or "") + _options_doc()
 
-__all__ = ["OPTIONS", "check_keywords", "config_from_options", "data_option", "make_observer", "payload_of", "run",
-           "split_options"]
+__all__ = ["OPTIONS", "check_keywords", "config_from_options", "data_option", "execute_prepared", "make_observer",
+           "payload_of", "run", "split_options"]

@@ -90,9 +90,8 @@ def _config(args: argparse.Namespace) -> RunConfig:
 
 
 def _run(config: RunConfig, target: str, script_args: tuple[str, ...]) -> int:
-    from .api import payload_of
+    from .api import execute_prepared, payload_of
     from .driver import runner
-    from .driver.observer import TextObserver
     from .payload import ScriptMain
 
     def make_payload() -> Any:
@@ -101,11 +100,9 @@ def _run(config: RunConfig, target: str, script_args: tuple[str, ...]) -> int:
         return payload_of(fn, (), {}, argv=(argv0, *script_args), source_files=files)
 
     prepared = runner.prepare(config, make_payload)
-    if config.dry_run:
-        print(prepared.dry_run_text(equivalent=command_line(config, target, script_args)))
-        return EXIT_OK
-    result = prepared.execute(TextObserver())
-    if result.value is not None:
+    result = execute_prepared(prepared, lambda: prepared.dry_run_text(
+        equivalent=command_line(config, target, script_args)))  # ui is off here: plain text
+    if result is not None and result.value is not None:
         print(f"dtrain_magic: rank 0 returned {result.value!r}")
     return EXIT_OK
 

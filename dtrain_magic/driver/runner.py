@@ -3,8 +3,8 @@
 Every entry point goes through here: the ``%%distribute`` magic, the ``--configure`` panel's Run,
 `dtrain_magic.run` and the command line. `prepare` is the one sequence before launch (`plan.check`, the next
 run's workers launched ahead on Spark and Ray, the payload made and checked); `PreparedRun.execute` runs it.
-This is the only place that sees a launcher, the channel and the tracker together. The pump runs in the
-calling thread (the cell's), so worker output printed here lands in the cell as it happens.
+The workers start the way every run and session starts them (`launch.Launch`); the pump runs in the calling
+thread (the cell's), so worker output printed here lands in the cell as it happens.
 
 A run that ends by an exception (an interrupt, Stop, ``--timeout``, a hang or a stall) gives the cell back at
 once: the backend's clean-up (`RunningJob.cancel`: Ray Train's abort, Spark's job group) goes on in the
@@ -15,34 +15,26 @@ and the monitor's Stacks button (`stacks_of_live_runs`).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
 import threading
 import time
-import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, MutableMapping
 
 from .. import procfacts
-from ..channel import Channel
 from ..config import RunConfig
-from ..errors import DistributeError, LaunchError, RunInterrupted, log_dropped
+from ..errors import DistributeError, RunInterrupted, log_dropped
 from ..launchers import Launcher
-from ..payload import Payload, dumps_by_value
+from ..payload import Payload
 from ..result import RunResult
-from ..tracking import RunOpening, RunTracker
-from ..worker import WorkerJob
-from ..worker.checkpoints import run_checkpoint_root
+from ..tracking import RunTracker
+from .launch import Launch, backend_error
 from .observer import RunObserver, TextObserver
 from .plan import RunPlan, check, check_data, check_payload, dry_run_text
 from .pump import Pump
 
-# Workers started before the MLflow run: it opens once they are past their start (a metric, a result,
-# an error), or after this long; their metrics wait for it (the live charts get them at once), their
-# output does not.
-_EARLY_START_HOLD_S = 10.0
 # Where every entry point binds the last run's `RunResult` in a notebook (besides ``--result NAME``).
 LAST_RESULT_NAME = "_distribute_result"
 # A run stopped by an exception: how long the cell waits for the backend's clean-up before it goes on in the
@@ -53,19 +45,27 @@ REAP_AFTER_S = 6.0
 
 @dataclass(frozen=True)
 class PreparedRun:
-    """A run checked and captured, ready to launch: what `prepare` returns."""
+    """A run checked and captured, ready to launch: what `prepare` returns.
+
+    ``params``: hyperparameters (a sweep trial's): every rank's ``ctx.params``, logged as MLflow params;
+    ``parent_run_id``: the MLflow run this one is a child of (a sweep's). Set them with `dataclasses.replace`.
+    """
 
     plan: RunPlan
     payload: Payload
     namespace: MutableMapping[str, Any] | None = None  # a notebook's: binds the result (`bind_result`)
+    params: Mapping[str, Any] = field(default_factory=dict)
+    parent_run_id: str | None = None
 
     @property
     def config(self) -> RunConfig:
         return self.plan.config
 
     def execute(self, observer: RunObserver | None = None, stop: threading.Event | None = None) -> RunResult:
-        """Launch, pump and return the `RunResult` (bound in the notebook's namespace when there is one)."""
-        result = execute(self.config, self.payload, observer, stop=stop, plan=self.plan)
+        """Launch, pump and return the `RunResult` (bound in the notebook's namespace when there is one), or raise
+        a short `DistributeError`. ``stop``: set it to stop the run (it raises `RunInterrupted`)."""
+        tags = {"mlflow.parentRunId": self.parent_run_id} if self.parent_run_id else {}
+        result = _Run(self.plan, self.payload, observer or TextObserver(), stop, tags, self.params).execute()
         if self.namespace is not None:
             bind_result(self.namespace, self.config, result)
         return result
@@ -98,52 +98,23 @@ def bind_result(namespace: MutableMapping[str, Any], config: RunConfig, result: 
         namespace[config.result] = result
 
 
-def execute(
-    config: RunConfig,
-    payload: Payload,
-    observer: RunObserver | None = None,
-    stop: threading.Event | None = None,
-    plan: RunPlan | None = None,
-) -> RunResult:
-    """Run ``payload`` under ``config`` and return its `RunResult`, or raise a short `DistributeError`.
-
-    ``plan``: what `check` returned for this config (`prepare` makes it); without one, `execute` checks first.
-    """
-    if plan is None:
-        plan = check(config)
-    elif plan.config != config:
-        raise ValueError("execute: the plan was made by check() for another config")
-    check_payload(config, payload)
-    if plan.data is None:  # a plan from check() alone: paths only (no notebook namespace here)
-        plan = check_data(plan, payload, None)
-    return _Run(plan, payload, observer or TextObserver(), stop).execute()
-
-
 class _Run:
-    """One run's steps: claim or launch the workers, open the MLflow run beside them, pump, collect, end."""
+    """One run's steps: start its workers (`launch.Launch`), pump them to their end, collect, end the MLflow run."""
 
-    def __init__(self, plan: RunPlan, payload: Payload, observer: RunObserver, stop: threading.Event | None):
+    def __init__(self, plan: RunPlan, payload: Payload, observer: RunObserver, stop: threading.Event | None,
+                 tags: Mapping[str, str], params: Mapping[str, Any]):
         self.plan, self.config, self.launcher = plan, plan.config, plan.launcher
         self.payload, self.observer, self.stop = payload, observer, stop
-        # Workers launched ahead for this placement (a standby, docs/warm-reruns.md): this run takes them over.
-        self.claim = self.launcher.claim_standby(self.config)
-        self.root = self._checkpoint_root()
-        self.early = plan.starts_before_tracking
-        tags = {"dtrain_magic.checkpoint_root": self.root, **(plan.data.tags() if plan.data is not None else {})}
-        self.opening = RunOpening(self.config, tags=tags, deferred=self.early)
-        self.started = time.monotonic()
+        data_tags = plan.data.tags() if plan.data is not None else {}
+        self.launch = Launch(plan, observer, tags={**tags, **data_tags}, params=params)
+        self.started = self.launch.started
         self.status, self.reason = "FAILED", None
-        self.pump: Pump | None = None
-        self.running: Any = None
         self.held: str | None = None
         self.stopped_early = False
 
-    def _checkpoint_root(self) -> str:
-        """ctx.save_checkpoint() without a directory: one directory per run, the same on every backend (Ray
-        Train keeps its own checkpoints there); named before the MLflow run exists, recorded in a tag. A standby
-        named it at its launch (on Ray it is the TorchTrainer's run name, fixed there)."""
-        named = self.claim.checkpoint_root if self.claim is not None else None
-        return named or run_checkpoint_root(self.config.storage, uuid.uuid4().hex)
+    @property
+    def pump(self) -> Pump | None:
+        return self.launch.pump
 
     def execute(self) -> RunResult:
         from ..state import kernel_state
@@ -161,9 +132,8 @@ class _Run:
 
     def _execute(self) -> RunResult:
         try:
-            self.launcher.warm_up(self.config)
-            with Channel(host=self.plan.channel_host) as channel:
-                tracker, values = self._launch_and_pump(channel)
+            with self.launch.listen():
+                tracker, values = self._launch_and_pump()
             result = self._result(tracker, values)
             self._name_unread_data()
             self.status = "FINISHED"
@@ -179,48 +149,35 @@ class _Run:
             self.reason = str(exc).splitlines()[0]
             self.observer.finished(None, exc)
             raise
-        except Exception as exc:  # a backend's own exception: keep its message, drop its 40-line traceback
+        except Exception as exc:
+            error = backend_error(self.config.backend, exc)
             self.reason = f"{type(exc).__name__}: {exc}"
-            error = LaunchError(f"the {self.config.backend} backend failed: {self.reason}")
             self.observer.finished(None, error)
             raise error from None
         finally:
             self._close()
 
-    def _launch_and_pump(self, channel: Channel) -> tuple[RunTracker, list[Any]]:
-        """Start the workers (on the claimed standby, or fresh), pump until they end; the tracker and every
-        rank's value. The next run's workers are launched ahead whatever became of this one."""
-        job = WorkerJob(self.payload, self.config, channel.address, checkpoint_root=self.root,
-                        strategy=dumps_by_value(self.plan.strategy), data=self._stage_data())
-        tracker = None if self.early else self.opening.wait()
-        self.pump = Pump(self.config, channel, self.observer, self.started, labels=self.payload.labels)
-        if tracker is not None:
-            job = dataclasses.replace(job, run_id=tracker.run_id)
-        start = self.claim.start if self.claim is not None else self.launcher.start
-        self.running = start(job, channel.put)
-        self.pump.watch_job(self.running)
+    def _launch_and_pump(self) -> tuple[RunTracker, list[Any]]:
+        """Start the workers, pump until they end; the tracker and every rank's value. The next run's workers are
+        launched ahead whatever became of this one."""
+        self.launch.start(self.payload, self._stage_data())
+        running, pump = self.launch.running, self.launch.pump
         released = ended = False
         try:
-            described = self.launcher.describe(self.config) + (
-                "; its workers were launched ahead and waiting" if self.claim else "")
-            self.observer.launched(self.config, described)
-            if tracker is None:
-                tracker = self._open_run_beside_workers()
-            self.observer.started(self.config, tracker.run_id, tracker.ui_link(), described)
-            self.pump.attach(tracker)
-            released = self.pump.run(self.running, self.stop)
+            tracker = self.launch.track(self.stop)
+            released = pump.run(running, self.stop)
             ended = True
         finally:
             if released:
-                self.running.release()
+                running.release()
             elif ended:
-                self.running.cancel()
+                running.cancel()
             else:  # interrupted, stopped, timed out, hung: the cell goes on, the clean-up in the background
                 self.stopped_early = True
-                stop_soon(self.running, self.pump.collector.workers)
+                stop_soon(running, pump.collector.workers)
             self.held = _keep_warm(self.launcher, self.config)
-        self.pump.drain()
-        return tracker, self.pump.collect()
+        pump.drain()
+        return tracker, pump.collect()
 
     def _name_unread_data(self) -> None:
         """A ``--data`` source the function never read a batch of was staged for nothing: say so, naming it."""
@@ -236,19 +193,12 @@ class _Run:
             return ()
         return self.plan.data.stage(self.observer.note)
 
-    def _open_run_beside_workers(self) -> RunTracker:
-        """Workers started before the MLflow run: hold until they are past their start, then open the run in
-        the background while their messages keep flowing."""
-        self.pump.hold(self.running, _EARLY_START_HOLD_S, self.stop)
-        self.opening.workers_started = True
-        return self.pump.pump_while_opening(self.opening, self.running, self.stop)
-
     def _result(self, tracker: RunTracker, values: list[Any]) -> RunResult:
         result = RunResult(
             value=values[0], values=values, run_id=tracker.run_id, config=self.config,
             wall_time_s=time.monotonic() - self.started, metrics=dict(tracker.last_metrics),
             time_to_first_step_s=self.pump.first_metric_s, tracking_uri=tracker.tracking_uri,
-            checkpoint_root=self.root, outputs=self.pump.outputs.by_rank(),
+            checkpoint_root=self.launch.checkpoint_root, outputs=self.pump.outputs.by_rank(),
         )
         tracker.log_result(result.value)
         return result
@@ -256,8 +206,7 @@ class _Run:
     def _close(self) -> None:
         """Whatever happened: a claimed standby not started goes back; the MLflow run ends with the metrics
         that came while it was opening; the cell says what waits for the next run."""
-        if self.claim is not None and self.running is None:
-            self.claim.abandon()  # stopped before its launch: the standby waits for the next run
+        self.launch.give_back_unstarted()
         pump = self.pump
         waiting = pump.waiting_metrics if pump is not None else []
         tags = {"dtrain_magic.wall_time_s": f"{time.monotonic() - self.started:.3f}"}
@@ -281,8 +230,8 @@ class _Run:
             inputs = self.plan.data.dataset_inputs()
             staging_area().run_ended()  # copies that cannot be reused go; the others wait for a run of the same data
         # A stopped run does not wait for MLflow still opening (it ends the run itself once open).
-        self.opening.close(self.status, self.reason, tags, metrics=waiting, artifacts=artifacts, inputs=inputs,
-                           timeout=0 if self.stopped_early else 30.0)
+        self.launch.opening.close(self.status, self.reason, tags, metrics=waiting, artifacts=artifacts,
+                                  inputs=inputs, timeout=0 if self.stopped_early else 30.0)
         if self.held:
             self.observer.held(self.held)
 
@@ -394,5 +343,5 @@ def release_standbys(reason: str = "released by %distribute_release") -> list[st
     return released
 
 
-__all__ = ["LAST_RESULT_NAME", "PreparedRun", "RunPlan", "bind_result", "check", "check_payload", "execute",
-           "keep_warm_ahead", "prepare", "release_standbys", "stacks_of_live_runs"]
+__all__ = ["LAST_RESULT_NAME", "PreparedRun", "RunPlan", "bind_result", "check", "check_payload", "keep_warm_ahead",
+           "prepare", "release_standbys", "stacks_of_live_runs"]

@@ -10,7 +10,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
-from ..api import make_observer
+from ..api import execute_prepared
 from ..driver import runner
 from ..magic_line import takes_comments
 from ..result import RunResult
@@ -37,13 +37,13 @@ class DistributeMagics(Magics):
         config = flags.config_from_args(args, in_frontend=_in_frontend(self.shell))
         namespace = self.shell.user_ns
         prepared = runner.prepare(config, lambda: capture(cell, namespace, config.fn, self.shell)[0], namespace)
-        if config.dry_run:
+
+        def dry_run_text() -> str:
             from .model_of_cell import model_of_cell  # the cell ran: its helpers and globals are in the namespace
 
-            print(prepared.dry_run_text(model=model_of_cell(cell, namespace, prepared.payload.name)))
-            return None
-        observer = make_observer(config)
-        return prepared.execute(observer, stop=getattr(observer, "stop_event", None))
+            return prepared.dry_run_text(model=model_of_cell(cell, namespace, prepared.payload.name))
+
+        return execute_prepared(prepared, dry_run_text)
 
     def _configure(self, args: Any, cell: str) -> None:
         """``--configure``: the panel, opened even when the line's choice is invalid here (the problem shown in it)."""

@@ -19,18 +19,16 @@ the notebook, the backend's own guards stop them (the fork server, the rank watc
 from __future__ import annotations
 
 import ast
-import dataclasses
 import logging
 import threading
 import time
-import uuid
 from typing import Any, Callable, Iterable
 
-from ..channel import Channel, Message
+from ..channel import Message
 from ..config import RunConfig
+from ..driver.launch import Launch, backend_error
 from ..driver.observer import RunObserver, TextObserver, plan_with_backend
 from ..driver.plan import check
-from ..driver.pump import Pump
 from ..errors import (
     CaptureError,
     CellInterrupted,
@@ -42,11 +40,8 @@ from ..errors import (
     WorkerError,
     log_dropped,
 )
-from ..payload import CTX, CallForm, dumps, dumps_by_value, serialize
+from ..payload import CTX, CallForm, dumps, serialize
 from ..state import kernel_state
-from ..tracking import RunOpening
-from ..worker import WorkerJob
-from ..worker.checkpoints import run_checkpoint_root
 from .links import RankLinks
 from .observe import Both, CellText, Quiet
 from .options import check_session_config, idle_timeout_s, start_line
@@ -117,74 +112,52 @@ class Session:
                                "(%distribute_session stop, or Session.stop()), or restart it with other settings")
         self.plan = check(self.config)  # every check of a run, each once: a clear error before anything starts
         self.launcher = self.plan.launcher
-        self.started = time.monotonic()
-        self.running: Any = None
-        self.claim: Any = None
-        self.opening: RunOpening | None = None
         self.links: RankLinks | None = None
-        self.channel: Channel | None = None
         observer = Both(observer, self.monitor)
+        self.launch = Launch(self.plan, observer, tags={"dtrain_magic.session": "true"})
+        self.started = self.launch.started
         try:
-            self.launcher.warm_up(self.config)
-            self.claim = self.launcher.claim_standby(self.config)  # workers launched ahead for this placement
-            named = self.claim.checkpoint_root if self.claim is not None else None
-            self.checkpoint_root = named or run_checkpoint_root(self.config.storage, uuid.uuid4().hex)
-            early = self.plan.starts_before_tracking
-            self.opening = RunOpening(self.config, tags={"dtrain_magic.session": "true",
-                                                         "dtrain_magic.checkpoint_root": self.checkpoint_root},
-                                      deferred=early)
-            self.channel = Channel(host=self.plan.channel_host)
+            self.launch.listen()
             self.links = RankLinks(self.plan.channel_host, self.world_size)
-            self._launch(observer, early)
+            self._launch()
         except BaseException as exc:
             self._abandon_start(exc)
             if isinstance(exc, KeyboardInterrupt):
                 raise CellInterrupted("the session's start was interrupted; every rank was stopped") from None
             if isinstance(exc, DistributeError):
                 raise
-            raise LaunchError(f"the {self.config.backend} backend failed: {type(exc).__name__}: {exc}") from None
+            raise backend_error(self.config.backend, exc) from None
         self.state = "open"
         kernel_state().session_opened(self)
         self._restart_idle_timer()
         observer.held(self.held_text())
 
-    def _launch(self, observer: Any, early: bool) -> None:
+    def _launch(self) -> None:
+        """Start the ranks serving cells, wait until every one is ready, then the MLflow run beside them."""
         payload = serialize(_serve_function(), call=CallForm("session", (CTX, self.links.address), {}, True))
-        job = WorkerJob(payload, self.config, self.channel.address, checkpoint_root=self.checkpoint_root,
-                        strategy=dumps_by_value(self.plan.strategy))
-        tracker = None if early else self.opening.wait()
-        if tracker is not None:
-            job = dataclasses.replace(job, run_id=tracker.run_id)
-        self.pump = Pump(self.config, self.channel, observer, self.started)
-        start = self.claim.start if self.claim is not None else self.launcher.start
-        self.running = start(job, self.channel.put)
-        self.described = self.launcher.describe(self.config) + (
-            "; its workers were launched ahead and waiting" if self.claim else "")
-        observer.launched(self.config, self.described)
+        self.launch.start(payload)
         self._pump(lambda: self.links.all_ready.is_set())  # every rank joined, ctx built, serving
-        if tracker is None:
-            self.opening.workers_started = True
-            tracker = self.pump.pump_while_opening(self.opening, self.running, None)
+        tracker = self.launch.track(past_start=lambda: None)  # past their start: serving
         self.run_id, self.tracking_uri = tracker.run_id, tracker.tracking_uri
-        observer.started(self.config, tracker.run_id, tracker.ui_link(), self.described)
-        self.pump.attach(tracker)
         self.pump.observer = Quiet()
+
+    # What the launch started, as the commands below use it.
+    pump = property(lambda self: self.launch.pump)
+    running = property(lambda self: self.launch.running)
+    channel = property(lambda self: self.launch.channel)
+    opening = property(lambda self: self.launch.opening)
+    described = property(lambda self: self.launch.described)
+    checkpoint_root = property(lambda self: self.launch.checkpoint_root)
 
     def _abandon_start(self, exc: BaseException) -> None:
         """The start failed or was interrupted: nothing of it stays (workers, listener, channel, MLflow run)."""
         self.state = "closed"
         self.ended = "its start failed"
-        if self.running is None and self.claim is not None:
-            self.claim.abandon()
-        if self.running is not None:
-            self.running.cancel()
-        for part in (self.links, self.channel):
-            if part is not None:
-                part.close()
-        if self.opening is not None:
-            interrupted = isinstance(exc, KeyboardInterrupt)
-            self.opening.close("KILLED" if interrupted else "FAILED",
-                               "interrupted from the notebook" if interrupted else (str(exc).splitlines() or [""])[0])
+        if self.links is not None:
+            self.links.close()
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        self.launch.abandon("KILLED" if interrupted else "FAILED",
+                            "interrupted from the notebook" if interrupted else (str(exc).splitlines() or [""])[0])
 
     # -- commands ----------------------------------------------------------------------------------------------------
     def run(self, source: str, ranks: Iterable[int] | None = None, timeout: float | None = None,

@@ -31,8 +31,10 @@ class RunTracker:
         self.last_metrics: dict[str, float] = {}
 
     @classmethod
-    def start(cls, config: RunConfig, tags: Mapping[str, str] | None = None) -> "RunTracker":
-        """Create the run (and the experiment if new); a store MLflow cannot use is a `ConfigError`."""
+    def start(cls, config: RunConfig, tags: Mapping[str, str] | None = None,
+              params: Mapping[str, Any] | None = None) -> "RunTracker":
+        """Create the run (and the experiment if new); a store MLflow cannot use is a `ConfigError`. ``params``:
+        hyperparameters logged beside the config's (a sweep trial's)."""
         wait_for_preload()
         from mlflow import MlflowClient
         from mlflow.entities import Param
@@ -51,8 +53,8 @@ class RunTracker:
         run_tags = {"dtrain_magic.backend": config.backend, "dtrain_magic.strategy": config.strategy}
         run_tags.update(tags or {})
         run = client.create_run(experiment_id, tags=run_tags)
-        params = [Param(key, value[:6000]) for key, value in config.to_params().items()]
-        client.log_batch(run.info.run_id, params=params)
+        logged = {**config.to_params(), **{key: str(value) for key, value in (params or {}).items()}}
+        client.log_batch(run.info.run_id, params=[Param(key, value[:6000]) for key, value in logged.items()])
         return cls(client, run.info.run_id, experiment_id, uri)
 
     # -- during the run ---------------------------------------------------------------------------
@@ -157,8 +159,9 @@ class RunOpening:
     """
 
     def __init__(self, config: RunConfig, tags: Mapping[str, str] | None = None, system_metrics: bool = True,
-                 deferred: bool = False):
+                 deferred: bool = False, params: Mapping[str, Any] | None = None):
         self._config, self._tags, self._system_metrics = config, dict(tags or {}), system_metrics
+        self._params = dict(params or {})
         self.workers_started = False  # set by the caller before waiting: it changes what an error says
         self._tracker: RunTracker | None = None
         self._error: BaseException | None = None
@@ -173,7 +176,7 @@ class RunOpening:
     def _open(self) -> None:
         self._go.wait()
         try:
-            tracker = RunTracker.start(self._config, self._tags)
+            tracker = RunTracker.start(self._config, self._tags, self._params)
         except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread by wait()
             self._error = exc
             return

@@ -21,7 +21,7 @@ Threads: the observer's callbacks run in the driver loop (the cell's thread, or 
 thread); they only update Python-side state. A small flusher thread pushes that state to the widget at
 most every ``flush_s`` (0.2 s), so a chatty run does not flood the front-end with comm messages.
 
-Stop: ``stop_event`` is the `threading.Event` given to ``runner.execute(..., stop=...)``; the driver loop
+Stop: ``stop_event`` is the `threading.Event` given to ``PreparedRun.execute(..., stop=...)``; the driver loop
 checks it every 50 ms, cancels every worker and raises ``RunInterrupted``. While a cell blocks the
 kernel, the button's messages are routed to a kernel subshell thread (see `_kernel`) so the click is
 seen during the run. The Stacks button's click is routed the same way; it collects the stacks in a thread

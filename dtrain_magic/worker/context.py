@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -95,6 +96,7 @@ class TrainContext:
         checkpoint_store: Any = None,
         pulse: Pulse | None = None,
         data: Sequence[Any] = (),
+        params: Mapping[str, Any] | None = None,
     ):
         self.config = config
         self.strategy = strategy
@@ -110,6 +112,13 @@ class TrainContext:
         self._parameters = 0
         self._data_sources = tuple(data)  # `dtrain_magic.data.blocks.StagedSource`s: what --data gave this run
         self._data_positions: Any = None  # `dtrain_magic.data.reader.DataPositions`, once ctx.data made a reader
+        self._params = MappingProxyType(dict(params or {}))
+
+    @property
+    def params(self) -> Mapping[str, Any]:
+        """This run's hyperparameters, read-only: a sweep trial's values (``ctx.params["lr"]``), the same on every
+        rank; empty outside a sweep."""
+        return self._params
 
     @property
     def is_main(self) -> bool:

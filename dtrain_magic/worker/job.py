@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import cloudpickle
 
@@ -26,6 +27,8 @@ class WorkerJob:
     # The strategy class, pickled in the notebook (`payload.dumps_by_value`): one registered there from the user's
     # own code (`registry.STRATEGIES.register`) reaches workers whose registry never heard of it.
     strategy: bytes | None = None
+    # A sweep trial's hyperparameters (`ctx.params`): the same mapping on every rank of the run.
+    params: dict[str, Any] = field(default_factory=dict)
 
     def strategy_class(self) -> type:
         if self.strategy is not None:

@@ -124,6 +124,7 @@ def _build_context(rank: _Rank, device: Any, checkpoints: Any) -> Any:
         checkpoint_store=checkpoints if checkpoints is not None else checkpoint_store(job.checkpoint_root),
         pulse=rank.pulse,
         data=job.data,
+        params=job.params,
     )
     # Existing code runs unchanged: its own init/destroy_process_group adopt the run's group, and
     # Hugging Face / Ray Train metrics reach the run (dtrain_magic/integrations). Before the load:

@@ -1,5 +1,6 @@
 """The local backend, really started: N spawned worker processes, gloo, a real MLflow store."""
 
+import dataclasses
 import os
 import signal
 import threading
@@ -274,9 +275,9 @@ def test_dry_run_shows_plan_and_launches_nothing(shell, mlflow, capsys):
     assert mlflow.get_experiment_by_name("dtrain_magic") is None
 
 
-def test_a_run_looks_up_its_launcher_store_state_and_channel_host_once(shell, count_calls, tracking_uri):
+def test_a_run_looks_up_its_launcher_store_state_and_channel_host_once(shell, count_calls, tracking_uri, mlflow):
     """`runner.check`'s plan is what `execute` runs: through the magic (check, capture, execute with the plan)
-    and through `runner.execute` alone (which checks itself), once per run each."""
+    and through `runner.prepare` from plain Python, once per run each."""
     from dtrain_magic import launchers
     from dtrain_magic.config import RunConfig
     from dtrain_magic.driver import runner
@@ -297,10 +298,18 @@ def test_a_run_looks_up_its_launcher_store_state_and_channel_host_once(shell, co
     assert {name: len(made) for name, made in calls.items()} == dict.fromkeys(calls, 1)
     for made in calls.values():
         made.clear()
-    payload, _ = capture(cell, {})
-    direct = runner.execute(RunConfig(num_processes=2, tracking_uri=tracking_uri), payload, RunObserver())
-    assert direct.values == [0, 1]
+    # The same from plain Python, as a sweep's trial: hyperparameters on every rank, a child of the sweep's run.
+    payload, _ = capture("def train(ctx):\n    ctx.log(loss=1.0)\n    return ctx.rank, dict(ctx.params)\n", {})
+    config = RunConfig(num_processes=2, tracking_uri=tracking_uri)
+    parent = mlflow.create_run(mlflow.get_experiment_by_name("dtrain_magic").experiment_id).info.run_id
+    prepared = dataclasses.replace(runner.prepare(config, lambda: payload), params={"lr": 0.01, "width": 8},
+                                   parent_run_id=parent)
+    direct = prepared.execute(RunObserver())
+    assert direct.values == [(0, {"lr": 0.01, "width": 8}), (1, {"lr": 0.01, "width": 8})]
     assert {name: len(made) for name, made in calls.items()} == dict.fromkeys(calls, 1)
+    logged = mlflow.get_run(direct.run_id).data
+    assert logged.params["lr"] == "0.01" and logged.params["width"] == "8" and logged.params["num_processes"] == "2"
+    assert logged.tags["mlflow.parentRunId"] == parent
     assert_nothing_left()
 
 
@@ -326,7 +335,7 @@ def test_worker_output_streams_while_the_run_is_going(tmp_path, tracking_uri):
         "import time\ndef train(ctx):\n    print('first', flush=True)\n    time.sleep(3)\n    print('last')\n", ns
     )
     recorder = Recorder()
-    runner.execute(RunConfig(num_processes=2, tracking_uri=tracking_uri), payload, recorder)
+    runner.prepare(RunConfig(num_processes=2, tracking_uri=tracking_uri), lambda: payload).execute(recorder)
     firsts = [t for t, _, text in recorder.lines if text.strip() == "first"]
     assert len(firsts) == 2 and {r for _, r, _ in recorder.lines} == {0, 1}
     assert recorder.finished_at - max(firsts) > 2.0
@@ -454,7 +463,7 @@ def test_two_runs_at_once_use_separate_channels_and_mlflow_runs(tracking_uri):
     payload, _ = capture("import time\ndef train(ctx):\n    time.sleep(1)\n    return ctx.rank\n", {})
     config = RunConfig(num_processes=2, tracking_uri=tracking_uri)
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(runner.execute, config, payload, RunObserver()) for _ in range(2)]
+        futures = [pool.submit(runner.prepare(config, lambda: payload).execute, RunObserver()) for _ in range(2)]
         results = [f.result(timeout=240) for f in futures]
     assert [r.values for r in results] == [[0, 1], [0, 1]]
     assert results[0].run_id != results[1].run_id

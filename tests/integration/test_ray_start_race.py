@@ -35,7 +35,8 @@ NOTEBOOK = textwrap.dedent('''
                          "    return ctx.rank, os.getpid()\\n", {})
     config = RunConfig(backend="ray", num_processes=2, tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(runner.execute, config, payload, RunObserver()) for _ in range(2)]
+        futures = [pool.submit(lambda: runner.prepare(config, lambda: payload).execute(RunObserver()))
+                   for _ in range(2)]
         outcomes = []
         for future in futures:
             try:

@@ -90,13 +90,3 @@ def test_a_deleted_experiment_is_refused_by_check(tmp_path, stub, preloads):
     uri = store(tmp_path, [("gone", "deleted")])
     with pytest.raises(ConfigError, match="--experiment: the experiment 'gone' was deleted"):
         runner.check(RunConfig(experiment="gone", tracking_uri=uri))
-
-
-def test_execute_refuses_a_plan_made_for_another_config(tmp_path, stub, preloads):
-    from dtrain_magic.payload import Payload
-
-    plan = runner.check(RunConfig(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db"))
-    with pytest.raises(ValueError, match="another config"):
-        runner.execute(RunConfig(num_processes=3, tracking_uri=plan.tracking_uri), Payload(b"", "train", True),
-                       plan=plan)
-    assert stub.asked["channel_host"] == 0
