@@ -142,8 +142,11 @@ class Sweep:
 
     def _parent_params(self, total: int) -> dict[str, Any]:
         o = self.options
+        def named(setting: Any) -> str:  # a name, or an Optuna object given from Python: its class
+            return setting if isinstance(setting, str) else type(setting).__name__
+
         return {"sweep.space": self.space.text, "sweep.metric": o.metric, "sweep.mode": o.mode,
-                "sweep.trials": total, "sweep.sampler": o.sampler, "sweep.pruner": o.pruner,
+                "sweep.trials": total, "sweep.sampler": named(o.sampler), "sweep.pruner": named(o.pruner),
                 "config": self.base.config.flag_line()}
 
     def _run_threads(self, to_run: int, slots: int) -> None:
