@@ -9,7 +9,7 @@ Everything else about the flags comes from this table:
 - `RunConfig.flag_line`: rows are written in table order, as their ``line`` says, every value through
   `config.quote_flag_value`;
 - the ``--configure`` panel's controls, labels and options (`dtrain_magic.ui.panel`): rows with a `PanelControl`;
-- the flag tables of ``docs/flags.md`` and README.md: ``python -m dtrain_magic.flagdocs --write-docs``
+- the flag tables of ``docs/flags.md`` and README.md: ``python scripts/flagdocs.py --write-docs``
   (``--check`` says whether they are current; ``tests/unit/test_flagtable.py`` fails when they are not).
 
 Adding a flag (say ``--tp N``)
@@ -26,7 +26,7 @@ Adding a flag (say ``--tp N``)
    is resolved, and `flags.config_from_args` resolves it. Give ``panel=PanelControl(...)`` to show it in the
    ``--configure`` panel, ``line=NEVER`` for a flag an equivalent line must not repeat (``--dry-run``).
 3. Add non-default sample values for the field to ``ROUND_TRIP`` in tests/unit/test_flagtable.py.
-4. ``python -m dtrain_magic.flagdocs --write-docs`` and commit docs/flags.md and README.md with it.
+4. ``python scripts/flagdocs.py --write-docs`` and commit docs/flags.md and README.md with it.
 
 tests/unit/test_flagtable.py fails until each of these is done (a field without a row or a row without a
 field, a default that disagrees with RunConfig, a field without round-trip samples, stale docs).

@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib.util
 from pathlib import Path
 
 import pytest
 
-from dtrain_magic import flagdocs, flagtable
+from dtrain_magic import flagtable
 from dtrain_magic.config import RunConfig, quote_flag_value
 from dtrain_magic.errors import ConfigError
 from dtrain_magic.flagtable import APPEND, FLAGS, NEVER, SWITCH, VALUE
 from dtrain_magic.notebook import flags
 
 REPO = Path(__file__).resolve().parents[2]
+_SPEC = importlib.util.spec_from_file_location("flagdocs", REPO / "scripts" / "flagdocs.py")
+flagdocs = importlib.util.module_from_spec(_SPEC)  # a script of the repository, not a module of the package
+_SPEC.loader.exec_module(flagdocs)
 FIELDS = [f.name for f in dataclasses.fields(RunConfig) if f.name != "extra"]
 MAGIC_ONLY = {"--configure"}  # flags the magic acts on itself: no RunConfig field (besides the sweep's own, SWEEP)
 

@@ -1,7 +1,8 @@
 """The docs written from the flag table: ``docs/flags.md`` and README's short table.
 
-``python -m dtrain_magic.flagdocs --write-docs`` regenerates them; ``--check`` says whether they are current
-(``tests/unit/test_flagtable.py`` fails when they are not).
+``python scripts/flagdocs.py --write-docs`` regenerates them; ``--check`` says whether they are current
+(``tests/unit/test_flagtable.py`` fails when they are not). A tool of the repository, not of the package: nothing
+in dtrain_magic imports it.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import re
 import sys
 from pathlib import Path
 
-from .flagtable import ALWAYS, APPEND, FLAGS, NEVER, SWITCH, VALUE, Flag
+from dtrain_magic.flagtable import ALWAYS, APPEND, FLAGS, NEVER, SWITCH, VALUE, Flag
 
-DOCS_COMMAND = "python -m dtrain_magic.flagdocs --write-docs"
+DOCS_COMMAND = "python scripts/flagdocs.py --write-docs"
 DOCS_PAGE = Path("docs") / "flags.md"
 README = Path("README.md")
 README_BEGIN = "<!-- BEGIN generated: flags -->"
@@ -143,14 +144,14 @@ def write_docs(root: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dtrain_magic.flagdocs --write-docs | --check [--root REPO]``; the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m dtrain_magic.flagdocs",
+    """``python scripts/flagdocs.py --write-docs | --check [--root REPO]``; the exit status."""
+    parser = argparse.ArgumentParser(prog="python scripts/flagdocs.py",
                                      description="Write or check the docs generated from dtrain_magic/flagtable.py.")
     action = parser.add_mutually_exclusive_group(required=True)
     action.add_argument("--write-docs", action="store_true", help="regenerate docs/flags.md and README's flag table")
     action.add_argument("--check", action="store_true", help="exit 1 when either is not current")
     parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1],
-                        help="the repository (default: the one this package is in)")
+                        help="the repository (default: the one this script is in)")
     args = parser.parse_args(argv)
     if not (args.root / README).exists():
         parser.error(f"{args.root} has no README.md: give the repository with --root")
