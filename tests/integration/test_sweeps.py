@@ -17,9 +17,9 @@ pytestmark = pytest.mark.slow
 STEPS = 24
 
 
-def regression(ctx):
-    """y = 3x - 1 by SGD at ``ctx.params["lr"]``; both ranks must see the same params. A step every 40 ms, so that
-    the pruner sees the loss while the trial runs (metrics reach the notebook four times a second)."""
+def regression(ctx, pause=0.04):
+    """y = 3x - 1 by SGD at ``ctx.params["lr"]``; both ranks must see the same params. A step every ``pause`` s, so
+    that the pruner sees the loss while the trial runs (metrics reach the notebook four times a second)."""
     import time
 
     import torch
@@ -37,8 +37,15 @@ def regression(ctx):
         ctx.backward(loss)
         ctx.step()
         ctx.log(loss=min(loss.item(), 1e30))
-        time.sleep(ctx.params.get("pause", 0.04))
+        time.sleep(pause)
     return dict(ctx.params)
+
+
+def client(tracking_uri):
+    """An MlflowClient on the store, made after the sweep made the store (MLflow sets up a new one for seconds)."""
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri)
 
 
 def children(mlflow, parent_run_id):
@@ -46,13 +53,14 @@ def children(mlflow, parent_run_id):
                               filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'")
 
 
-def test_a_grid_sweep_finds_the_known_best_rate_records_it_in_mlflow_and_resumes(tmp_path, tracking_uri, mlflow):
+def test_a_grid_sweep_finds_the_known_best_rate_records_it_in_mlflow_and_resumes(tmp_path, tracking_uri):
     space = "lr=grid(0.5,0.05,0.005)"  # 24 steps: 0.5 converges, the smaller rates are still far off
     result = sweep(regression, space, metric="loss", num_processes=2, cpu=True, seed=0, tracking_uri=tracking_uri,
-                   sweep_name="grid", ui=False)
+                   sweep_name="grid", ui=False, pause=0)
     assert result.best.params == {"lr": 0.5}
     assert result.best.result.values == [{"lr": 0.5}, {"lr": 0.5}]  # each rank's own ctx.params
     assert sorted(result.trials["state"]) == ["COMPLETE"] * 3
+    mlflow = client(tracking_uri)
     runs = children(mlflow, result.parent_run_id)
     assert {(run.data.params["lr"], run.info.status, run.data.params["num_processes"]) for run in runs} == {
         ("0.5", "FINISHED", "2"), ("0.05", "FINISHED", "2"), ("0.005", "FINISHED", "2")}
@@ -62,13 +70,13 @@ def test_a_grid_sweep_finds_the_known_best_rate_records_it_in_mlflow_and_resumes
     assert (tmp_path / "optuna.db").exists()
 
     again = sweep(regression, space, metric="loss", num_processes=2, cpu=True, tracking_uri=tracking_uri,
-                  sweep_name="grid", ui=False)
+                  sweep_name="grid", ui=False, pause=0)
     assert len(again.study.trials) == 3 and again.results == {}  # no trial ran again
     assert again.parent_run_id == result.parent_run_id and len(children(mlflow, result.parent_run_id)) == 3
     assert again.best.number == result.best.number
 
 
-def test_the_median_pruner_stops_diverging_trials(tracking_uri, mlflow):
+def test_the_median_pruner_stops_diverging_trials(tracking_uri):
     # 3 rates that converge, 3 that diverge (lr > 1), one trial at a time. Optuna's median pruner stops a trial whose
     # best loss so far is worse than the median of the completed trials' at the same step: a diverging trial once
     # most completed trials converged. --seed 1 seeds the grid sampler: 0.1 and 0.2 come first (Optuna 4.6).
@@ -86,7 +94,7 @@ def test_the_median_pruner_stops_diverging_trials(tracking_uri, mlflow):
     assert frame["user_attrs_steps"].sum() < len(frame) * STEPS  # fewer steps than the unpruned budget
     pruned = frame[frame["state"] == "PRUNED"]
     assert (pruned["user_attrs_steps"] < STEPS).all()
-    runs = {run.info.run_id: run for run in children(mlflow, result.parent_run_id)}
+    runs = {run.info.run_id: run for run in children(client(tracking_uri), result.parent_run_id)}
     for _, trial in pruned.iterrows():
         run = runs[trial["user_attrs_mlflow_run_id"]]
         assert run.info.status == "KILLED"
