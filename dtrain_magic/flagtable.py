@@ -387,7 +387,9 @@ FLAGS: tuple[Flag, ...] = (
          help="global batch (DeepSpeed train_batch_size); must equal micro x grad-accum x processes",
          doc="global batch (DeepSpeed `train_batch_size`); must equal micro × grad-accum × processes"),
     # -- sweeps (docs/sweeps.md): the sweep's own options, no RunConfig field; --sweep sends the cell to a sweep ---
+    # Not `python -m dtrain_magic run`'s (`... sweep` adds this group's rows); from Python, dtrain_magic.sweep()'s.
     Flag(("--sweep",), None, SWEEP, cheatsheet=True, default=None, line=NEVER, placeholder="SPACE",
+         entry_points=(MAGIC, PYTHON),
          help="run the function once per trial of this space, e.g. \"lr=loguniform(1e-4,1e-1) batch=choice(16,32) "
               "zero=choice(2,3)\" (kinds: loguniform, uniform, int, choice, grid); run options set the trial's run, "
               "other names are ctx.params",
@@ -395,34 +397,38 @@ FLAGS: tuple[Flag, ...] = (
              "`loguniform`, `uniform`, `int`, `choice`, `grid`): a run option's name (`zero`, `strategy`, `-n`'s "
              "`num_processes`) sets the trial's run, any other is `ctx.params[NAME]`; Optuna samples and prunes "
              "(docs/sweeps.md)"),
-    Flag(("--trials",), None, SWEEP, type=int, default=None, line=NEVER, placeholder="N",
+    Flag(("--trials",), None, SWEEP, type=int, default=None, line=NEVER, entry_points=(MAGIC, PYTHON), placeholder="N",
          help="how many trials the sweep's study holds (None means the grid's size with the grid sampler)",
          doc="how many trials the sweep's study holds (a resumed sweep runs only the rest)",
          default_doc="the grid's size (grid sampler); else needed"),
-    Flag(("--metric",), None, SWEEP, default=None, line=NEVER, placeholder="NAME",
+    Flag(("--metric",), None, SWEEP, default=None, line=NEVER, entry_points=(MAGIC, PYTHON), placeholder="NAME",
          help="the ctx.log metric the sweep compares and prunes on (its last value is the trial's)",
          doc="the `ctx.log` metric the sweep compares and prunes on (its last value is the trial's)",
          default_doc="needed with `--sweep`"),
-    Flag(("--mode",), None, SWEEP, choices=("min", "max"), default="min", line=NEVER,
+    Flag(("--mode",), None, SWEEP, choices=("min", "max"), default="min", line=NEVER, entry_points=(MAGIC, PYTHON),
          help="whether the best trial has the lowest or highest --metric"),
     Flag(("--sampler",), None, SWEEP, choices=("auto", "tpe", "random", "grid"), default="auto", line=NEVER,
+         entry_points=(MAGIC, PYTHON),
          help="Optuna's sampler (auto means grid when every word is grid(...), else tpe)",
          doc="Optuna's sampler: `tpe` (model-based), `random`, `grid` (a space of choice/grid words)",
          default_doc="grid when every word is `grid(...)`, else tpe"),
     Flag(("--pruner",), None, SWEEP, choices=("median", "halving", "none"), default="median", line=NEVER,
+         entry_points=(MAGIC, PYTHON),
          help="Optuna's pruner, fed rank 0's --metric at each ctx.log: median, successive halving, or none",
          doc="Optuna's pruner, fed rank 0's `--metric` as it is logged: `median`, `halving` (successive halving), "
              "`none`; a pruned trial is stopped, status PRUNED"),
     Flag(("--parallel-trials",), None, SWEEP, type=count_or_auto, default="auto", line=NEVER, placeholder="N",
+         entry_points=(MAGIC, PYTHON),
          help="trials at once (auto means the backend's capacity / processes per trial; local CPU: the cores)",
          doc="trials run at once, each its own run", default_doc="`auto`: the backend's capacity / processes per "
                                                                   "trial (local CPU runs: the cores)"),
-    Flag(("--sweep-name",), None, SWEEP, default=None, line=NEVER, placeholder="NAME",
+    Flag(("--sweep-name",), None, SWEEP, default=None, line=NEVER, entry_points=(MAGIC, PYTHON), placeholder="NAME",
          help="keep the study in optuna.db beside the MLflow store under this name: the same name continues it "
               "(None means in memory, not resumable)",
          doc="keep the study in `optuna.db` beside the MLflow store: the same name continues it, finished trials "
              "are not run again", default_doc="in memory"),
     Flag(("--max-failed-trials",), None, SWEEP, type=int, default=3, line=NEVER, placeholder="N",
+         entry_points=(MAGIC, PYTHON),
          help="stop the sweep once this many trials failed",
          doc="stop the sweep (every trial) once N trials failed"),
 )
