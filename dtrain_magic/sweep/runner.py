@@ -142,11 +142,8 @@ class Sweep:
 
     def _parent_params(self, total: int) -> dict[str, Any]:
         o = self.options
-        def named(setting: Any) -> str:  # a name, or an Optuna object given from Python: its class
-            return setting if isinstance(setting, str) else type(setting).__name__
-
         return {"sweep.space": self.space.text, "sweep.metric": o.metric, "sweep.mode": o.mode,
-                "sweep.trials": total, "sweep.sampler": named(o.sampler), "sweep.pruner": named(o.pruner),
+                "sweep.trials": total, "sweep.sampler": _named(o.sampler), "sweep.pruner": _named(o.pruner),
                 "config": self.base.config.flag_line()}
 
     def _run_threads(self, to_run: int, slots: int) -> None:
@@ -177,7 +174,7 @@ class Sweep:
         """One slot: ask, run, tell, until the sweep has asked for every trial or is stopped."""
         while not self._stopping.is_set():
             with self._lock:
-                if self._asked >= to_run:
+                if self._asked >= to_run or self._stopping.is_set():  # stopped since: no new trial
                     return
                 self._asked += 1
                 trial = self.study.ask(self.space.distributions)
@@ -260,6 +257,11 @@ def tell(study: Any, trial: Any, value: float | None, state: Any) -> None:
     except RuntimeError:
         if not isinstance(study.sampler, optuna.samplers.GridSampler):
             raise
+
+
+def _named(setting: Any) -> str:
+    """A sampler's or pruner's name, or an Optuna object's (given from Python) class."""
+    return setting if isinstance(setting, str) else type(setting).__name__
 
 
 def _shown(value: Any) -> str:
