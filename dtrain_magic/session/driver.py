@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable
 from ..channel import Message
 from ..config import RunConfig
 from ..driver.launch import Launch, backend_error
-from ..driver.observer import RunObserver, TextObserver, plan_with_backend
+from ..driver.observer import RunObserver, TextObserver
 from ..driver.plan import check
 from ..errors import (
     CaptureError,
@@ -42,9 +42,10 @@ from ..errors import (
 )
 from ..payload import CTX, CallForm, dumps, serialize
 from ..state import kernel_state
+from . import describe
 from .links import RankLinks
 from .observe import Both, CellText, Quiet
-from .options import check_session_config, idle_timeout_s, start_line
+from .options import check_session_config, idle_timeout_s
 from .protocol import (
     FAILED,
     CellDone,
@@ -54,7 +55,7 @@ from .protocol import (
     RunCell,
     StopSession,
 )
-from .report import INTERRUPT_WAIT_S, duration, listed, lost_reason, raise_for, who
+from .report import INTERRUPT_WAIT_S, duration, lost_reason, raise_for
 from .values import PerRank, Unsent, unpack
 
 ERROR_GRACE_S = 3.0  # after a rank failed a cell, the others' time to finish it before they are interrupted
@@ -226,7 +227,7 @@ class Session:
             self._ensure_open()
             busy = sorted(rank for rank in chosen if rank in self.busy)
             if busy:
-                raise SessionError(self._busy_text(busy))
+                raise SessionError(describe.busy_text({rank: self.doing(rank) for rank in busy}))
             self._cancel_idle_timer()
             self._next_id += 1
             cell_id = self._next_id
@@ -466,13 +467,6 @@ class Session:
                                f"{': ' + self.ended if self.ended else ''}; %distribute_session start (or a new "
                                "Session) begins a new one")
 
-    def _busy_text(self, busy: list[int]) -> str:
-        cells = sorted({self._labels.get(self.busy[rank], "a command") for rank in busy})
-        return (f"{who(busy)} still run{'s' if len(busy) == 1 else ''} "
-                f"{', '.join(cells)}: interrupted, but not stopped (blocked outside Python, e.g. in a collective). "
-                "Wait for it to end (the session says when), or %distribute_session restart (every rank's state is "
-                "lost) or stop")
-
     def check_beside(self, config: RunConfig) -> None:
         """A run with ``config`` fits beside this session's ranks, or a `ConfigError` says why not (checked before the
         run launches anything: `driver.plan.check`)."""
@@ -497,38 +491,19 @@ class Session:
 
     def held_text(self) -> str:
         """What the session holds and until when, for the cell that started it."""
-        until = ("until it is stopped" if not self.idle_timeout_s else
-                 f"until it is idle for {duration(self.idle_timeout_s)} (--idle-timeout S; 0: until stopped)")
-        return (f"session open: {plan_with_backend(self.described, self.config)}; strategy {self.config.strategy}, "
-                f"{self.config.precision}; held {until}. %%ranks runs a cell on its ranks; %distribute_session stop "
-                "frees them now")
+        return describe.held_text(self.described, self.config, self.idle_timeout_s)
 
     def status(self) -> str:
         """The session in a few lines: where its ranks are and what each does, its MLflow run, how long it is held."""
-        if self.state != "open":
-            return f"dtrain_magic session: {self.state}{': ' + self.ended if self.ended else ''}"
-        lines = [f"dtrain_magic session: open, {plan_with_backend(self.described, self.config)}; strategy "
-                 f"{self.config.strategy}, {self.config.precision}"]
-        for rank in range(self.world_size):
-            ready = self.links.ready.get(rank)
-            where = f"pid {ready.pid} on {ready.host}" if ready else "not connected"
-            doing = f"busy with {self._labels.get(self.busy[rank], 'a command')}" if rank in self.busy else "idle"
-            lines.append(f"  rank {rank}: {where}, {doing}")
-        lines.append(f"  cells run: {self.cells_run}; MLflow run {self.run_id} ({self.tracking_uri})")
-        if self.idle_timeout_s:
-            at = time.strftime("%H:%M:%S", time.localtime(self.idle_since + self.idle_timeout_s))
-            lines.append(f"  released if idle until {at} (--idle-timeout {self.idle_timeout_s:g}); "
-                         "%distribute_session stop frees it now")
-        lines.append(f"  equivalent: {start_line(self.config, self.idle_timeout_s)}")
-        return "\n".join(lines)
+        return describe.status_text(self)
+
+    def doing(self, rank: int) -> str | None:
+        """The command ``rank`` runs now ("Cell In[7]"), None when it is idle."""
+        return self._labels.get(self.busy[rank], "a command") if rank in self.busy else None
 
     def cells_text(self) -> str:
         """Every command's source with where it ran, in order (the MLflow run's ``session_cells.py``)."""
-        parts = []
-        for label, ranks, source in self._sources:
-            where = "every rank" if len(ranks) == self.world_size else f"ranks {listed(ranks)}"
-            parts.append(f"# --- {label} on {where}\n{source.strip(chr(10))}\n")
-        return "\n".join(parts)
+        return describe.cells_text(self._sources, self.world_size)
 
     def __enter__(self) -> "Session":
         return self
