@@ -22,7 +22,7 @@ from ..config import RunConfig, redact_uri
 from ..data.blocks import StagedSource
 from ..data.kinds import SUPPORTED, InMemory, ParquetPath, RayDataset, Source, SparkDataFrame, Staging, find_kind
 from ..dataspec import FLAG, split_columns
-from ..errors import ConfigError
+from ..errors import ConfigError, log_dropped
 from ..registry import BACKENDS
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -134,7 +134,8 @@ class DataPlan:
 
             context = ray.get_runtime_context()
             return f"ray:{context.get_node_id()}:{context.get_job_id()}"
-        except Exception:
+        except Exception as exc:  # Ray absent, not started here, or refusing: the copy is keyed by backend alone
+            log_dropped(__name__, "Ray's node and job for a staged copy's key", exc)
             return self.backend
 
     # -- records ---------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
 import tempfile
 import threading
 import uuid
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..data.blocks import StagedSource
+from ..errors import log_dropped
 
 
 @dataclass
@@ -132,8 +134,8 @@ class StagingArea:
             try:
                 sweeper.stdin.close()
                 sweeper.wait(5)
-            except Exception:
-                pass
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                log_dropped(__name__, "stopping a staging sweeper (it exits once the kernel is gone)", exc)
 
 
 def _remove_all(copies: list[_Copy]) -> None:

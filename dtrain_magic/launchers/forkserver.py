@@ -34,6 +34,8 @@ import time
 import traceback
 from typing import Any
 
+from ..errors import log_dropped
+
 _MAX_MESSAGE = 1 << 20
 _PR_SET_PDEATHSIG = 1
 
@@ -65,8 +67,8 @@ def _die_with_parent(parent: int) -> None:
             import ctypes
 
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except Exception:
-            pass
+        except (OSError, AttributeError):
+            pass  # no libc prctl: the parent check below and the server's last act still end this worker
     if os.getppid() != parent:  # the server died before prctl took effect
         os._exit(1)
 
@@ -80,7 +82,7 @@ def _reseed() -> None:
     if numpy is not None:
         try:
             numpy.random.seed()
-        except Exception:
+        except Exception:  # broad: a numpy the server half imported must not stop the worker; it keeps its state
             pass
 
 
@@ -120,18 +122,18 @@ def _child(request: dict, out_fd: int, err_fd: int, close: list[int], parent: in
         code = run_job_file(request["job"])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:
+    except BaseException:  # broad: anything the job raised is printed to the rank's stderr, and the exit code says it
         try:
             traceback.print_exc()
-        except Exception:
-            pass
+        except (OSError, ValueError):
+            pass  # stderr is closed or its reader gone: the exit code alone reports the failure
         code = 1
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
-            except Exception:
-                pass
+            except (OSError, ValueError):
+                pass  # the reader is gone or the stream closed: nothing left to tell
         # Leave without interpreter teardown: the result and the output have been sent, and destructors
         # (a DDP reducer holding a gloo group whose peer is gone) can block forever.
         os._exit(code)
@@ -154,7 +156,7 @@ def serve(fd: int, preload: bool) -> None:
         if preload:
             _preload()
         _send(sock, {"op": "ready", "pid": os.getpid()})
-    except BaseException as exc:
+    except BaseException as exc:  # broad: whatever broke the preload, the notebook hears it as "broken"
         _send(sock, {"op": "broken", "error": f"{type(exc).__name__}: {exc}"})
         os._exit(1)
     children: set[int] = set()
@@ -378,8 +380,8 @@ class ForkServer:
                 tail = self._stderr.read().decode("utf-8", "replace").strip()
                 if tail:
                     self.broken += ": " + tail.splitlines()[-1]
-            except Exception:
-                pass
+            except (OSError, ValueError) as exc:
+                log_dropped(__name__, "the fork server's last stderr line", exc)
         with self._lock:
             left = [*self._waiting.values(), *self._by_pid.values()]
             self._waiting.clear()

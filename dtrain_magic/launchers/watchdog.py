@@ -120,6 +120,7 @@ def _kill(pid: int) -> None:
 
 
 def _rank_watch(host: str, port: int, rank: int, pid: int, stack_file: str) -> None:
+    from multiprocessing import AuthenticationError
     from multiprocessing.connection import Client
 
     stdin = sys.stdin.buffer
@@ -127,7 +128,7 @@ def _rank_watch(host: str, port: int, rank: int, pid: int, stack_file: str) -> N
     try:
         conn = Client((host, port), authkey=secret)
         conn.send(rank_started(rank))
-    except Exception:
+    except (OSError, EOFError, AuthenticationError):
         _kill(pid)  # the notebook is not there (any more): nothing this worker does can reach it
         return
     facts = procfacts()
@@ -157,8 +158,8 @@ def _rank_watch(host: str, port: int, rank: int, pid: int, stack_file: str) -> N
                 done = True
                 try:
                     conn.send(rank_done(rank))
-                except Exception:
-                    pass
+                except (OSError, ValueError):
+                    pass  # the notebook closed the watch: the run is over, the next select sees it
     finally:
         if stack_file:
             try:
@@ -173,8 +174,8 @@ def _answer_stacks(conn, facts, rank: int, serial: int, pid: int, stack_file: st
         text = _first_line(stack_file) + text
     try:
         conn.send(stack_reply(rank, serial, state, text))
-    except Exception:
-        pass
+    except (OSError, ValueError):
+        pass  # the notebook closed the watch while the stacks were read: nobody waits for them
 
 
 def _report_death(conn, facts, rank: int, pid: int, stack_file: str, oom_kills_before, signame: str | None) -> None:
@@ -184,8 +185,8 @@ def _report_death(conn, facts, rank: int, pid: int, stack_file: str, oom_kills_b
         evidence += "\n" + _first_line(stack_file) + fatal[1]
     try:
         conn.send(rank_died(rank, evidence))
-    except Exception:
-        pass
+    except (OSError, ValueError):
+        pass  # the notebook is gone: nobody to tell; the closed connection says the rank died anyway
 
 
 def _first_line(path: str) -> str:

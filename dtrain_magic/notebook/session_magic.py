@@ -306,7 +306,7 @@ def _offer_restart(shell: Any) -> None:
                 shell.user_ns["_distribute_session"] = old.restart(observer=TextObserver(),
                                                                    monitor=_monitor(old.config))
                 print("dtrain_magic: session restarted: every rank starts afresh (their state was lost)")
-            except Exception as exc:
+            except Exception as exc:  # a button has no cell to raise into: its output shows the error
                 print(f"{type(exc).__name__}: {exc}")
 
     button.on_click(restart)

@@ -346,7 +346,7 @@ class MonitorObserver(RunObserver):
             # from complete state (a view that starts while traces are being added may miss them).
             charts.start(first_poll=True)
             self._charts_box.children = (charts.widget,)
-        except Exception as exc:
+        except Exception as exc:  # charts are a bonus: the panel says why they are missing, the run goes on
             self._charts_unavailable(exc)
             return
         if self._closed.is_set():

@@ -94,7 +94,8 @@ def _node_id() -> str:
         return ""
     try:
         return (ray.get_runtime_context().get_node_id() or "") if ray.is_initialized() else ""
-    except Exception:
+    except Exception as exc:  # a Ray half torn down: Hello names no node (no stacks from afar)
+        log_dropped(__name__, "Ray's node id of this rank", exc)
         return ""
 
 

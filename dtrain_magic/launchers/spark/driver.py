@@ -153,7 +153,7 @@ class _RankWatch:
         for rank, conn in list(targets.items()):
             try:
                 conn.send(StackRequest(serial).wire())
-            except Exception:
+            except (OSError, ValueError):  # its watchdog closed the watch: that rank gets no stack
                 del targets[rank]
         deadline = time.monotonic() + timeout + 0.4  # the watchdog's own wait, plus the round trip
         with self._lock:

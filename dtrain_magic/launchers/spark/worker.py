@@ -130,14 +130,15 @@ def _start_node_metrics(job: WorkerJob, tracking_uri: str | None) -> _NodeMetric
     node_id = f"node{os.environ.get('GROUP_RANK', os.environ.get('NODE_RANK', '0'))}"
 
     def start() -> None:
-        try:
-            import logging
+        import logging
 
+        try:
             from ...tracking.system_metrics import quiet_mlflow, start_monitor
 
             quiet_mlflow(logging.ERROR)
             node.monitor = start_monitor(job.run_id, tracking_uri, node_id)
-        except Exception:
+        except Exception as exc:  # broad: the training runs on without this node's system metrics, but says so
+            logging.getLogger(__name__).warning("%s's system metrics are not recorded: %s", node_id, exc)
             node.monitor = None
 
     node.thread = threading.Thread(target=start, name="dtrain-node-metrics", daemon=True)
