@@ -86,14 +86,20 @@ def logger(name: str) -> logging.Logger:
 @contextlib.contextmanager
 def logger_to_log(name: str) -> Iterator[None]:
     """While inside, the records of the logger ``name`` (a library's, say ``ray``) go to the log only, instead of
-    that logger's own handlers (restored after)."""
+    that logger's own handlers (restored after); so do those Python's last-resort handler would print to stderr
+    (records of a logger without handlers): ``ray.init(configure_logging=False)`` clears the ``ray`` logger's
+    handlers before it warns."""
     library = logging.getLogger(name)
-    saved = (library.handlers[:], library.propagate)
-    library.handlers, library.propagate = logger(name).handlers[:], False
+    saved = (library.handlers[:], library.propagate, logging.lastResort)
+    ours = logger(name).handlers[0]
+    last_resort = logging.StreamHandler(stream())
+    last_resort.setLevel(logging.WARNING)  # as Python's own
+    last_resort.setFormatter(ours.formatter)
+    library.handlers, library.propagate, logging.lastResort = [ours], False, last_resort
     try:
         yield
     finally:
-        library.handlers, library.propagate = saved
+        library.handlers, library.propagate, logging.lastResort = saved
 
 
 @contextlib.contextmanager

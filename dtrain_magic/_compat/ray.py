@@ -8,6 +8,11 @@
   interrupt, a failing rank). An opted-in version that lacks one of these parts is refused too.
 - `init_local_instance` (``launchers/ray/instance.py``): ``ray.init(_node_ip_address=..., _temp_dir=...)``.
   **Required** (the same `check`): they keep the local instance on loopback, in a directory only the user reads.
+- `init_local_instance` also sets ``ray._private.ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER`` (the variable
+  of that name, read when ``ray`` is imported) for that ``ray.init`` only: the kernel's core worker then installs no
+  C++ failure-signal handler, which would print a stack trace to the kernel's fd 2 when Jupyter SIGTERMs a kernel
+  whose exit takes over its 5 s (the Ray processes keep theirs: they read the variable, unset). **Gated**: on an
+  unknown version, or when missing, Ray installs it.
 - `started_by_this_process` (``launchers/ray/instance.py``): ``ray._private.worker._global_node.is_head()``, whether
   the notebook's own ``ray.init()`` started the Ray it is connected to (a head node on this machine, which ends
   with the notebook). **Gated**: on an unknown version, or when missing, the answer is "no" (the next run's
@@ -36,9 +41,10 @@ The rest of Ray Train used (``TorchTrainer``, ``ScalingConfig``, ``RunConfig``, 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Iterator
 
 from ..errors import UnsupportedVersionError, log_dropped
 from . import Library
@@ -190,14 +196,36 @@ def init_local_instance(num_cpus: int, temp_dir: str) -> None:
     """``ray.init`` of this kernel's own instance: loopback only, its files under ``temp_dir``."""
     import ray
 
-    ray.init(
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        log_to_driver=False,  # worker output comes over the run's channel
-        configure_logging=False,
-        _node_ip_address="127.0.0.1",
-        _temp_dir=temp_dir,
-    )
+    with _no_failure_signal_handler():
+        ray.init(
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,  # worker output comes over the run's channel
+            configure_logging=False,
+            _node_ip_address="127.0.0.1",
+            _temp_dir=temp_dir,
+        )
+
+
+@contextlib.contextmanager
+def _no_failure_signal_handler() -> Iterator[None]:
+    """The core worker this process starts inside installs no C++ failure-signal handler (the kernel is the user's
+    process: a signal meant to end it, Jupyter's SIGTERM, ends it without a stack trace printed on its way)."""
+    constants = None
+    if RAY.allowed():
+        try:
+            import ray._private.ray_constants as constants
+        except ImportError as exc:
+            log_dropped(__name__, "_no_failure_signal_handler", exc)
+    saved = getattr(constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)
+    if saved is None:  # (an unknown version, or renamed)
+        yield
+        return
+    constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+    try:
+        yield
+    finally:
+        constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = saved
 
 
 Shape = dict  # a resource request: {"CPU": 1.0, ...}

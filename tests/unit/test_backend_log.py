@@ -91,12 +91,17 @@ def test_a_library_logger_goes_to_the_log_only_while_inside(log_dir, capsys):
     try:
         with backend_log.logger_to_log("some_library_probe"):
             library.warning("Token authentication is enabled for this cluster")
+            library.handlers.clear()  # as ray.init(configure_logging=False) does before it warns
+            logging.getLogger("some_library_probe.auth").warning("still enabled")
         library.warning("after")
+        assert library.handlers == [handler]  # restored
     finally:
         library.removeHandler(handler)
     err = capsys.readouterr().err
-    assert "Token authentication" not in err and "after" in err
-    assert "Token authentication is enabled" in open(backend_log.path()).read()
+    assert "Token authentication" not in err and "still enabled" not in err and "after" in err
+    logged = open(backend_log.path()).read()
+    assert "Token authentication is enabled" in logged and "still enabled" in logged
+    assert logging.lastResort is not None and logging.lastResort.stream is sys.stderr  # Python's own again
 
 
 def test_a_directory_open_to_others_gets_no_log_and_the_output_stays_where_it_was(log_dir):
