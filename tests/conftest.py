@@ -23,6 +23,57 @@ def no_staged_data_left():
         staging.staging_area().shutdown()
 
 
+# Tests whose wait overlaps the tests before them (`start_early`), by node id: what their starter yielded, or the
+# exception it raised (their test re-raises it; the session goes on).
+_STARTED_EARLY: dict[str, object] = {}
+# Modules that count every child of this process: an early start (a kernel, a child until its test ends) must not
+# be running while theirs run, so a test selected after one of them starts at its own turn.
+_COUNT_EVERY_CHILD = ("test_local.py", "test_soak.py")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "start_early(starter): the test's wait starts at the session's first test "
+                            "(``starter(tmp_path_factory)``, a generator: set-up, yield, clean-up); the test gets what "
+                            "it yielded from the ``started_early`` fixture and checks it where it stands")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def start_idle_waits_early(request, tmp_path_factory):
+    """A check that waits minutes on processes using no CPU (the default 120-s stall report) starts when the session
+    does, so its minutes overlap the tests before it (on 2 cores, the suite's time); its test checks it as strictly,
+    where it stands. Only selected tests start; each starter's clean-up runs at the session's end at the latest."""
+    started = []
+    counted = False
+    for item in request.session.items:
+        counted = counted or os.path.basename(str(item.path)) in _COUNT_EVERY_CHILD
+        mark = item.get_closest_marker("start_early")
+        if mark is None or counted:
+            continue
+        starter = mark.args[0](tmp_path_factory)
+        try:
+            _STARTED_EARLY[item.nodeid] = next(starter)
+            started.append(starter)
+        except Exception as error:  # the test reports it; every other test still runs
+            _STARTED_EARLY[item.nodeid] = error
+    yield
+    for starter in started:
+        next(starter, None)
+
+
+@pytest.fixture
+def started_early(request, tmp_path_factory):
+    """What the test's `start_early` starter yielded: at the session's start, or now when a module that counts every
+    child of this process runs before it."""
+    found = _STARTED_EARLY.pop(request.node.nodeid, None)
+    if found is None:
+        starter = request.node.get_closest_marker("start_early").args[0](tmp_path_factory)
+        found = next(starter)
+        request.addfinalizer(lambda: next(starter, None))
+    if isinstance(found, Exception):
+        raise found
+    return found
+
+
 @pytest.fixture
 def tracking_uri(tmp_path) -> str:
     """A fresh SQLite MLflow store for one test."""
