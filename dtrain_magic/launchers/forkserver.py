@@ -147,37 +147,15 @@ def serve(fd: int, preload: bool) -> None:
     """The server's loop: fork on request, report exits, and take every worker along when the notebook goes."""
     sock = socket.socket(fileno=fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the notebook's interrupt is for its cell, not for us
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    try:
-        if preload:
-            _preload()
-        _send(sock, {"op": "ready", "pid": os.getpid()})
-    except BaseException as exc:  # broad: whatever broke the preload, the notebook hears it as "broken"
-        _send(sock, {"op": "broken", "error": f"{type(exc).__name__}: {exc}"})
-        os._exit(1)
+    wake_r, wake_w = _wake_on_signals()
+    _announce(sock, preload)
     children: set[int] = set()
     me = os.getpid()
     while True:
         readable, _, _ = select.select([sock, wake_r], [], [])
         if wake_r in readable:
-            try:
-                while os.read(wake_r, 512):
-                    pass
-            except BlockingIOError:
-                pass
-        while children:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            children.discard(pid)
-            _send(sock, {"op": "exit", "pid": pid, "code": _exit_code(status)})
+            _drain(wake_r)
+        _report_exits(sock, children)
         if sock not in readable:
             continue
         try:
@@ -186,25 +164,79 @@ def serve(fd: int, preload: bool) -> None:
             data, fds = b"", []
         if not data:
             break  # the notebook closed its end: it exited, was killed, or shut us down
-        request = json.loads(data)
-        if request.get("op") != "spawn" or len(fds) != 2:
-            for extra in fds:
-                os.close(extra)
-            continue
+        pid = _spawn(sock, json.loads(data), fds, [sock.fileno(), wake_r, wake_w], me)
+        if pid is not None:
+            children.add(pid)
+    _kill_all(children)
+    os._exit(0)
+
+
+def _wake_on_signals() -> tuple[int, int]:
+    """A non-blocking pipe that a signal (SIGCHLD above all) writes to, waking the server's select."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    return wake_r, wake_w
+
+
+def _announce(sock: socket.socket, preload: bool) -> None:
+    """Preload (torch and what DDP imports), then tell the notebook "ready", or "broken" and exit."""
+    try:
+        if preload:
+            _preload()
+        _send(sock, {"op": "ready", "pid": os.getpid()})
+    except BaseException as exc:  # broad: whatever broke the preload, the notebook hears it as "broken"
+        _send(sock, {"op": "broken", "error": f"{type(exc).__name__}: {exc}"})
+        os._exit(1)
+
+
+def _drain(wake_r: int) -> None:
+    try:
+        while os.read(wake_r, 512):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _report_exits(sock: socket.socket, children: set[int]) -> None:
+    """Reap every child that exited and tell the notebook its exit code."""
+    while children:
         try:
-            pid = os.fork()
-        except OSError as exc:
-            for extra in fds:
-                os.close(extra)
-            _send(sock, {"op": "failed", "id": request["id"], "error": f"fork failed: {exc}"})
-            continue
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
         if pid == 0:
-            _child(request, fds[0], fds[1], [sock.fileno(), wake_r, wake_w], me)
+            break
+        children.discard(pid)
+        _send(sock, {"op": "exit", "pid": pid, "code": _exit_code(status)})
+
+
+def _spawn(sock: socket.socket, request: dict, fds: list[int], close: list[int], me: int) -> int | None:
+    """Fork one worker for a "spawn" request (its stdout and stderr: ``fds``); its pid, or None when there is none."""
+    if request.get("op") != "spawn" or len(fds) != 2:
         for extra in fds:
             os.close(extra)
-        children.add(pid)
-        _send(sock, {"op": "started", "id": request["id"], "pid": pid})
-    for pid in children:  # the notebook is gone: nothing it started may outlive it
+        return None
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        for extra in fds:
+            os.close(extra)
+        _send(sock, {"op": "failed", "id": request["id"], "error": f"fork failed: {exc}"})
+        return None
+    if pid == 0:
+        _child(request, fds[0], fds[1], close, me)
+    for extra in fds:
+        os.close(extra)
+    _send(sock, {"op": "started", "id": request["id"], "pid": pid})
+    return pid
+
+
+def _kill_all(children: set[int]) -> None:
+    """The notebook is gone: nothing it started may outlive it (SIGKILL each group, reap for up to 5 s)."""
+    for pid in children:
         try:
             os.killpg(pid, signal.SIGKILL)
         except OSError:
@@ -219,7 +251,6 @@ def serve(fd: int, preload: bool) -> None:
             children.discard(pid)
         else:
             time.sleep(0.02)
-    os._exit(0)
 
 
 # ----------------------------------------------------------------------------------------------------

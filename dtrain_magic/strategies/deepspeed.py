@@ -135,9 +135,22 @@ def build_config(config: RunConfig, world_size: int | None = None, loader_batch:
     """
     world = world_size or config.num_processes
     user = parse_user_config(config.deepspeed_config)
-    accum = config.grad_accum
+    _refuse_conflicts(config, user)
+    train, micro = _batch_sizes(config, user, world, loader_batch)
+    built = _flag_keys(config, train, micro, _get(user, "zero_optimization.stage"))
+    sizes = model_sizes(hidden, built["zero_optimization"]["stage"]) if hidden else {}
+    built["zero_optimization"].update(sizes)
+    return _resolve_auto(_merge(built, user), built, sizes)
 
-    # conflicts between the flags and the user's config
+
+def _user_batch(user: dict, key: str) -> Any:
+    """A batch size the user's config gives (None for "auto" or missing: the flags or the loader decide)."""
+    value = user.get(key)
+    return None if value == "auto" else value
+
+
+def _refuse_conflicts(config: RunConfig, user: dict) -> None:
+    """A `ConfigError` listing every key of the user's config that contradicts a flag (or a stage out of range)."""
     conflicts = []
     stage = _get(user, "zero_optimization.stage")
     if stage is not None and config.zero is not None and stage != config.zero:
@@ -151,16 +164,12 @@ def build_config(config: RunConfig, world_size: int | None = None, loader_batch:
         if bool(enabled) != (config.precision == name):
             conflicts.append(f"{name}.enabled is {json.dumps(enabled)} but --precision {config.precision}")
     user_accum = user.get("gradient_accumulation_steps")
-    if user_accum not in (None, "auto") and user_accum != accum:
-        conflicts.append(f"gradient_accumulation_steps is {user_accum} but --grad-accum {accum}")
-    user_micro = user.get("train_micro_batch_size_per_gpu")
-    if user_micro in ("auto",):
-        user_micro = None
+    if user_accum not in (None, "auto") and user_accum != config.grad_accum:
+        conflicts.append(f"gradient_accumulation_steps is {user_accum} but --grad-accum {config.grad_accum}")
+    user_micro = _user_batch(user, "train_micro_batch_size_per_gpu")
     if user_micro is not None and config.micro_batch is not None and user_micro != config.micro_batch:
         conflicts.append(f"train_micro_batch_size_per_gpu is {user_micro} but --micro-batch {config.micro_batch}")
-    user_train = user.get("train_batch_size")
-    if user_train in ("auto",):
-        user_train = None
+    user_train = _user_batch(user, "train_batch_size")
     if user_train is not None and config.train_batch is not None and user_train != config.train_batch:
         conflicts.append(f"train_batch_size is {user_train} but --train-batch {config.train_batch}")
     if conflicts:
@@ -170,9 +179,12 @@ def build_config(config: RunConfig, world_size: int | None = None, loader_batch:
             + ". Remove the key from the DeepSpeed config or change the flag so they agree",
         )
 
-    # batch sizes: flags, then the user's config, then the loader's batch size
-    micro = config.micro_batch or user_micro
-    train = config.train_batch or user_train
+
+def _batch_sizes(config: RunConfig, user: dict, world: int, loader_batch: int | None) -> tuple[int, int]:
+    """(train batch, micro batch): from the flags, then the user's config, then the loader's batch size."""
+    accum = config.grad_accum
+    micro = config.micro_batch or _user_batch(user, "train_micro_batch_size_per_gpu")
+    train = config.train_batch or _user_batch(user, "train_batch_size")
     if micro is None and train is not None:
         if train % (accum * world):
             raise ConfigError(
@@ -192,12 +204,16 @@ def build_config(config: RunConfig, world_size: int | None = None, loader_batch:
             f"the DataLoader given to ctx.prepare has batch_size {loader_batch} but train_micro_batch_size_per_gpu "
             f"is {micro}; make them equal (each process's loader yields one micro batch)",
         )
+    return train, micro
 
+
+def _flag_keys(config: RunConfig, train: int, micro: int, user_stage: int | None) -> dict[str, Any]:
+    """The keys the flags decide (the user's config is merged over them)."""
     built: dict[str, Any] = {
         "train_batch_size": train,
         "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": accum,
-        "zero_optimization": {"stage": config.zero if config.zero is not None else (stage or 0)},
+        "gradient_accumulation_steps": config.grad_accum,
+        "zero_optimization": {"stage": config.zero if config.zero is not None else (user_stage or 0)},
         "fp16": {"enabled": config.precision == "fp16"},
         "bf16": {"enabled": config.precision == "bf16"},
         "gradient_clipping": 0.0,
@@ -209,9 +225,12 @@ def build_config(config: RunConfig, world_size: int | None = None, loader_batch:
     if built["zero_optimization"]["stage"] > 0:
         # the magic passes plain torch optimizers; DeepSpeed only "tests" its own under ZeRO
         built["zero_allow_untested_optimizer"] = True
-    sizes = model_sizes(hidden, built["zero_optimization"]["stage"]) if hidden else {}
-    built["zero_optimization"].update(sizes)
-    merged = _merge(built, user)
+    return built
+
+
+def _resolve_auto(merged: dict, built: dict, sizes: dict) -> dict:
+    """The merged config with every "auto" resolved: the batch keys to the checked numbers, a ZeRO size to the
+    model's, or dropped for DeepSpeed's own default."""
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         merged[key] = built[key]  # "auto" and agreeing values resolve to the checked numbers
     zero = merged.get("zero_optimization", {})
