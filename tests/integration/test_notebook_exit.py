@@ -9,6 +9,7 @@ JVMs, and the local Ray instance's GCS, raylet, agents and workers.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,8 @@ pytestmark = pytest.mark.slow
 
 NOTEBOOK = textwrap.dedent('''
     import os, sys, time
+    # As in a Jupyter kernel, Python's sys.stdout/sys.stderr are not the fds 1 and 2 a backend's process inherits.
+    sys.stdout, sys.stderr = (os.fdopen(os.dup(fd), "w", buffering=1) for fd in (1, 2))
     from IPython.core.interactiveshell import InteractiveShell
     shell = InteractiveShell.instance()
     shell.run_cell("%load_ext dtrain_magic")
@@ -58,11 +61,26 @@ NOTEBOOK = textwrap.dedent('''
 ''')
 
 
-def run_notebook(script: str, tag: str, cwd, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = tagged_env(tag, MLFLOW_TRACKING_URI=f"sqlite:///{cwd}/mlflow.db")
+def run_notebook(script: str, tag: str, cwd, timeout: float = 300, merged: bool = False,
+                 **env_vars: str) -> subprocess.CompletedProcess:
+    """``merged``: stderr into stdout, in the order they were written (``proc.stdout`` is all the notebook printed,
+    its fds 1 and 2 as ipykernel forwards them to the cell)."""
+    env = tagged_env(tag, MLFLOW_TRACKING_URI=f"sqlite:///{cwd}/mlflow.db", **env_vars)
     env.pop("RAY_ADDRESS", None)
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT if merged else subprocess.PIPE, text=True, cwd=cwd, env=env,
                           timeout=timeout)
+
+
+# The run's own lines: its ranks' output, the magic's lines (dtrain_magic/driver/observer.py: its notes, plan, result
+# and held lines, the progress line) and the shell's display of the cell's value (the RunResult).
+OWN_LINE = re.compile(r"\[rank \d+\] |\[worker\] |dtrain_magic: |step \d+(/\d+)? \(|Out\[\d+\]: RunResult\(")
+
+
+def foreign_lines(output: str) -> tuple[list[str], str]:
+    """(the lines before the verdict that are not the run's own, what was printed after the verdict: the exit)."""
+    cells, _, exit_output = output.partition("VERDICT ok\n")
+    return [line for line in cells.splitlines() if not OWN_LINE.match(line)], exit_output
 
 
 @pytest.mark.parametrize("backend", ["local", "spark", "ray"])
@@ -73,14 +91,26 @@ def test_back_to_back_cells_then_exit_leave_no_process(backend, tmp_path):
     process any of them started is alive. On Spark each cell runs on workers launched ahead (the first by the
     check, the other after the cell before); on Ray the cell's are launched for it (Ray starts with the kernel's
     first run) and the next run's after it. The first notebook exits while the next run's workers wait, the other
-    while they are still starting and the last run's are still tearing down: they go with it either way."""
+    while they are still starting and the last run's are still tearing down: they go with it either way. Quiet
+    (issue #34): every line the cells print (fds 1 and 2, in order) is a rank's or the magic's, the exit prints
+    nothing, and what the backends printed is in the kernel's backend log."""
     cells = {"local": 3, "spark": 2, "ray": 1}[backend]
     for notebook in range(3 if backend == "local" else 2):
         tag = new_tag()
         try:
             script = NOTEBOOK.format(backend=backend, cells=cells, wait_ready=notebook == 0)
-            proc = run_notebook(script, tag, tmp_path)
-            assert "VERDICT ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+            log_dir = tmp_path / f"logs{notebook}"
+            proc = run_notebook(script, tag, tmp_path, merged=True, DTRAIN_MAGIC_LOG_DIR=str(log_dir))
+            assert "VERDICT ok" in proc.stdout, proc.stdout[-6000:]
+            # Quiet cells (issue #34): the JVM's, log4j's, TorchDistributor's, torchrun's and Ray's lines went to
+            # the kernel's backend log, the exit's too (Spark's JVM killed, Ray stopped).
+            foreign, at_exit = foreign_lines(proc.stdout)
+            assert foreign == [], f"{backend}: lines from neither the ranks nor the magic:\n" + "\n".join(foreign)
+            assert at_exit == "", f"{backend}: the exit printed:\n{at_exit[-3000:]}"
+            kept = {"spark": "Started local training", "ray": "Token authentication"}.get(backend)  # ... which keeps
+            if kept and not (backend == "ray" and "RAY_AUTH_MODE" in os.environ):  # (Ray's notice: mode not set)
+                logs = "".join(path.read_text(errors="replace") for path in log_dir.glob("backend-*.log"))
+                assert kept in logs, logs[-3000:]
             left = wait_until_none_left(tag, within_s=15)
             assert left == [], f"{backend}, notebook {notebook + 1}: processes outlived it: {left}"
         finally:
@@ -148,15 +178,19 @@ SPARK_CLUSTER = textwrap.dedent('''
 
 def test_kernel_exit_after_a_spark_cluster_run_is_quiet(tmp_path):
     """The SparkSession the magic started (a local-cluster with two executor JVMs) is stopped before the
-    JVM's own shutdown: the exit prints no Java stack trace, and nothing is left."""
+    JVM's own shutdown: neither the exit nor the backend log (where the JVM writes) has a Java stack trace, and
+    nothing is left."""
     tag = new_tag()
     try:
-        proc = run_notebook(SPARK_CLUSTER, tag, tmp_path)
+        log_dir = tmp_path / "logs"
+        proc = run_notebook(SPARK_CLUSTER, tag, tmp_path, DTRAIN_MAGIC_LOG_DIR=str(log_dir))
         assert "VERDICT ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+        # The JVM writes to the kernel's backend log (issue #34), not the notebook's stderr: both are read.
+        printed = proc.stderr + "".join(path.read_text(errors="replace") for path in log_dir.glob("backend-*.log"))
         # Java's traces only: on a loaded machine the release's watchdog may kill a worker whose torchrun teardown
         # took over its grace, and its peer's c10d note ("Exception raised from recvBytes at .../c10d/...") is
         # the executors' stderr, which a local-cluster shares with the notebook (a real cluster logs it).
-        java_trace = [line for line in proc.stderr.splitlines() if "/c10d/" not in line and (
+        java_trace = [line for line in printed.splitlines() if "/c10d/" not in line and (
                       line.lstrip().startswith("at org.apache.") or "Exception" in line or "Shutdown hooks" in line
                       or "AppClient" in line)]
         assert java_trace == [], "\n".join(java_trace[:20])
