@@ -44,10 +44,9 @@ from ..config import RunConfig
 from ..driver.observer import RunObserver, TextObserver, plan_with_backend, prefix_lines
 from ..errors import log_dropped
 from . import _kernel
-from .charts import preload_plotly
+from .live_charts import LiveCharts
 
 LOG_TAIL = 200
-CHARTS_WAIT_S = 20.0  # at the run's end, how long to wait for charts still being made (a fresh kernel's plotly import)
 RANK_LOG_TAIL = 40  # lines kept per rank for the rank tabs (what the front-end shows: js/monitor.js LOG_LINES)
 
 
@@ -110,26 +109,11 @@ class MonitorObserver(RunObserver):
         self.widget = MonitorWidget(ranks=[{"rank": r, "state": "starting", "detail": ""}
                                            for r in range(config.num_processes)])
         self.widget.add_class("dtm-monitor-widget")
-        self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger",
-                                    tooltip="Stop every worker (the cell raises RunInterrupted)")
-        self.stop_button.add_class("dtm-stop")
-        self.stop_button.on_click(lambda _: self.request_stop())
-        self.stacks_button = w.Button(description="Stacks", icon="list",
-                                      tooltip="Show where every rank is now (its Python stack)")
-        self.stacks_button.add_class("dtm-stacks")
-        self.stacks_button.on_click(lambda _: self.request_stacks())
-        self.link_html = w.HTML("")
-        self.charts: Any = None  # the live charts (`charts.RunCharts`) once made; see `wait_charts`
-        self._charts_lock = threading.Lock()
-        self._charts_starter: threading.Thread | None = None
-        self._charts_done = threading.Event()
-        self._charts_failed = False
-        self._early_metrics: list[tuple[int, dict, int | None]] = []  # fed before the charts existed
-        self._mlflow_run: tuple[Any, str] | None = None  # (client, run_id) once the MLflow run is open
-        self._want_charts, self._poll_s = charts, poll_s
-        self._charts_box = w.Box([])
+        self._make_buttons()
+        self._want_charts = charts
+        self.live = LiveCharts(w.Box([]), poll_s)
         self.container = w.VBox([self.widget, w.HBox([self.stop_button, self.stacks_button, self.link_html]),
-                                 self._charts_box])
+                                 self.live.box])
         self.container.add_class("dtm-monitor-panel")
         self._lock = threading.Lock()
         self._state: dict[str, Any] = {"state": "starting",
@@ -152,6 +136,23 @@ class MonitorObserver(RunObserver):
 
             show(self.container)
 
+    def _make_buttons(self) -> None:
+        """Stop, Stacks and the MLflow run's link beside them."""
+        self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger",
+                                    tooltip="Stop every worker (the cell raises RunInterrupted)")
+        self.stop_button.add_class("dtm-stop")
+        self.stop_button.on_click(lambda _: self.request_stop())
+        self.stacks_button = w.Button(description="Stacks", icon="list",
+                                      tooltip="Show where every rank is now (its Python stack)")
+        self.stacks_button.add_class("dtm-stacks")
+        self.stacks_button.on_click(lambda _: self.request_stacks())
+        self.link_html = w.HTML("")
+
+    @property
+    def charts(self) -> Any:
+        """The live charts (`charts.RunCharts`) once made, else None; see `wait_charts`."""
+        return self.live.charts
+
     # -- RunObserver -----------------------------------------------------------------------------
     def launched(self, config: RunConfig, plan: str) -> None:
         """The workers are starting (the MLflow run may open later): the panel says what runs where."""
@@ -168,7 +169,7 @@ class MonitorObserver(RunObserver):
             self._state.update(state="running", run_id=run_id, link=link, plan=plan_with_backend(plan, config))
         self.link_html.value = run_link_html(run_id, link)
         if self._want_charts:
-            self._attach_charts(config, run_id)
+            self.link_html.value += self.live.attach(config, run_id)
         self._dirty.set()
 
     def output(self, rank: int, stream: str, text: str) -> None:
@@ -193,7 +194,7 @@ class MonitorObserver(RunObserver):
         # The live chart gets the value now, even while the MLflow run is still opening; MLflow's
         # history replaces it once the tracker has written it (see `charts.RunCharts`).
         if self._want_charts:
-            self._feed_charts(step, metrics, timestamp_ms)
+            self.live.feed(step, metrics, timestamp_ms)
 
     def status(self, rank: int, state: str, detail: str) -> None:
         self.text.status(rank, state, detail)
@@ -224,23 +225,39 @@ class MonitorObserver(RunObserver):
     def finished(self, result: Any, error: BaseException | None) -> None:
         self.text.finished(result, error)
         with self._lock:
-            for (rank, _), rest in self._pending.items():
-                if rest:
-                    self._log.append(f"[rank {rank}] {rest}")
-                    if rank is not None:
-                        self._rank_logs.setdefault(rank, deque(maxlen=RANK_LOG_TAIL)).append(rest)
-            self._pending.clear()
-            if error is None:
-                self._state["state"] = "finished"
-                ranks = self._state["ranks"]
-                for rank, (state, detail) in list(ranks.items()):
-                    if state in ("starting", "running"):
-                        ranks[rank] = ("done", detail)
-            else:
-                stopped = self.stop_event.is_set() or type(error).__name__ == "RunInterrupted"
-                self._state["state"] = "stopped" if stopped else "failed"
-                self._state["message"] = str(error).splitlines()[0] if str(error) else type(error).__name__
+            self._keep_partial_lines()
+            self._record_outcome(error)
             self._state["elapsed"] = time.monotonic() - self._t0
+        self._show_outcome_on_buttons()
+        self._closed.set()
+        charts_starting = self.live.mark_ended()
+        self._dirty.set()
+        self._flush()
+        self.live.finish(charts_starting)
+
+    def _keep_partial_lines(self) -> None:
+        """The last unterminated line of each rank's stream goes to the log as it is."""
+        for (rank, _), rest in self._pending.items():
+            if rest:
+                self._log.append(f"[rank {rank}] {rest}")
+                if rank is not None:
+                    self._rank_logs.setdefault(rank, deque(maxlen=RANK_LOG_TAIL)).append(rest)
+        self._pending.clear()
+
+    def _record_outcome(self, error: BaseException | None) -> None:
+        """finished (every rank still going is done), stopped or failed (with the error's first line)."""
+        if error is None:
+            self._state["state"] = "finished"
+            ranks = self._state["ranks"]
+            for rank, (state, detail) in list(ranks.items()):
+                if state in ("starting", "running"):
+                    ranks[rank] = ("done", detail)
+        else:
+            stopped = self.stop_event.is_set() or type(error).__name__ == "RunInterrupted"
+            self._state["state"] = "stopped" if stopped else "failed"
+            self._state["message"] = str(error).splitlines()[0] if str(error) else type(error).__name__
+
+    def _show_outcome_on_buttons(self) -> None:
         self.stop_button.disabled = True
         self.stacks_button.disabled = True
         # The button now says how the run ended, in the colour of the status line (not a red "Done").
@@ -249,17 +266,6 @@ class MonitorObserver(RunObserver):
                               "stopped": ("Stopped", "stop", "warning")}.get(outcome, ("Failed", "times", "danger"))
         self.stop_button.description, self.stop_button.icon, self.stop_button.button_style = label, icon, style
         self.stop_button.tooltip = f"the run {outcome}"
-        with self._charts_lock:
-            self._closed.set()
-            starting = self.charts is None and self._charts_starter is not None
-        self._dirty.set()
-        self._flush()
-        if starting:  # a short run: its charts may still be in the making (plotly's first import)
-            self._charts_done.wait(CHARTS_WAIT_S)
-        charts = self.charts
-        if charts is not None:
-            charts.run_ended()
-            charts.show_now()  # every value drawn before the cell returns: what a headless run saves
 
     def perf(self, snapshot: Any) -> None:
         self.text.perf(snapshot)
@@ -314,82 +320,9 @@ class MonitorObserver(RunObserver):
         self._dirty.set()
 
     # -- internals -------------------------------------------------------------------------------
-    def _ensure_charts(self) -> None:
-        """Start making the live charts, once, in a background thread (at the first metric or when the
-        MLflow run opens, whichever is first: nothing of it competes with the workers' start). plotly's
-        first figure takes seconds in a fresh kernel; until the charts exist, fed values wait here."""
-        with self._charts_lock:
-            if self._charts_starter is not None:
-                return
-            preload_plotly()
-            self._charts_starter = threading.Thread(target=self._make_charts, name="dtrain-charts-start", daemon=True)
-            self._charts_starter.start()
-
-    def _make_charts(self) -> None:
-        from .charts import RunCharts, wait_for_plotly
-
-        try:
-            wait_for_plotly()
-            charts = RunCharts(None, None, interval_s=self._poll_s)
-        except Exception as exc:  # charts are a bonus: the run goes on without them
-            self._charts_unavailable(exc)
-            return
-        with self._charts_lock:
-            for step, metrics, stamp in self._early_metrics:
-                charts.feed(step, metrics, stamp)
-            self._early_metrics = []
-            if self._mlflow_run is not None:
-                charts.attach(*self._mlflow_run)
-            self.charts = charts
-        try:
-            # Draw what came so far *before* the figures are displayed: their first views then start
-            # from complete state (a view that starts while traces are being added may miss them).
-            charts.start(first_poll=True)
-            self._charts_box.children = (charts.widget,)
-        except Exception as exc:  # charts are a bonus: the panel says why they are missing, the run goes on
-            self._charts_unavailable(exc)
-            return
-        if self._closed.is_set():
-            charts.run_ended()
-        self._charts_done.set()
-
-    def _charts_unavailable(self, exc: BaseException) -> None:
-        with self._charts_lock:
-            self._charts_failed, self._early_metrics = True, []
-        self._charts_box.children = (w.HTML(f"<i>live charts unavailable: {type(exc).__name__}: {exc}</i>"),)
-        self._charts_done.set()
-
-    def _feed_charts(self, step: int, metrics: dict[str, float], timestamp_ms: int | None) -> None:
-        with self._charts_lock:
-            charts = self.charts
-            if charts is None and not self._charts_failed:
-                self._early_metrics.append((step, dict(metrics), timestamp_ms))
-        if charts is not None:
-            charts.feed(step, metrics, timestamp_ms)
-        elif not self._charts_failed:
-            self._ensure_charts()
-
-    def _attach_charts(self, config: RunConfig, run_id: str) -> None:
-        try:
-            from mlflow import MlflowClient
-
-            from ..tracking import resolve_tracking_uri
-
-            client = MlflowClient(tracking_uri=resolve_tracking_uri(config))
-        except Exception as exc:  # the fed points stay; MLflow's copy is not read
-            self.link_html.value += f" <i>(MLflow history unavailable: {html.escape(type(exc).__name__)})</i>"
-            return
-        with self._charts_lock:
-            self._mlflow_run = (client, run_id)
-            charts = self.charts
-        if charts is not None:
-            charts.attach(client, run_id)
-        self._ensure_charts()
-
     def wait_charts(self, timeout: float | None = None) -> Any:
         """Wait until the live charts exist (or failed); the `charts.RunCharts`, or None."""
-        self._charts_done.wait(timeout)
-        return self.charts
+        return self.live.wait(timeout)
 
     def snapshot(self) -> dict[str, Any]:
         """The state the widget shows, as plain data (used by the flusher and by tests)."""
@@ -399,19 +332,10 @@ class MonitorObserver(RunObserver):
                        else time.monotonic() - self._t0)
             step, total = s["step"], s["total"]
             rate = step / elapsed if elapsed > 0 and step else 0.0
-            eta = ((total - step) / rate if total and rate > 0 and step < total
-                   else (0.0 if total and step >= total else -1.0))
-            rates, cpus, stragglers = s.get("rank_perf", ({}, {}, set()))
-            ranks = []
-            for r, (st, d) in sorted(s["ranks"].items()):
-                row = {"rank": r, "state": st, "detail": d}
-                if r in rates:
-                    row.update(rate=round(rates[r], 3), cpu=round(cpus.get(r, 0.0), 2), straggler=r in stragglers)
-                ranks.append(row)
             return dict(
                 state=s["state"], plan=s.get("plan", ""), run_id=s.get("run_id", ""), link=s.get("link", ""),
-                ranks=ranks, step=step, total=total, rate=rate, eta=eta, elapsed=elapsed, metrics=dict(s["metrics"]),
-                log=list(self._log), message=s["message"], held=s.get("held", ""),
+                ranks=_rank_rows(s), step=step, total=total, rate=rate, eta=_eta(step, total, rate), elapsed=elapsed,
+                metrics=dict(s["metrics"]), log=list(self._log), message=s["message"], held=s.get("held", ""),
                 rank_logs={str(r): list(lines) for r, lines in sorted(self._rank_logs.items())},
                 perf=s.get("perf", ""), stacks=s.get("stacks", ""),
                 data={name: dict(where) for name, where in s["data"].items()},
@@ -432,8 +356,27 @@ class MonitorObserver(RunObserver):
             self._dirty.clear()
             try:
                 self._flush()
-            except Exception as exc:
+            except Exception as exc:  # a thread with nobody to tell: the next flush sends the whole state again
                 log_dropped(__name__, "_flush_loop", exc)
             if self._closed.is_set():
                 return
             time.sleep(self._flush_s)
+
+
+def _eta(step: int, total: int, rate: float) -> float:
+    """Seconds left at ``rate`` steps/s (0 once every step is done; -1 while unknown)."""
+    if total and rate > 0 and step < total:
+        return (total - step) / rate
+    return 0.0 if total and step >= total else -1.0
+
+
+def _rank_rows(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The status table's rows: each rank's state and detail, with its steps/s, CPU and straggler flag once known."""
+    rates, cpus, stragglers = state.get("rank_perf", ({}, {}, set()))
+    rows = []
+    for r, (st, d) in sorted(state["ranks"].items()):
+        row = {"rank": r, "state": st, "detail": d}
+        if r in rates:
+            row.update(rate=round(rates[r], 3), cpu=round(cpus.get(r, 0.0), 2), straggler=r in stragglers)
+        rows.append(row)
+    return rows

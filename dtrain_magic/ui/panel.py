@@ -284,15 +284,34 @@ class ConfigurePanel:
         self.state = PanelState(config, checker=checker, model=model, describe_data=self._describe_data)
         self.state.set(**(held or {}))
         self.session_line = session_line
+        style = {"description_width": "150px"}
+        self._make_controls(w, style)
+        self._make_readouts(w, style)
+        self._make_buttons(w)
+        self._make_outputs(w)
+        self.thread: threading.Thread | None = None
+        self.running = False
+        self.runs = 0
+        self.observer: Any = None
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self._wire()
+        self.widget = self._layout(w)
+        self.refresh()
+
+    def _make_controls(self, w: Any, style: dict) -> None:
+        """One control per flag-table row the panel shows, and the model size for the estimate."""
         opts = self.state.options()
         v = self.state.values
-        style = {"description_width": "150px"}
         self.controls = {row.field: _control(w, row, v[row.field], opts.get(row.field), style) for row in panel_rows()}
         for name, control in self.controls.items():
             control.add_class(f"dtm-control-{name.replace('_', '-')}")
         self.params = w.FloatText(value=self.state.num_params / 1e6, description="model (M params)", style=style,
                                   tooltip="model size for the memory estimate, in millions of parameters")
         self.params.add_class("dtm-control-params")
+
+    def _make_readouts(self, w: Any, style: dict) -> None:
+        """What the panel says of the choice: the memory estimate, problems, the data, the equivalent line."""
         self.memory = w.HTML()
         self.memory.add_class("dtm-memory")
         self.problems = w.HTML()
@@ -301,49 +320,55 @@ class ConfigurePanel:
         self.flag_line = w.Textarea(value="", disabled=False, layout=w.Layout(width="100%", height="48px"),
                                     description="equivalent", style=style)
         self.flag_line.add_class("dtm-flag-line")
+
+    def _make_buttons(self, w: Any) -> None:
+        """Run, Start session and Write cell, each shown only where it has something to do."""
         self.run_button = w.Button(description="Run", icon="play", button_style="success")
         self.run_button.add_class("dtm-run")
-        if session_line is not None or (make_payload is None and start_session is not None):  # no cell to run
+        no_cell_to_run = self.session_line is not None or (self.make_payload is None and self.start_session is not None)
+        if no_cell_to_run:
             self.run_button.layout.display = "none"
         self.session_button = w.Button(description="Start session", icon="terminal", button_style="info",
                                        tooltip="start an interactive session with these settings: its ranks then "
                                                "run %%ranks cells and keep their state from cell to cell",
-                                       layout=w.Layout(display="" if start_session else "none"))
+                                       layout=w.Layout(display="" if self.start_session else "none"))
         self.session_button.add_class("dtm-start-session")
         self.session: Any = None  # the session Start session started
-        self.writer = CellWriter(body=cell)
+        self.writer = CellWriter(body=self.cell)
         self.writer.add_class("dtm-writer")
         self.writer.on_msg(self._writer_message)
-        if session_line is not None:  # a session has no cell to write
+        if self.session_line is not None:  # a session has no cell to write
             self.writer.layout.display = "none"
         self.written: tuple[str, int | None] | None = None  # how the last "Write cell" was done
+
+    def _make_outputs(self, w: Any) -> None:
         self.monitor_box = w.VBox([], layout=w.Layout(width="100%"))  # the run's monitor: a child, not display data
         self.monitor_box.add_class("dtm-panel-monitor")
         self.cell_output = w.Output(layout=w.Layout(width="100%"))  # the cell's own output while it is captured
         self.output = w.Output(layout=w.Layout(width="100%"))  # worker text, written only from the kernel
         self.output.add_class("dtm-panel-text")
-        self.thread: threading.Thread | None = None
-        self.running = False
-        self.runs = 0
-        self.observer: Any = None
-        self.result: Any = None
-        self.error: BaseException | None = None
+
+    def _wire(self) -> None:
+        """Every control's change goes to `_changed`; the buttons to `run` and `start`."""
         for name, control in self.controls.items():
             control.observe(lambda change, name=name: self._changed(name, change["new"]), names="value")
         self.params.observe(lambda change: self._changed("num_params", int(round(max(0.0, change["new"] or 0) * 1e6))),
                             names="value")
         self.run_button.on_click(lambda _: self.run())
         self.session_button.on_click(lambda _: self.start())
+
+    def _layout(self, w: Any) -> Any:
+        """The panel: heading, the two columns of controls, the readouts, the buttons, then the outputs."""
         columns = [[self.controls[row.field] for row in panel_rows() if row.panel.column == i] for i in (0, 1)]
-        self.widget = w.VBox([
-            w.HTML(f"<b>dtrain_magic · configure the {'session' if session_line else 'run'}</b>"),
+        widget = w.VBox([
+            w.HTML(f"<b>dtrain_magic · configure the {'session' if self.session_line else 'run'}</b>"),
             w.HBox([w.VBox(columns[0]), w.VBox(columns[1] + [self.params])]),
             self.memory, self.data, self.problems, self.flag_line,
             w.HBox([self.run_button, self.session_button, self.writer]), self.cell_output, self.monitor_box,
             self.output,
         ])
-        self.widget.add_class("dtm-configure")
-        self.refresh()
+        widget.add_class("dtm-configure")
+        return widget
 
     def _describe_data(self, config: RunConfig) -> list[str]:
         """The sources in the notebook as the run would find them (not counted: that is for Run and --dry-run);

@@ -264,7 +264,7 @@ def test_configure_panel_shows_the_monitor_stops_and_runs_again(shell, mlflow):
     obs = panel.observer
     assert panel.monitor_box.children == (obs.container,)  # a child of the panel, not display data in an Output
     charts = obs.wait_charts(timeout=60)
-    assert charts is not None and obs._charts_box.children == (charts.widget,)
+    assert charts is not None and obs.live.box.children == (charts.widget,)
     deadline = time.monotonic() + 120
     counts = []
     while time.monotonic() < deadline and (len(counts) < 2 or counts[-1] <= counts[0]):
