@@ -380,14 +380,14 @@ class AuthenticatedListener:
         self._acceptor.join(2)
         try:
             self._listener.close()
-        except Exception as exc:
+        except OSError as exc:
             log_dropped(__name__, "close", exc)
         with self._lock:
             for conn in self._connections:
                 _hang_up(conn)
                 try:
                     conn.close()
-                except Exception as exc:
+                except OSError as exc:
                     log_dropped(__name__, "close", exc)
 
 
@@ -494,5 +494,5 @@ class WorkerLink:
         with self._lock:
             try:
                 self._conn.close()
-            except Exception as exc:
+            except OSError as exc:
                 log_dropped(__name__, "close", exc)

@@ -353,7 +353,7 @@ def cuda_device_count() -> int:
         import torch
 
         return torch.cuda.device_count()
-    except Exception as exc:
+    except Exception as exc:  # torch missing or a broken CUDA runtime: no GPU, as cuda_available says
         log_dropped(__name__, "cuda_device_count", exc)
         return 0
 

@@ -244,7 +244,7 @@ def _find_unpicklable_global(fn: Callable[..., Any]) -> tuple[str, Any] | None:
     for name, obj in {**closure.globals, **closure.nonlocals}.items():
         try:
             cloudpickle.dumps(obj)
-        except Exception as exc:
+        except Exception as exc:  # whatever pickling raises, this global is the culprit: the caller names it
             log_dropped(__name__, "_find_unpicklable_global", exc)
             return name, obj
     return None
@@ -266,8 +266,8 @@ class CallForm:
 def _pickle_arguments(call: CallForm) -> bytes:
     try:
         return dumps((call.args, call.kwargs))
-    except Exception as exc:
-        log_dropped(__name__, "_pickle_arguments", exc)
+    except Exception as exc:  # cloudpickle raises TypeError, PicklingError, RecursionError...: find which one fails
+        together = exc
     named = [(f"argument {i + 1}", a) for i, a in enumerate(call.args)] + [(k, v) for k, v in call.kwargs.items()]
     for label, obj in named:
         try:
@@ -278,7 +278,8 @@ def _pickle_arguments(call: CallForm) -> bytes:
                 f"({type(exc).__name__}: {exc}); pass something that can (data, paths, numbers), or build it "
                 "inside the function"
             ) from None
-    raise CaptureError(f"{call.text}: the arguments cannot be pickled to send them to the workers")
+    raise CaptureError(f"{call.text}: the arguments cannot be pickled to send them to the workers "
+                       f"({type(together).__name__}: {together})")
 
 
 # -- which backend a function needs -------------------------------------------------------------------

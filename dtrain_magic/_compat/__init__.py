@@ -43,7 +43,7 @@ def installed_version(distribution: str, module: str) -> str | None:
         pass
     try:
         loaded = sys.modules.get(module) or importlib.import_module(module)
-    except Exception as exc:
+    except Exception as exc:  # importing a broken package may raise anything: its version is then unknown
         log_dropped(__name__, "installed_version", exc)
         return None
     version = getattr(loaded, "__version__", None)

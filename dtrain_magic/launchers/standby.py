@@ -146,7 +146,7 @@ class Standby:
                     self.all_ready.set()
         try:
             conn.recv()  # a waiting worker never sends more: this returns (EOF) when it closes or dies
-        except Exception as exc:
+        except (EOFError, OSError) as exc:
             log_dropped(__name__, "_serve", exc)
         with self._lock:
             if not entry.answered and self.released is None and self._waiting.get(ready.rank) is entry:

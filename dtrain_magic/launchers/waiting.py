@@ -39,7 +39,7 @@ def wait_for_job(address: StandbyAddress, rank: int) -> StandbyJob | None:
     finally:
         try:
             conn.close()
-        except Exception as exc:
+        except OSError as exc:
             log_dropped(__name__, "wait_for_job", exc)
     return message if isinstance(message, StandbyJob) else None
 

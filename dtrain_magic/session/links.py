@@ -45,7 +45,7 @@ class RankLinks:
                 self.all_ready.set()
         try:
             conn.recv()  # a rank never sends more here: this returns (EOF) when it ends or dies
-        except Exception as exc:
+        except (EOFError, OSError) as exc:
             log_dropped(__name__, "_serve", exc)
         with self._lock:
             self.gone.add(ready.rank)

@@ -176,7 +176,7 @@ class RankSession:
         for stream in (sys.stdout, sys.stderr):  # a last line without its newline goes out now, before CellDone
             try:
                 stream.flush()
-            except Exception as exc:
+            except (OSError, ValueError) as exc:  # the reader is gone or the stream closed
                 log_dropped(__name__, "execute", exc)
         self.ctx.flush_metrics()  # the cell's ctx.log values reach the notebook before its end
         # idle before CellDone: the notebook stops handing messages to the monitor at the last CellDone

@@ -126,7 +126,7 @@ class RunTracker:
         for monitor in self._monitors:
             try:
                 finish_monitor(monitor)
-            except Exception as exc:
+            except Exception as exc:  # MLflow's monitor thread: its last samples at most; the run's status matters more
                 log_dropped(__name__, "finish", exc)
         self._monitors.clear()
         self.flush()

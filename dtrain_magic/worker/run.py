@@ -249,7 +249,7 @@ def run_job_file(path: str) -> int:
         job: WorkerJob = cloudpickle.load(handle)
     try:
         run_worker(job)
-    except BaseException as exc:
+    except BaseException as exc:  # already reported over the channel by run_worker; the exit code says it
         log_dropped(__name__, "run_job_file", exc)
         return 1
     return 0

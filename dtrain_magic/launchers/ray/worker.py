@@ -77,7 +77,7 @@ def _is_local_fs(checkpoint: Any) -> bool:
         import pyarrow.fs
 
         return isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem)
-    except Exception as exc:
+    except (ImportError, AttributeError) as exc:  # no pyarrow, or a checkpoint without a filesystem: not local
         log_dropped(__name__, "_is_local_fs", exc)
         return False
 

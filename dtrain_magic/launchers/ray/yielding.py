@@ -19,7 +19,6 @@ import time
 from typing import Callable
 
 from ..._compat import ray as ray_compat
-from ...errors import log_dropped
 from ..standby import Standby, StandbySlot
 
 POLL_S = 0.25  # the GCS hears of a raylet's queue within about 0.1 s: a user's task waits at most ~0.4 s more
@@ -149,6 +148,7 @@ class GiveWay:
             try:
                 relaunch(left)
                 self.relaunched += 1
-            except Exception as exc:
-                log_dropped(__name__, "GiveWay relaunch", exc)
+            except Exception as exc:  # a watcher thread: the user hears it, and the next run starts its workers anew
+                _log.warning("could not bring back the next run's workers after giving way to this Ray's work: %s",
+                             exc)
         return None

@@ -97,7 +97,7 @@ def _skip_teardown_at_exit() -> None:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
-            except Exception as exc:
+            except (OSError, ValueError) as exc:  # the reader is gone or the stream closed
                 log_dropped(__name__, "leave", exc)
         os._exit(0)
 
