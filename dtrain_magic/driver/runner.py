@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, MutableMapping
 
-from .. import procfacts
+from .. import backend_log, procfacts
 from ..config import RunConfig
 from ..errors import DistributeError, RunInterrupted, log_dropped
 from ..launchers import Launcher
@@ -56,6 +56,7 @@ class PreparedRun:
     namespace: MutableMapping[str, Any] | None = None  # a notebook's: binds the result (`bind_result`)
     params: Mapping[str, Any] = field(default_factory=dict)
     parent_run_id: str | None = None
+    log_mark: backend_log.Mark | None = None  # where the kernel's backend log stood when `prepare` began
 
     @property
     def config(self) -> RunConfig:
@@ -65,7 +66,8 @@ class PreparedRun:
         """Launch, pump and return the `RunResult` (bound in the notebook's namespace when there is one), or raise
         a short `DistributeError`. ``stop``: set it to stop the run (it raises `RunInterrupted`)."""
         tags = {"mlflow.parentRunId": self.parent_run_id} if self.parent_run_id else {}
-        result = _Run(self.plan, self.payload, observer or TextObserver(), stop, tags, self.params).execute()
+        result = _Run(self.plan, self.payload, observer or TextObserver(), stop, tags, self.params,
+                      self.log_mark).execute()
         if self.namespace is not None:
             bind_result(self.namespace, self.config, result)
         return result
@@ -83,12 +85,13 @@ def prepare(config: RunConfig, make_payload: Callable[[], Payload],
     before anything runs), launch the run's workers ahead on Spark and Ray (their start overlaps the capture),
     make the payload (``make_payload``: a notebook cell runs here, on the caller's thread), check it, find the
     ``--data`` sources (in ``sources``, else the notebook's ``namespace``: the cell has run, its variables exist)."""
+    log_mark = backend_log.mark()  # before the check, which may start Spark's JVM: its lines are this run's
     plan = check(config)
     keep_warm_ahead(plan)
     payload = make_payload()
     check_payload(config, payload)  # e.g. a Ray Train loop off --backend ray: before --dry-run too
     plan = check_data(plan, payload, sources if sources is not None else namespace)
-    return PreparedRun(plan, payload, namespace)
+    return PreparedRun(plan, payload, namespace, log_mark=log_mark)
 
 
 def bind_result(namespace: MutableMapping[str, Any], config: RunConfig, result: RunResult) -> None:
@@ -102,8 +105,9 @@ class _Run:
     """One run's steps: start its workers (`launch.Launch`), pump them to their end, collect, end the MLflow run."""
 
     def __init__(self, plan: RunPlan, payload: Payload, observer: RunObserver, stop: threading.Event | None,
-                 tags: Mapping[str, str], params: Mapping[str, Any]):
+                 tags: Mapping[str, str], params: Mapping[str, Any], log_mark: backend_log.Mark | None = None):
         self.plan, self.config, self.launcher = plan, plan.config, plan.launcher
+        self.log_mark = log_mark or backend_log.mark()
         self.payload, self.observer, self.stop = payload, observer, stop
         data_tags = plan.data.tags() if plan.data is not None else {}
         self.launch = Launch(plan, observer, tags={**tags, **data_tags}, params=params)
@@ -229,9 +233,15 @@ class _Run:
             tags.update(self.plan.data.tags())
             inputs = self.plan.data.dataset_inputs()
             staging_area().run_ended()  # copies that cannot be reused go; the others wait for a run of the same data
+        backend_text = backend_log.since(self.log_mark)  # what the backends printed meanwhile (not in the cell)
+        if backend_text:
+            artifacts["logs/backend.txt"] = backend_text
         # A stopped run does not wait for MLflow still opening (it ends the run itself once open).
         self.launch.opening.close(self.status, self.reason, tags, metrics=waiting, artifacts=artifacts,
                                   inputs=inputs, timeout=0 if self.stopped_early else 30.0)
+        shown = backend_log.shown(self.log_mark, failed=self.status == "FAILED", verbose=self.config.verbose)
+        if shown:
+            self.observer.note(shown)
         if self.held:
             self.observer.held(self.held)
 

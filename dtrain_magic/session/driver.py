@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
+from .. import backend_log
 from ..channel import Message
 from ..config import RunConfig
 from ..driver.launch import Launch, backend_error
@@ -111,6 +112,7 @@ class Session:
         if already:
             raise SessionError(f"a session is already open ({already[0].describe()}); stop it first "
                                "(%distribute_session stop, or Session.stop()), or restart it with other settings")
+        self.log_mark = backend_log.mark()  # before the check, which may start Spark's JVM: its lines are the session's
         self.plan = check(self.config)  # every check of a run, each once: a clear error before anything starts
         self.launcher = self.plan.launcher
         self.links: RankLinks | None = None
@@ -429,7 +431,7 @@ class Session:
         self.opening.close(status, None if status == "FINISHED" else reason,
                            {"dtrain_magic.session_cells": str(self.cells_run), "dtrain_magic.session_end": reason,
                             "dtrain_magic.wall_time_s": f"{time.monotonic() - self.started:.3f}"},
-                           metrics=self.pump.waiting_metrics)
+                           metrics=self.pump.waiting_metrics, artifacts=_backend_slice(self.log_mark))
 
     # -- idle release ------------------------------------------------------------------------------------------------
     def _restart_idle_timer(self) -> None:
@@ -526,6 +528,12 @@ def _rebuilt(answer: CellDone, strict: bool) -> Any:
             raise SessionError(f"rank {answer.rank}'s value came back but cannot be rebuilt in the notebook ({why}); "
                                "pull what it holds instead (a tensor, a state_dict(), plain data)") from None
         return Unsent("?", f"<rank {answer.rank}'s value: cannot be rebuilt in the notebook ({why})>", why)
+
+
+def _backend_slice(mark: backend_log.Mark) -> dict[str, str]:
+    """What the backends printed during the session (not in any cell): its MLflow ``logs/backend.txt``."""
+    text = backend_log.since(mark)
+    return {"logs/backend.txt": text} if text else {}
 
 
 def _serve_function() -> Callable[..., None]:

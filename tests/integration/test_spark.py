@@ -484,12 +484,14 @@ def test_timeout_stops_every_torchrun_process(spark_launcher, shell, mlflow, tmp
     assert run.info.status == "FAILED" and "--timeout 10" in run.data.tags["dtrain_magic.failure"]
 
 
-def test_secrets_are_not_logged_and_run_files_are_private(spark_launcher, shell, mlflow, monkeypatch):
-    """A planted token in the notebook's environment reaches no param, tag or artifact; TorchDistributor's
-    directory (the pickled function) and the run's checkpoints are the user's alone (0700)."""
+def test_secrets_are_not_logged_and_run_files_are_private(spark_launcher, shell, mlflow, monkeypatch, capsys):
+    """A planted token in the notebook's environment reaches no param, tag or artifact (the backend log's slice,
+    shown by --verbose, included); TorchDistributor's directory (the pickled function) and the run's checkpoints
+    are the user's alone (0700)."""
     monkeypatch.setenv("MY_API_TOKEN", "tok-planted-secret-spark")
+    shell.run("%distribute_release")  # a fresh launch: TorchDistributor's "Started" line is this run's
     result = shell.run(
-        "%%distribute --backend spark -n 2 --no-ui\nimport os, stat, sys, torch\ndef train(ctx):\n"
+        "%%distribute --backend spark -n 2 --no-ui --verbose\nimport os, stat, sys, torch\ndef train(ctx):\n"
         "    ctx.prepare(torch.nn.Linear(2, 1))\n    ctx.save_checkpoint(step=1)\n"
         "    return oct(stat.S_IMODE(os.stat(os.path.dirname(os.path.abspath(sys.argv[0]))).st_mode))\n"
     )
@@ -499,6 +501,11 @@ def test_secrets_are_not_logged_and_run_files_are_private(spark_launcher, shell,
     run_id = result.result.run_id
     artifacts = mlflow.list_artifacts(run_id)
     assert artifacts  # the result is one: the scan below reads what the run stored
+    # TorchDistributor's own lines went to the kernel's backend log, not the cell: the run's slice is in MLflow, and
+    # --verbose shows it in the cell.
+    backend = mlflow.download_artifacts(run_id, "logs/backend.txt")
+    assert "Started local training" in open(backend).read()
+    assert "what the backends printed during this run" in capsys.readouterr().out
     everything = everything_stored(mlflow, run_id)
     assert "tok-planted-secret-spark" not in everything
 
