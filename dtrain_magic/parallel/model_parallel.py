@@ -78,36 +78,15 @@ class ModelParallel:
         old_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         notes = [f"model parallel: {self.dims.describe()} (rank {self.rank}: stage {self.coords['pp']}, "
                  f"replica {self.coords['dp']}, shard {self.coords['tp']})"]
-        check = None
-        if self.dims.pp > 1:
-            if tp_plan is not None:
-                tensor_parallel.user_styles(model, tp_plan)  # the keys are checked against the whole model
-            links = pipeline_split.chain_of(model)
-            starts = pipeline_split.split_starts(links, self.dims.pp, pp_split)
-            pipeline_split.check_no_ties_across_stages(model, links, starts)
-            notes.append("pipeline " + pipeline_split.describe_split(links, starts))
-            keep = pipeline_split.stage_ranges(starts, len(links))[self.coords["pp"]]
-            needs_check = pipeline_split.ChainCheck.needed(model)
-            called = pipeline_split.cut_stage(model, links, keep)
-            if needs_check:
-                check = called
-        renames: dict[str, list[str]] = {}
-        views: dict[str, Any] = {}
-        self.to_plain = []
-        if self.dims.tp > 1:
-            with deferred.parameters_on_meta() if is_deferred else contextlib.nullcontext():  # GPT-2's q/k/v too
-                plan = tensor_parallel.plan_for(model, self.dims.tp, tp_plan, skip_missing=self.dims.pp > 1)
-            tensor_parallel.apply(model, mesh["tp"], plan)
-            renames, self.to_plain, views = plan.renames, list(plan.to_plain), dict(plan.views)
-            notes.append(f"tensor parallel: {plan.description}")
-        self.renames = renames
+        check = self._cut_stage(model, tp_plan, pp_split, notes) if self.dims.pp > 1 else None
+        views = self._shard_tensors(model, mesh, tp_plan, is_deferred, notes)
         self._shards_data_parallel = shard_data_parallel is not None
         if shard_data_parallel is not None:
             shard_data_parallel(model, mesh["dp"])
         if fill is not None and (is_deferred or weights is not None):
             fill(model, weights, pristine, views)
         if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
-            repoint_optimizer(optimizer, old_names, model, renames, f"--strategy {self.strategy}")
+            repoint_optimizer(optimizer, old_names, model, self.renames, f"--strategy {self.strategy}")
         else:
             optimizer = deferred.optimizer_for(optimizer, model.parameters())
         self.module = model
@@ -121,6 +100,35 @@ class ModelParallel:
         self.pipeline = Pipeline(model, self.coords["pp"], self.dims.pp, self.device, mesh["pp"].get_group(),
                                  self.config.pipeline_microbatches, self.config.pp_schedule)
         return PipelineStageModel(model, self.coords["pp"], self.dims.pp), optimizer
+
+    def _cut_stage(self, model: nn.Module, tp_plan: Mapping[str, Any] | None, pp_split: Sequence[str | int] | None,
+                   notes: list[str]) -> Any:
+        """Keep this rank's pipeline stage of ``model`` (in place); what `pipeline_split.ChainCheck` then checks
+        (None when the model needs no check)."""
+        if tp_plan is not None:
+            tensor_parallel.user_styles(model, tp_plan)  # the keys are checked against the whole model
+        links = pipeline_split.chain_of(model)
+        starts = pipeline_split.split_starts(links, self.dims.pp, pp_split)
+        pipeline_split.check_no_ties_across_stages(model, links, starts)
+        notes.append("pipeline " + pipeline_split.describe_split(links, starts))
+        keep = pipeline_split.stage_ranges(starts, len(links))[self.coords["pp"]]
+        needs_check = pipeline_split.ChainCheck.needed(model)
+        called = pipeline_split.cut_stage(model, links, keep)
+        return called if needs_check else None
+
+    def _shard_tensors(self, model: nn.Module, mesh: Any, tp_plan: Mapping[str, Any] | None, is_deferred: bool,
+                       notes: list[str]) -> dict[str, Any]:
+        """With ``--tp``: this rank's tensor-parallel shards (in place), setting ``renames`` and ``to_plain``;
+        the plan's views (for filling a deferred model)."""
+        self.renames, self.to_plain = {}, []
+        if self.dims.tp <= 1:
+            return {}
+        with deferred.parameters_on_meta() if is_deferred else contextlib.nullcontext():  # GPT-2's q/k/v too
+            plan = tensor_parallel.plan_for(model, self.dims.tp, tp_plan, skip_missing=self.dims.pp > 1)
+        tensor_parallel.apply(model, mesh["tp"], plan)
+        self.renames, self.to_plain = plan.renames, list(plan.to_plain)
+        notes.append(f"tensor parallel: {plan.description}")
+        return dict(plan.views)
 
     def finish_gradients(self, accumulation: int) -> None:
         """Before the optimizer step: pipeline gradients to their mean; replicas averaged unless the strategy's own
