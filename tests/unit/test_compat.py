@@ -304,3 +304,28 @@ def test_a_ray_run_without_datasets_gets_a_shard_provider_that_starts_no_actor()
     assert "NoDatasetsCallback" in callbacks() and "DatasetsCallback" not in callbacks()
     with_data = callbacks(train=lambda: None)  # (a Dataset factory: no Ray started for it)
     assert "DatasetsCallback" in with_data and "NoDatasetsCallback" not in with_data
+
+
+def test_a_ray_train_controller_that_cannot_be_killed_is_a_warning(monkeypatch, caplog):
+    """Its workers' CPUs may stay held: the user hears it once, at WARNING (issue #35), and the abort goes on."""
+    ray = pytest.importorskip("ray")
+
+    class Controller:
+        class abort:  # noqa: N801 - stands for the actor method
+            @staticmethod
+            def remote():
+                return "ref"
+
+    def timed_out(ref, timeout):
+        raise ray.exceptions.GetTimeoutError("still aborting")
+
+    def refuse(actor, no_restart):
+        raise RuntimeError("the GCS does not answer")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get", timed_out)
+    monkeypatch.setattr(ray, "kill", refuse)
+    with caplog.at_level("WARNING", logger="dtrain_magic._compat.ray"):
+        assert ray_compat.abort(Controller(), wait_s=0.0) is False
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "could not kill Ray Train's run controller" in caplog.text and "the GCS does not answer" in caplog.text

@@ -100,3 +100,26 @@ def test_after_stop_nothing_comes_back(fake_ray):
     fake_ray.tasks, fake_ray.available = [], {"CPU": 2.0}
     threading.Event().wait(0.6)
     assert slot.standby is None and watch.relaunched == 0
+
+
+def test_a_relaunch_that_fails_is_a_warning(fake_ray, caplog):
+    """The waiting workers do not come back (the next run starts cold): the user hears it, once (issue #35)."""
+    slot = StandbySlot()
+    first = slot.ensure(PLACEMENT, 60, make_standby)
+    assert first.all_ready.wait(10)
+    tried = threading.Event()
+
+    def relaunch(keep_s: float) -> None:
+        tried.set()
+        raise RuntimeError("the placement group cannot be made")
+
+    watch = GiveWay(slot, lambda: False)
+    with caplog.at_level("WARNING", logger=yielding.__name__):
+        watch.watch(CPU, 2, relaunch)
+        fake_ray.tasks = [{"CPU": 1.0}]
+        assert wait_until(lambda: first.released is not None, 5)
+        fake_ray.tasks, fake_ray.available = [], {"CPU": 2.0}
+        assert tried.wait(5) and wait_until(lambda: "could not bring back" in caplog.text, 5)
+        watch.stop()
+    assert watch.relaunched == 0 and "the placement group cannot be made" in caplog.text
+    slot.release("the test ends", grace_s=0.0)
