@@ -33,7 +33,7 @@ def has_store_for(uri: str) -> bool | None:
         return None
     try:
         _tracking_store_registry.get_store_builder(uri)
-    except Exception as exc:
+    except Exception as exc:  # a private registry: any failure means no store for this scheme
         log_dropped(__name__, "has_store_for", exc)
         return False
     return True

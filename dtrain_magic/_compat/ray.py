@@ -285,7 +285,7 @@ def free_placement_groups(actor: Any) -> int:
 
         creator = actor._actor_id.binary()
         table = state._connect_and_get_accessor().get_placement_group_table()
-    except Exception as exc:
+    except Exception as exc:  # Ray's private state API: any change or failure only skips this clean-up
         log_dropped(__name__, "free_placement_groups", exc)
         return 0
     removed = 0
@@ -322,6 +322,6 @@ def started_by_this_process() -> bool:
 
         node = worker._global_node
         return node is not None and bool(node.is_head())
-    except Exception as exc:
+    except Exception as exc:  # Ray's private worker module: any failure reads as joined, the safe answer
         log_dropped(__name__, "started_by_this_process", exc)
         return False

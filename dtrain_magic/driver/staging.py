@@ -159,7 +159,7 @@ def remove(location: str | None) -> None:
             fs.delete_dir(inner)
         else:
             shutil.rmtree(location, ignore_errors=True)
-    except Exception:
+    except Exception:  # rmtree or any pyarrow filesystem's error: the copy stays, the user hears where
         logging.getLogger(__name__).warning("could not remove the staged data at %s", location, exc_info=True)
 
 

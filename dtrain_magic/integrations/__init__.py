@@ -161,7 +161,7 @@ def uninstall() -> None:
     while _undo:
         try:
             _undo.pop()()
-        except Exception as exc:
+        except Exception as exc:  # an integration's undo may raise anything: the others are still undone
             log_dropped(__name__, "uninstall", exc)
     _sink = None
     compat_dist.restore()

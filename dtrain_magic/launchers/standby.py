@@ -168,7 +168,7 @@ class Standby:
             return False
         try:
             state = self.launch.poll()
-        except Exception as exc:
+        except Exception as exc:  # a backend's poll may raise its own errors: the run starts fresh
             log_dropped(__name__, "usable", exc)
             return False
         return not state.finished and not state.failures
@@ -232,7 +232,7 @@ def _seconds(value: float) -> str:
 def _finished(launch: RunningJob) -> bool:
     try:
         return launch.poll().finished
-    except Exception as exc:
+    except Exception as exc:  # a backend's poll may raise its own errors: taken as ended
         log_dropped(__name__, "_finished", exc)
         return True
 

@@ -228,13 +228,13 @@ def device_memory_bytes(device: Any = None, processes_per_device: int = 1) -> in
         if device is not None and getattr(device, "type", str(device)) == "cuda" and torch.cuda.is_available():
             index = getattr(device, "index", None) or 0
             return int(torch.cuda.get_device_properties(index).total_memory)
-    except Exception as exc:
+    except Exception as exc:  # torch missing or a broken CUDA runtime: the host's memory instead
         log_dropped(__name__, "device_memory_bytes", exc)
     try:
         import psutil
 
         return int(psutil.virtual_memory().total // max(1, processes_per_device))
-    except Exception as exc:
+    except Exception as exc:  # psutil missing or refusing: no memory figure
         log_dropped(__name__, "device_memory_bytes", exc)
         return None
 

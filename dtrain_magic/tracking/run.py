@@ -90,7 +90,7 @@ class RunTracker:
         for path, text in texts.items():
             try:
                 self.client.log_text(self.run_id, text, path)
-            except Exception:
+            except Exception:  # each store fails its own way: this artifact is skipped, the user hears it
                 logging.getLogger(__name__).warning("could not write the MLflow artifact %s", path, exc_info=True)
 
     def log_inputs(self, inputs: list[Mapping[str, str]]) -> None:
@@ -183,7 +183,7 @@ class RunOpening:
         try:
             if self._system_metrics:
                 tracker.start_system_metrics()
-        except Exception:
+        except Exception:  # MLflow's monitor fails in many ways: the run goes on, the user hears it
             logging.getLogger(__name__).warning("system metrics are off for this run", exc_info=True)
         with self._lock:
             closing = self._closing

@@ -67,7 +67,7 @@ class MetricWriter(threading.Thread):
             last_write = time.monotonic()
             try:
                 self.client.log_batch(self.run_id, metrics=batch)
-            except Exception:
+            except Exception:  # a thread with nobody to tell: the batch is lost, the user hears it
                 logging.getLogger(__name__).warning("could not log %d metrics to MLflow", len(batch), exc_info=True)
             if after is not None:
                 self._call(after)
@@ -76,7 +76,7 @@ class MetricWriter(threading.Thread):
     def _call(action) -> None:
         try:
             action()
-        except Exception:
+        except Exception:  # a thread with nobody to tell: this write is lost, the user hears it
             logging.getLogger(__name__).warning("could not write to MLflow", exc_info=True)
 
     def close(self, timeout: float = 30.0) -> None:

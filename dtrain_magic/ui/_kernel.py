@@ -32,7 +32,7 @@ def _kernel() -> Any:
         from IPython import get_ipython
 
         shell = get_ipython()
-    except Exception as exc:
+    except Exception as exc:  # no IPython, or a broken one: no kernel to route buttons through
         log_dropped(__name__, "_kernel", exc)
         return None
     kernel = getattr(shell, "kernel", None)
@@ -47,7 +47,7 @@ def _subshell_id(kernel: Any, timeout: float = 5.0) -> str | None:
             return _subshell[id(kernel)]
         try:
             _subshell[id(kernel)] = ipykernel_compat.create_subshell(kernel, timeout)
-        except Exception as exc:
+        except Exception as exc:  # private ipykernel API: any failure means no subshell
             _log.debug("could not create a kernel subshell: %r", exc)
             return None
         return _subshell[id(kernel)]

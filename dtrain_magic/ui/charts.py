@@ -534,7 +534,7 @@ class RunCharts:
             if self.status in TERMINAL or (self._run_ended.is_set() and time.monotonic() > self._grace_until):
                 try:
                     self.poll_once()  # everything is flushed once the status is terminal: the final state
-                except Exception:
+                except Exception:  # the poller has nobody to tell: what was drawn stays
                     _log.debug("final MLflow poll failed", exc_info=True)
                 break
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))

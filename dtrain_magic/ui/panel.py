@@ -614,7 +614,7 @@ class _OutputWriter:
             self._dirty.clear()
             try:
                 self.flush()
-            except Exception as exc:
+            except Exception as exc:  # a thread with nobody to tell: the next change redraws the whole state
                 log_dropped(__name__, "_loop", exc)
             self._closed.wait(self._every_s)
 

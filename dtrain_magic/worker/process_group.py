@@ -68,11 +68,11 @@ def leave_process_group(use_gpu: bool, finished: bool) -> None:
     if finished:
         try:
             barrier(device_for(use_gpu, rank_from_env().local_rank))
-        except Exception as exc:
+        except Exception as exc:  # a peer gone breaks the barrier with any backend's error: leave anyway
             log_dropped(__name__, "leave_process_group", exc)
     try:
         dist.destroy_process_group()
-    except Exception as exc:
+    except Exception as exc:  # peers gone: any error here; the process ends anyway
         log_dropped(__name__, "leave_process_group", exc)
 
 

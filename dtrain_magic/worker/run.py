@@ -63,7 +63,7 @@ def run_worker(job: WorkerJob, ranks: RankInfo | None = None, checkpoints: Any =
             # the notebook stop this worker; its result is already sent.
             try:
                 barrier(device)
-            except Exception as exc:
+            except Exception as exc:  # a peer failed (the notebook stops this worker): the result is sent
                 log_dropped(__name__, "run_worker", exc)
         return value
     except BaseException as exc:
@@ -177,7 +177,7 @@ def _close_pulse(rank: _Rank) -> None:
     if pulse is not None:
         try:
             pulse.close()
-        except Exception as exc:
+        except Exception as exc:  # its last send, to a notebook that may be gone
             log_dropped(__name__, "_close_pulse", exc)
 
 
@@ -194,12 +194,12 @@ def _teardown(rank: _Rank) -> None:
     if rank.strategy is not None:
         try:
             rank.strategy.teardown()
-        except Exception as exc:
+        except Exception as exc:  # a strategy's teardown may raise anything: the rest still tears down
             log_dropped(__name__, "_teardown", exc)
     if rank.owns_group and dist.is_initialized():
         try:
             dist.destroy_process_group()
-        except Exception as exc:
+        except Exception as exc:  # peers gone: any error here; the process ends anyway
             log_dropped(__name__, "_teardown", exc)
     rank.link.close()
 

@@ -133,7 +133,7 @@ class RayJob(StandbyLaunch):
             if ref in ready:
                 try:
                     answers[rank] = tuple(ray.get(ref))
-                except Exception as exc:
+                except Exception as exc:  # the stack task's own failure (its node gone): no stack for that rank
                     log_dropped(__name__, "RayJob.dump_stacks", exc)
             else:
                 ray.cancel(ref, force=True)

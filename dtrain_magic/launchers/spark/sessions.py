@@ -32,7 +32,7 @@ def _connect_conf(spark: Any, key: str) -> str | None:
     refuse reads of its settings)."""
     try:
         return spark.conf.get(key, None)
-    except Exception as exc:
+    except Exception as exc:  # a managed Connect server may refuse the read with any error: unset
         log_dropped(__name__, "_connect_conf", exc)
         return None
 
@@ -51,7 +51,7 @@ def alive(spark: Any) -> bool:
         if is_connect(spark):
             return not spark.is_stopped
         return not spark_compat.context_stopped(spark.sparkContext)
-    except Exception as exc:
+    except Exception as exc:  # a session torn down meanwhile raises what its client does: not alive
         log_dropped(__name__, "alive", exc)
         return False
 
@@ -100,7 +100,7 @@ def running_jobs(spark: Any, group: str) -> list[int]:
             if info is not None and info.status in ("RUNNING", "UNKNOWN"):
                 running.append(job_id)
         return running
-    except Exception as exc:
+    except Exception as exc:  # a stopping SparkContext's tracker: no job left to wait for
         log_dropped(__name__, "running_jobs", exc)
         return []
 

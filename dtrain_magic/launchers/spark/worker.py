@@ -79,9 +79,9 @@ def _run_job(job: WorkerJob, tracking_uri: str | None) -> bool:
     try:
         run_worker(job)
         return True
-    except BaseException as exc:
+    except BaseException as exc:  # the rank's own failure: run_worker reported it over the channel
         log_dropped(__name__, "_run_job", exc)
-        return False  # already reported over the channel by run_worker
+        return False
     finally:
         _finish_node_metrics(monitor)
 
@@ -158,5 +158,5 @@ def _finish_node_metrics(node: _NodeMetrics | None) -> None:
         from ...tracking.system_metrics import finish_monitor
 
         finish_monitor(monitor)
-    except Exception as exc:
+    except Exception as exc:  # MLflow's monitor thread: its last samples at most
         log_dropped(__name__, "_finish_node_metrics", exc)
