@@ -118,7 +118,7 @@ def connect_server_here(session: Any) -> bool:
         return True
     try:
         host = str(session.client._builder.host)
-    except Exception as exc:
+    except Exception as exc:  # private Connect client attributes: read as remote, the safe answer
         log_dropped(__name__, "connect_server_here", exc)
         return False
     return host in _LOOPBACK or host.startswith("127.")
@@ -137,7 +137,7 @@ def connect_server_python() -> Any:
 
         context = SparkContext._active_spark_context
         return UNKNOWN if context is None else context._jvm.java.lang.System.getenv("PYSPARK_PYTHON")
-    except Exception as exc:
+    except Exception as exc:  # private attributes and a py4j call: unknown
         log_dropped(__name__, "connect_server_python", exc)
         return UNKNOWN
 
@@ -157,7 +157,7 @@ def task_slots(context: Any) -> tuple[int, int] | None:
         executors = max(0, len(jsc.statusTracker().getExecutorInfos()) - 1)  # minus the driver
         slots = jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile())
         return executors, int(slots)
-    except Exception as exc:
+    except Exception as exc:  # private JVM API through py4j: unknown
         log_dropped(__name__, "task_slots", exc)
         return None
 
@@ -166,7 +166,7 @@ def clear_job_group(context: Any) -> None:
     """Forget the job group ``setJobGroup`` set on this thread."""
     try:
         context.setLocalProperty("spark.jobGroup.id", None)
-    except Exception as exc:
+    except Exception as exc:  # a context stopped meanwhile: its job group went with it
         log_dropped(__name__, "clear_job_group", exc)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 import threading
 from typing import Any
@@ -178,7 +179,7 @@ class RayInstance:
         try:
             sweeper.stdin.close()
             sweeper.wait(10)
-        except Exception as exc:
+        except (OSError, subprocess.TimeoutExpired) as exc:  # it exits once the kernel is gone anyway
             log_dropped(__name__, "_stop_sweeper", exc)
 
     def _start(self, num_cpus: int, attempts: int = 2) -> None:
@@ -229,7 +230,7 @@ def _current_address() -> str | None:
 
     try:
         return ray.get_runtime_context().gcs_address
-    except Exception as exc:
+    except Exception as exc:  # Ray not connected, or shutting down: no address
         log_dropped(__name__, "_current_address", exc)
         return None
 
@@ -239,7 +240,7 @@ def _current_job() -> str | None:
 
     try:
         return ray.get_runtime_context().get_job_id()
-    except Exception as exc:
+    except Exception as exc:  # Ray not connected, or shutting down: no job
         log_dropped(__name__, "_current_job", exc)
         return None
 

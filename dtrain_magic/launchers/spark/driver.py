@@ -297,7 +297,7 @@ class SparkJob(StandbyLaunch):
         if self._thread.is_alive() or self.active_jobs():
             try:
                 spark_compat.cancel_group(self._spark, self.group)
-            except Exception as exc:
+            except Exception as exc:  # py4j's or Connect's errors, a session stopping: its jobs end with it
                 log_dropped(__name__, "_cancel_job_group", exc)
 
     def _wait_for_jobs(self, deadline: float) -> None:
@@ -370,20 +370,22 @@ def _data_needs_the_slots(config: RunConfig) -> bool:
 
 
 def _is_torchrun(proc: Any) -> bool:
+    import psutil
+
     try:
         command = " ".join(proc.cmdline())
-    except Exception as exc:
+    except psutil.Error as exc:  # gone meanwhile, or not ours to read
         log_dropped(__name__, "_is_torchrun", exc)
         return False
     return spark_compat.TORCHRUN_WRAPPER_MODULE in command or "torch.distributed.run" in command
 
 
 def _child_pids() -> set[int]:
-    try:
-        import psutil
+    import psutil
 
+    try:
         return {p.pid for p in psutil.Process().children(recursive=True)}
-    except Exception as exc:
+    except psutil.Error as exc:  # a child's /proc entry unreadable meanwhile
         log_dropped(__name__, "_child_pids", exc)
         return set()
 
@@ -513,7 +515,7 @@ class SparkLauncher(Spark, Launcher):
             self.standbys.release("dtrain_magic's SparkSession stops")
             try:
                 self._session.stop()
-            except Exception as exc:
+            except Exception as exc:  # py4j's errors when the JVM is going already: nothing left to stop
                 log_dropped(__name__, "_stop_own", exc)
             self._session = None
 
@@ -527,7 +529,7 @@ class SparkLauncher(Spark, Launcher):
             if at_exit and self._session is not None and self._alive(self._session):
                 try:
                     self._session.sparkContext.setLogLevel("OFF")
-                except Exception as exc:
+                except Exception as exc:  # the JVM may be going already: only its quiet exit is lost
                     log_dropped(__name__, "shutdown", exc)
             self._stop_own()
 
@@ -722,7 +724,7 @@ class SparkLauncher(Spark, Launcher):
         active = None
         try:
             active = self._active_session() if "pyspark" in sys.modules else None
-        except Exception as exc:
+        except Exception as exc:  # a description only: a session in trouble is described as none
             log_dropped(__name__, "describe", exc)
         if active is not None and active is self._session:
             master = f"dtrain_magic's SparkSession ({active.sparkContext.master}, reused)"
