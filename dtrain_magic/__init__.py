@@ -6,7 +6,8 @@ command line (``python -m dtrain_magic run my_pkg.train:main -n 4``, `dtrain_mag
 
 The public API: `run`, `CTX` (stands for the worker's ``ctx`` among `run`'s arguments), `RunConfig`,
 `RunResult`, `TrainContext`, `Session` (an interactive session: ranks that keep their state from cell to cell,
-`dtrain_magic.session`), and the errors in `dtrain_magic.errors`. The layout follows the flow: `notebook`
+`dtrain_magic.session`), `sweep` (a run per trial of a search space, Optuna's samplers and pruners:
+`dtrain_magic.sweep`), and the errors in `dtrain_magic.errors`. The layout follows the flow: `notebook`
 (the magics), `api` and `cli` → `config` (one validated `RunConfig` from the flag table, `flagtable`) →
 `driver` (check, launch, pump) → `launchers` (one per backend) → `worker` (every rank: the `TrainContext` for
 the `strategies`) → `tracking` (MLflow) → `ui` (the panel and charts that read it).
@@ -70,6 +71,10 @@ def __getattr__(name: str) -> Any:
         from .payload import CTX
 
         return CTX
+    if name == "sweep":  # a run per trial of a search space (docs/sweeps.md): the package is callable
+        import importlib
+
+        return importlib.import_module(".sweep", __name__)
     if name == "Session":  # an interactive session (docs/sessions.md)
         from .session.driver import Session
 
@@ -84,5 +89,7 @@ __all__ = [
     "WorkerError",
     "load_ipython_extension", "run",
 ]
+# Sweeps (docs/sweeps.md): dtrain_magic.sweep(fn, space, trials=..., metric=...)
+__all__ += ["sweep"]
 # Interactive sessions (docs/sessions.md)
 __all__ += ["CellInterrupted", "CellTimeout", "RankError", "Session", "SessionError", "SessionLost"]

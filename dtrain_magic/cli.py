@@ -1,4 +1,5 @@
-"""The command line: ``python -m dtrain_magic run TARGET [FLAGS] [-- ARGS]`` (also ``dtrain-magic run ...``).
+"""The command line: ``python -m dtrain_magic run TARGET [FLAGS] [-- ARGS]`` (also ``dtrain-magic run ...``), and
+``python -m dtrain_magic sweep TARGET --sweep SPACE --metric NAME [FLAGS]`` (a run per trial: docs/sweeps.md).
 
 For scripts and scheduled jobs, in the style of ``torchrun`` and ``ray job submit``::
 
@@ -27,7 +28,7 @@ from typing import Any, Callable
 
 from .config import RunConfig, resolve_config
 from .errors import CaptureError, ConfigError, DistributeError, RunInterrupted
-from .flagtable import CLI, FLAGS
+from .flagtable import CLI, FLAGS, SWEEP
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -44,14 +45,23 @@ def parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run a function or script on every worker",
                               description=__doc__.split("\n\n", 1)[1], formatter_class=_HelpFormatter)
     run.add_argument("target", metavar="TARGET", help="module:function, file.py:function, or file.py (a script)")
+    _add_flags(run, [row for row in FLAGS if CLI in row.entry_points])
+    sweep = commands.add_parser("sweep", help="run it once per trial of a search space (docs/sweeps.md)",
+                                description="Run TARGET once per trial of --sweep SPACE: each trial a run as `run` "
+                                "makes it, its hyperparameters in ctx.params (docs/sweeps.md).",
+                                formatter_class=_HelpFormatter)
+    sweep.add_argument("target", metavar="TARGET", help="module:function, file.py:function, or file.py (a script)")
+    _add_flags(sweep, [row for row in FLAGS if CLI in row.entry_points or row.group == SWEEP])
+    return top
+
+
+def _add_flags(command: argparse.ArgumentParser, rows: list[Any]) -> None:
+    """A command's flags, generated from the flag table's rows, in their help groups."""
     groups: dict[str, Any] = {}
-    for row in FLAGS:
-        if CLI not in row.entry_points:
-            continue
-        group = groups.get(row.group) or groups.setdefault(row.group, run.add_argument_group(row.group))
+    for row in rows:
+        group = groups.get(row.group) or groups.setdefault(row.group, command.add_argument_group(row.group))
         for options, keywords in row.argparse_calls():
             group.add_argument(*options, **keywords)
-    return top
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     argv, script_args = _split_at_dashes(argv)
     args = parser().parse_args(argv)  # argparse exits with 2 on bad flags, naming them
     try:
+        if args.command == "sweep":
+            return _sweep(args, tuple(script_args))
         config = _config(args)
         return _run(config, args.target, tuple(script_args))
     except RunInterrupted as exc:
@@ -104,6 +116,20 @@ def _run(config: RunConfig, target: str, script_args: tuple[str, ...]) -> int:
         equivalent=command_line(config, target, script_args)))  # ui is off here: plain text
     if result is not None and result.value is not None:
         print(f"dtrain_magic: rank 0 returned {result.value!r}")
+    return EXIT_OK
+
+
+def _sweep(args: argparse.Namespace, script_args: tuple[str, ...]) -> int:
+    from .api import payload_of
+    from .payload import ScriptMain
+    from .sweep.entry import sweep_from_args
+
+    def make_payload() -> Any:
+        fn, argv0 = load_target(args.target)
+        files = (fn.filename,) if isinstance(fn, ScriptMain) else ()
+        return payload_of(fn, (), {}, argv=(argv0, *script_args), source_files=files)
+
+    sweep_from_args(args, make_payload)  # prints a line per trial and the best
     return EXIT_OK
 
 

@@ -34,8 +34,13 @@ class DistributeMagics(Magics):
         args = flags.parse_line(line)
         if args.configure:
             return self._configure(args, cell)
-        config = flags.config_from_args(args, in_frontend=_in_frontend(self.shell))
         namespace = self.shell.user_ns
+        if args.sweep is not None:  # a run per trial of the space (docs/sweeps.md); the cell is captured once
+            from ..sweep.entry import sweep_from_args
+
+            return sweep_from_args(args, lambda: capture(cell, namespace, args.fn, self.shell)[0], namespace,
+                                   in_frontend=_in_frontend(self.shell))
+        config = flags.config_from_args(args, in_frontend=_in_frontend(self.shell))
         prepared = runner.prepare(config, lambda: capture(cell, namespace, config.fn, self.shell)[0], namespace)
 
         def dry_run_text() -> str:

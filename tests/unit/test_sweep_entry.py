@@ -64,3 +64,25 @@ def test_python_refuses_an_unknown_keyword_and_a_missing_metric():
         entry.sweep(train, "lr=uniform(0,1)", trails=4, metric="loss")
     with pytest.raises(ConfigError, match="--metric: got None"):
         entry.sweep(train, "lr=uniform(0,1)", trials=4)
+
+
+def test_the_command_line_has_a_sweep_command_and_run_takes_no_sweep_flag(captured, tmp_path, monkeypatch):
+    from dtrain_magic import cli
+
+    script = tmp_path / "job.py"
+    script.write_text("def main(ctx):\n    ctx.log(loss=ctx.params['lr'])\n")
+    monkeypatch.chdir(tmp_path)
+    status = cli.main(["sweep", "job.py:main", "-n", "1", "--cpu", "--sweep", "lr=grid(0.1,0.2)", "--metric", "loss"])
+    assert status == cli.EXIT_OK
+    assert captured["settings"].space == "lr=grid(0.1,0.2)" and captured["config"].num_processes == 1
+    assert captured["config"].ui is False
+    assert captured["make_payload"]().name == "main"
+    with pytest.raises(SystemExit):
+        cli.parser().parse_args(["run", "job.py:main", "--sweep", "lr=grid(1)"])
+
+
+def test_the_magic_sends_a_sweep_line_to_the_sweep(captured, shell):
+    cell = shell.run('%%distribute --no-ui -n 1 --cpu --sweep "lr=grid(1,2)" --metric loss\n'
+                     "def train(ctx):\n    pass\n")
+    assert cell.error_in_exec is None
+    assert captured["settings"].space == "lr=grid(1,2)" and captured["make_payload"]().name == "train"
