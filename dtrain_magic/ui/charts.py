@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .._compat import plotly as plotly_compat
+from .training_series import Point, TrainingSeries
 
 _log = logging.getLogger(__name__)
 
@@ -128,7 +129,6 @@ class Series:
     timestamps: list[int] = field(default_factory=list)
 
 
-Point = tuple[int, float, int]  # (step, value, timestamp in ms): one logged value of a training metric
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 TEMPLATE = "plotly_white"
 LOG_Y_DECADES = 3.0  # automatic log y once the shown metric spans this many powers of ten (all values > 0)
@@ -198,8 +198,7 @@ class RunCharts:
         self.system: dict[str, Series] = {}
         self.status: str | None = None
         self.start_time_ms: int | None = None
-        self.lags_s: list[float] = []  # ctx.log on the worker (its timestamp) -> value in the chart data
-        self.fed_shown = 0  # points that reached the chart from `feed` before MLflow had them
+        self.training = TrainingSeries()  # MLflow's history and the fed points of each training metric
         self.polls = 0
         self.error: str | None = None
         self.y_scale = "auto"  # the metrics chart's y axis: auto (log for a wide positive range), linear, log
@@ -217,11 +216,6 @@ class RunCharts:
         self._outputs: dict[str, Any] = {}  # "metrics" / "system" -> the Output showing that figure
         self._stale: set[str] = set()  # figures changed since they were last shown
         self._shown_at: dict[str, float] = {}  # figure -> time.monotonic() of its last redraw
-        self._recorded: dict[str, list[Point]] = {}  # MLflow's history per training metric, sorted
-        self._fed: dict[str, list[Point]] = {}  # received from the workers, not yet seen in MLflow
-        self._fed_lock = threading.Lock()  # `feed` runs in the driver's thread, the poller in its own
-        self._fed_changed: set[str] = set()
-        self._seen: dict[str, set[tuple[int, int]]] = {}  # (step, timestamp) already in the chart data
 
     # -- display ---------------------------------------------------------------------------------
     @property
@@ -357,11 +351,17 @@ class RunCharts:
 
         ``timestamp_ms`` is the worker's, the one the tracker gives MLflow; without it the point is stamped
         now and stays beside MLflow's copy until the run's final read."""
-        stamp = int(timestamp_ms) if timestamp_ms else int(time.time() * 1000)
-        with self._fed_lock:
-            for key, value in metrics.items():
-                self._fed.setdefault(key, []).append((int(step), float(value), stamp))
-                self._fed_changed.add(key)
+        self.training.feed(step, metrics, timestamp_ms)
+
+    @property
+    def lags_s(self) -> list[float]:
+        """Each point's lag, from ``ctx.log`` on the worker (its timestamp) to the chart data."""
+        return self.training.lags_s
+
+    @property
+    def fed_shown(self) -> int:
+        """The points that reached the chart from `feed` before MLflow had them."""
+        return self.training.fed_shown
 
     def attach(self, client: Any, run_id: str) -> None:
         """The MLflow run exists now: poll it from the next tick on."""
@@ -430,32 +430,8 @@ class RunCharts:
     def _merge_metrics(self, histories: dict[str, list[Point]], final: bool) -> list[str]:
         """Training metric series = MLflow's history + fed points MLflow does not have yet (none once the
         run is terminal: MLflow is the record). Returns the keys whose series changed."""
-        with self._fed_lock:
-            fed_changed, self._fed_changed = self._fed_changed, set()
-            keys = set(histories) | fed_changed | (set(self._fed) if final else set())
-            merged: dict[str, list[Point]] = {}
-            for key in keys:
-                recorded = histories.get(key, self._recorded.get(key, []))
-                new_record = key in histories and len(recorded) != len(self._recorded.get(key, ()))
-                if not (new_record or key in fed_changed or final):
-                    continue
-                self._recorded[key] = recorded
-                fed = self._fed.get(key, [])
-                if fed:
-                    ids = {(p[0], p[2]) for p in recorded}
-                    fed = [] if final else [p for p in fed if (p[0], p[2]) not in ids]
-                    self._fed[key] = fed
-                merged[key] = sorted(recorded + fed, key=lambda p: (p[0], p[2])) if fed else recorded
-        now = time.time()
         changed = []
-        for key, points in merged.items():
-            seen = self._seen.setdefault(key, set())
-            if self._live:
-                fresh = [p for p in points if (p[0], p[2]) not in seen]
-                self.lags_s += [now - p[2] / 1000.0 for p in fresh]
-                recorded_ids = {(p[0], p[2]) for p in self._recorded.get(key, ())}
-                self.fed_shown += sum(1 for p in fresh if (p[0], p[2]) not in recorded_ids)
-            seen.update((p[0], p[2]) for p in points)
+        for key, points in self.training.merge(histories, final, self._live).items():
             series = Series([p[0] for p in points], [p[1] for p in points], [p[2] for p in points])
             old = self.metrics.get(key)
             if old is None or old.x != series.x or old.y != series.y:

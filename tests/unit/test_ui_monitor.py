@@ -155,7 +155,7 @@ def test_fed_points_are_drawn_before_mlflow_and_shown_once():
     store.log("loss", 3, 0.25, 10_003)
     charts.poll_once()
     assert charts.trace_data(charts.metrics_figure, "loss") == ([0, 1, 2, 3], [1.0, 0.5, 1 / 3, 0.25])
-    assert charts._fed["loss"] == []  # everything fed is in MLflow now
+    assert charts.training.unrecorded("loss") == []  # everything fed is in MLflow now
     # a fed value that never reached MLflow is not in the final chart: MLflow is the record
     charts.feed(4, {"loss": 0.2}, timestamp_ms=10_004)
     charts.poll_once()
