@@ -254,7 +254,7 @@ def stop_soon(running: Any, workers: dict) -> None:
     def cancel() -> None:
         try:
             running.cancel()
-        except Exception:
+        except Exception:  # a backend's own clean-up failing must not hide the run's outcome: logged, reaped below
             logging.getLogger(__name__).warning("stopping the run's workers failed", exc_info=True)
         finally:
             done.set()
@@ -327,7 +327,7 @@ def _keep_warm(launcher: Launcher, config: RunConfig) -> str | None:
     """`Launcher.keep_warm` after a run; a failure there is logged, never the run's."""
     try:
         return launcher.keep_warm(config)
-    except Exception:
+    except Exception:  # launching ahead is an optimisation: the next run launches fresh
         logging.getLogger(__name__).warning("could not launch the next run's workers ahead", exc_info=True)
         return None
 
