@@ -10,7 +10,7 @@ import time
 import optuna
 import pytest
 
-from dtrain_magic.sweep import sweep
+import dtrain_magic
 
 pytestmark = pytest.mark.slow
 
@@ -55,8 +55,8 @@ def children(mlflow, parent_run_id):
 
 def test_a_grid_sweep_finds_the_known_best_rate_records_it_in_mlflow_and_resumes(tmp_path, tracking_uri):
     space = "lr=grid(0.5,0.05,0.005)"  # 24 steps: 0.5 converges, the smaller rates are still far off
-    result = sweep(regression, space, metric="loss", num_processes=2, cpu=True, seed=0, tracking_uri=tracking_uri,
-                   sweep_name="grid", ui=False, pause=0)
+    result = dtrain_magic.sweep(regression, space, metric="loss", num_processes=2, cpu=True, seed=0,
+                                tracking_uri=tracking_uri, sweep_name="grid", ui=False, pause=0)
     assert result.best.params == {"lr": 0.5}
     assert result.best.result.values == [{"lr": 0.5}, {"lr": 0.5}]  # each rank's own ctx.params
     assert sorted(result.trials["state"]) == ["COMPLETE"] * 3
@@ -69,8 +69,8 @@ def test_a_grid_sweep_finds_the_known_best_rate_records_it_in_mlflow_and_resumes
     assert parent.data.params["sweep.space"] == space
     assert (tmp_path / "optuna.db").exists()
 
-    again = sweep(regression, space, metric="loss", num_processes=2, cpu=True, tracking_uri=tracking_uri,
-                  sweep_name="grid", ui=False, pause=0)
+    again = dtrain_magic.sweep(regression, space, metric="loss", num_processes=2, cpu=True, tracking_uri=tracking_uri,
+                               sweep_name="grid", ui=False, pause=0)
     assert len(again.study.trials) == 3 and again.results == {}  # no trial ran again
     assert again.parent_run_id == result.parent_run_id and len(children(mlflow, result.parent_run_id)) == 3
     assert again.best.number == result.best.number
@@ -82,8 +82,8 @@ def test_the_median_pruner_stops_diverging_trials(tracking_uri):
     # most completed trials converged. --seed 1 seeds the grid sampler: 0.1 and 0.2 come first (Optuna 4.6).
     pruner = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=3)
     space = "lr=grid(0.3,0.2,0.1,1.5,1.6,1.7)"
-    result = sweep(regression, space, metric="loss", num_processes=1, cpu=True, seed=1, tracking_uri=tracking_uri,
-                   pruner=pruner, parallel_trials=1, ui=False)
+    result = dtrain_magic.sweep(regression, space, metric="loss", num_processes=1, cpu=True, seed=1,
+                                tracking_uri=tracking_uri, pruner=pruner, parallel_trials=1, ui=False)
     frame = result.trials.sort_values("number")
     completed, expected = [], []
     for lr in frame["params_lr"]:
@@ -106,8 +106,8 @@ def test_trials_of_one_process_are_packed_two_at_once_on_two_cores(tracking_uri)
     import os
 
     cores = len(os.sched_getaffinity(0))
-    result = sweep(regression, "lr=grid(0.1,0.2,0.3,0.4)", metric="loss", num_processes=1, cpu=True,
-                   tracking_uri=tracking_uri, ui=False)
+    result = dtrain_magic.sweep(regression, "lr=grid(0.1,0.2,0.3,0.4)", metric="loss", num_processes=1, cpu=True,
+                                tracking_uri=tracking_uri, ui=False)
     frame = result.trials
     assert set(frame["state"]) == {"COMPLETE"}
     spans = [(row.datetime_start.timestamp(), row.datetime_complete.timestamp()) for row in frame.itertuples()]
