@@ -16,6 +16,11 @@ class ParentRun:
 
     def __init__(self, tracking_uri: str, experiment: str, name: str, params: Mapping[str, Any],
                  study: Any = None):
+        from ..tracking import wait_for_preload
+        from ..tracking.system_metrics import quiet_mlflow
+
+        wait_for_preload()  # MLflow imported in the background meanwhile (`plan.check`): two imports could deadlock
+        quiet_mlflow()  # a new store's set-up lines are not the cell's
         from mlflow import MlflowClient
 
         self.tracking_uri = tracking_uri
