@@ -141,3 +141,21 @@ def assert_nothing_left(timeout: float = 10.0) -> None:
     while alive() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert alive() == []
+
+
+def failing_for_negative_rates(ctx):
+    if ctx.params["lr"] < 0:
+        raise ValueError(f"a negative rate: {ctx.params['lr']}")
+    ctx.log(loss=ctx.params["lr"])
+
+
+def test_a_failing_trial_is_failed_with_its_error_and_the_sweep_goes_on(tracking_uri):
+    result = dtrain_magic.sweep(failing_for_negative_rates, "lr=grid(0.1,-1.0)", metric="loss", num_processes=1,
+                                cpu=True, tracking_uri=tracking_uri, ui=False)
+    states = dict(zip(result.trials["params_lr"], result.trials["state"], strict=True))
+    assert states == {0.1: "COMPLETE", -1.0: "FAIL"}
+    error = result.trials.set_index("params_lr").loc[-1.0, "user_attrs_error"]
+    assert error.startswith("WorkerError: rank 0 failed: ValueError: a negative rate: -1.0"), error
+    runs = {run.data.params["lr"]: run.info.status for run in children(client(tracking_uri), result.parent_run_id)}
+    assert runs == {"0.1": "FINISHED", "-1.0": "FAILED"}
+    assert result.best.params == {"lr": 0.1}
