@@ -303,3 +303,19 @@ def test_an_interrupt_stops_every_running_trial(monkeypatch):
     assert len(ends) == len([e for e in base.log if e[0] == "start"]) == 2
     assert FakeParent.made[0].status == "KILLED"
     assert set(sweep_study.interrupted(s.study)) == {t.number for t in s.study.trials}
+
+
+def test_each_combination_of_run_options_is_prepared_once_with_the_base_payload(monkeypatch):
+    prepared = []
+
+    def prepare(config, make_payload, namespace=None, sources=None):
+        payload = make_payload()
+        prepared.append((config.precision, payload))
+        return FakeRun(FakePlan(config), quadratic, 2, payload=payload)
+
+    monkeypatch.setattr(sweep_runner.runner, "prepare", prepare)
+    s, base, out = sweep("precision=grid(fp32,bf16) lr=grid(0.1,0.01)", quadratic, parallel_trials=2)
+    assert sorted(p for p, _ in prepared) == ["bf16", "fp32"]  # up front, before any trial
+    result = s.run()
+    assert len(result.study.trials) == 4 and len(prepared) == 2  # no capture, no check again per trial
+    assert all(payload is base.payload for _, payload in prepared)
