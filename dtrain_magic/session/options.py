@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from ..config import RunConfig, resolve_config
 from ..errors import ConfigError
-from ..flagtable import FLAGS, PYTHON, Flag
+from ..flagtable import FLAGS, PYTHON, SWEEP, Flag
 
 NOT_FOR_SESSIONS = ("fn", "result", "keep_warm", "max_restarts")
 WHY_NOT = {
@@ -26,7 +26,8 @@ WHY_NOT = {
     "result": "a session runs cells (%%ranks), not a function; a cell's value comes back by rank",
 }
 # The flag table's rows a session takes (``--configure`` included: it shows the panel, whose Start session starts it).
-ROWS: tuple[Flag, ...] = tuple(row for row in FLAGS if row.field not in NOT_FOR_SESSIONS)
+# A sweep starts many runs; a session is one (its own rows leave the Sweeps group out: the parser refuses them).
+ROWS: tuple[Flag, ...] = tuple(row for row in FLAGS if row.field not in NOT_FOR_SESSIONS and row.group != SWEEP)
 
 DEFAULT_IDLE_TIMEOUT_S = 1800.0
 IDLE_ENV = "DTRAIN_MAGIC_SESSION_IDLE"

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, TextIO
 
 from ..config import RunConfig
 from ..driver import runner
-from ..errors import ConfigError, DistributeError, RunInterrupted
+from ..errors import ConfigError, DistributeError, RunInterrupted, summary
 from .options import SweepOptions
 from .parent import ParentRun
 from .result import RUN_ID_ATTR, SweepResult
@@ -181,6 +181,8 @@ class Sweep:
                 stop = self._running[trial.number] = threading.Event()
             try:
                 outcome = self._trial(trial, stop)
+            except Exception as exc:  # not the trial's own failure (that is an Outcome): said, never a silent thread
+                outcome = Outcome(FAILED, error=f"the sweep could not run it: {summary(exc, limit=300)}")
             finally:
                 with self._lock:
                     self._running.pop(trial.number, None)

@@ -91,7 +91,9 @@ def run_trial(prepared: Any, trial: Any, params: dict[str, Any], parent_run_id: 
     """Run one trial (`PreparedRun.execute` with its params and parent run) and say how it ended."""
     observer = TrialObserver(trial, metric, label, stop, out)
     started = time.monotonic()
-    outcome = _execute(dataclasses.replace(prepared, params=params, parent_run_id=parent_run_id), observer, stop)
+    # log_mark=None: the trial's slice of the backend log starts with the trial, not with the sweep's prepare.
+    trial_run = dataclasses.replace(prepared, params=params, parent_run_id=parent_run_id, log_mark=None)
+    outcome = _execute(trial_run, observer, stop)
     outcome.run_id = outcome.run_id or observer.run_id
     outcome.steps, outcome.seconds = observer.steps, time.monotonic() - started
     return outcome

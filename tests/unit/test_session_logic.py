@@ -218,6 +218,7 @@ def test_which_flags_a_session_takes():
     with pytest.raises(ConfigError, match="did you mean num_processes="):
         options.config_from_options({"num_proceses": 2})
     assert {row.field for row in options.ROWS}.isdisjoint(options.NOT_FOR_SESSIONS)
+    assert not {"--sweep", "--trials", "--metric"} & {name for row in options.ROWS for name in row.options}  # one run
     assert options.idle_timeout_s(None, {}) == options.DEFAULT_IDLE_TIMEOUT_S
     assert options.idle_timeout_s(None, {options.IDLE_ENV: "0"}) == 0.0
     with pytest.raises(ConfigError, match=r"\$DTRAIN_MAGIC_SESSION_IDLE: got 'soon'"):

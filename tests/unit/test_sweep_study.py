@@ -50,6 +50,7 @@ class FakeRun:
     payload: Any = "payload"
     params: Any = field(default_factory=dict)
     parent_run_id: str | None = None
+    log_mark: Any = None
     log: list = field(default_factory=list)  # (event, trial params, time)
 
     @property
@@ -319,3 +320,14 @@ def test_each_combination_of_run_options_is_prepared_once_with_the_base_payload(
     result = s.run()
     assert len(result.study.trials) == 4 and len(prepared) == 2  # no capture, no check again per trial
     assert all(payload is base.payload for _, payload in prepared)
+
+
+def test_a_trial_the_sweep_itself_cannot_run_is_failed_and_said_not_left_running(monkeypatch):
+    def broken(*args, **kwargs):
+        raise TypeError("an unexpected keyword")
+
+    monkeypatch.setattr(sweep_runner, "run_trial", broken)
+    s, base, out = sweep("lr=grid(0.1,0.01)", quadratic, parallel_trials=2, max_failed_trials=5)
+    result = s.run()
+    assert set(result.trials["state"]) == {"FAIL"}
+    assert out.getvalue().count("the sweep could not run it: TypeError: an unexpected keyword") == 2
