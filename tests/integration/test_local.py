@@ -313,6 +313,41 @@ def test_a_run_looks_up_its_launcher_store_state_and_channel_host_once(shell, co
     assert_nothing_left()
 
 
+def test_a_run_and_a_session_start_through_the_same_launch(shell, count_calls, mlflow, monkeypatch):
+    """Issue #35: a run and a session start their workers one way (`driver.launch.Launch`): each claims the waiting
+    workers (or starts fresh), opens its MLflow run, listens, starts and tracks once; a backend's own exception is
+    the same short LaunchError from both, and both MLflow runs end FAILED."""
+    from dtrain_magic.driver.launch import Launch
+    from dtrain_magic.errors import LaunchError
+    from dtrain_magic.launchers.local import LocalLauncher
+    from dtrain_magic.tracking import RunOpening
+
+    calls = {**{step: count_calls(Launch, step) for step in ("listen", "start", "track")},
+             "claim_standby": count_calls(LocalLauncher, "claim_standby"),
+             "mlflow": count_calls(RunOpening, "wait")}
+    lines = {"run": "%%distribute --backend local -n 2 --cpu --no-ui\ndef train(ctx):\n    return ctx.rank\n",
+             "session": "%distribute_session start --backend local -n 2 --cpu --no-ui"}
+    for kind, line in lines.items():
+        result = shell.run(line)
+        assert result.error_in_exec is None, (kind, result.error_in_exec)
+        assert {name: len(made) for name, made in calls.items()} == dict.fromkeys(calls, 1), kind
+        for made in calls.values():
+            made.clear()
+    assert shell.run("%distribute_session stop").error_in_exec is None
+
+    def refused(self, job, emit):
+        raise RuntimeError("no workers today")
+
+    monkeypatch.setattr(LocalLauncher, "start", refused)
+    for kind, line in lines.items():
+        error = shell.run(line).error_in_exec
+        assert isinstance(error, LaunchError), (kind, error)
+        assert str(error) == "the local backend failed: RuntimeError: no workers today", kind
+        run = ended_run(mlflow)
+        assert run.info.status == "FAILED" and "no workers today" in run.data.tags["dtrain_magic.failure"], kind
+    assert_nothing_left()
+
+
 def test_worker_output_streams_while_the_run_is_going(tmp_path, tracking_uri):
     """Lines reach the notebook as they are printed, not at the end."""
     from dtrain_magic.config import RunConfig
