@@ -34,7 +34,7 @@ from dtrain_magic.state import kernel_state
 run = kernel_state().live_runs()[0]
 here = run.pump.collector.workers[1]
 elsewhere = Worker(1, here.pid, "another-host", here.stack_file, here.node)  # as if rank 1 were on another node
-state, text = run.running.dump_stacks({1: elsewhere}, 1.5)[1]
+state, text = run.launch.running.dump_stacks({1: elsewhere}, 1.5)[1]
 print(json.dumps([state, rank_stack(1, state, text, elsewhere).where(run.pump.labels)]))
 """
 
