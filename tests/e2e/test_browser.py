@@ -533,9 +533,10 @@ def test_session_cells_show_output_by_rank(chromium, jupyterlab):
                 # the start cell: the session's monitor, one row per rank
                 monitor = cells.nth(1).locator(".dtm-monitor")
                 expect(monitor).to_have_attribute("data-state", "running", timeout=90_000)
-                expect(cells.nth(1).locator(".jp-OutputArea")).to_contain_text("session open", timeout=90_000)
+                # the cell's own output area (the monitor's charts are output areas of their own inside it)
+                expect(cells.nth(1).locator(".jp-Cell-outputArea")).to_contain_text("session open", timeout=90_000)
                 # a %%ranks cell: each rank's output on lines of its own, and the value by rank
-                hello = cells.nth(2).locator(".jp-OutputArea")
+                hello = cells.nth(2).locator(".jp-Cell-outputArea")
                 expect(hello).to_contain_text("[rank 0] hello from rank 0", timeout=60_000)
                 expect(hello).to_contain_text("[rank 1] hello from rank 1")
                 expect(hello).to_contain_text("[rank 1] 10")
@@ -543,13 +544,14 @@ def test_session_cells_show_output_by_rank(chromium, jupyterlab):
                 expect(cells.nth(1).locator(".dtm-rank-state")).to_have_text(["running", "running"], timeout=60_000)
                 interrupted_at = time.monotonic()
                 page.evaluate("() => window.jupyterapp.commands.execute('notebook:interrupt-kernel')")
-                expect(cells.nth(3).locator(".jp-OutputArea")).to_contain_text("CellInterrupted", timeout=30_000)
+                interrupted = cells.nth(3).locator(".jp-Cell-outputArea")
+                expect(interrupted).to_contain_text("CellInterrupted", timeout=30_000)
                 back_s = time.monotonic() - interrupted_at
-                expect(cells.nth(3).locator(".jp-OutputArea")).to_contain_text("The session and its state are kept")
+                expect(interrupted).to_contain_text("The session and its state are kept")
                 # run all stopped at the interrupted cell: run the next one; the ranks kept their state
                 page.evaluate("() => { const nb = window.jupyterapp.shell.currentWidget.content; "
                               "nb.activeCellIndex = 4; window.jupyterapp.commands.execute('notebook:run-cell'); }")
-                after = cells.nth(4).locator(".jp-OutputArea")
+                after = cells.nth(4).locator(".jp-Cell-outputArea")
                 expect(after).to_contain_text("[rank 0] rank 0 counted to", timeout=60_000)
                 expect(after).to_contain_text("[rank 1] rank 1 counted to")
                 expect(cells.nth(1).locator(".dtm-rank-state")).to_have_text(["idle", "idle"], timeout=30_000)

@@ -120,14 +120,25 @@ def test_trials_of_one_process_are_packed_two_at_once_on_two_cores(tracking_uri)
     assert_nothing_left()
 
 
+_BEFORE: set[int] = set()  # this process's children when the test began (an earlier module's Spark JVM, say)
+
+
+@pytest.fixture(autouse=True)
+def children_before():
+    import psutil
+
+    _BEFORE.clear()
+    _BEFORE.update(child.pid for child in psutil.Process().children(recursive=True))
+
+
 def assert_nothing_left(timeout: float = 10.0) -> None:
-    """No worker of this test process is left running (the local fork server's idle pool aside)."""
+    """No process the test started is left running (the local fork server's idle pool aside)."""
     import psutil
 
     from dtrain_magic.launchers import get_launcher
 
     def alive():
-        idle = get_launcher("local").pool.idle_pids()
+        idle = get_launcher("local").pool.idle_pids() | _BEFORE
         found = []
         for child in psutil.Process().children(recursive=True):
             try:
