@@ -333,10 +333,16 @@ def _keep_warm(launcher: Launcher, config: RunConfig) -> str | None:
 
 
 def keep_warm_ahead(plan: RunPlan) -> None:
-    """Before a run (`prepare` calls this once `check` passed, before the payload is made): launch the run's
-    workers now, so their start overlaps the capture; the run then claims them. Nothing for a dry run. Never
-    raises: the run launches them itself if this could not."""
+    """Before a run (`prepare` calls this once `check` passed, before the payload is made): warm the backend up
+    (the local fork server imports torch while the cell runs and imports it too) and launch the run's workers now,
+    so their start overlaps the capture; the run then claims them. Nothing for a dry run. Never raises: the run
+    warms up and launches them itself if this could not (and says why then)."""
     if plan.config.dry_run:
+        return
+    try:
+        plan.launcher.warm_up(plan.config)
+    except Exception as exc:  # the launch's own warm_up raises it again, as the run's error
+        log_dropped(__name__, "keep_warm_ahead", exc)
         return
     _keep_warm(plan.launcher, plan.config)
 
