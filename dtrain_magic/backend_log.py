@@ -184,6 +184,13 @@ def since(start: Mark, limit: int = _SLICE_LIMIT) -> str:
     return text
 
 
+def artifacts(start: Mark) -> dict[str, str]:
+    """The slice since ``start`` as the MLflow artifact a run or session keeps (``logs/backend.txt``); {} when the
+    backends wrote nothing meanwhile."""
+    text = since(start)
+    return {"logs/backend.txt": text} if text else {}
+
+
 def shown(start: Mark, failed: bool, verbose: bool, lines: int = FAILURE_LINES) -> str | None:
     """What the cell shows of a run's slice: all of it with ``--verbose``, its last ``lines`` when the run failed,
     else nothing (None); also None when the backends wrote nothing during the run."""

@@ -233,9 +233,7 @@ class _Run:
             tags.update(self.plan.data.tags())
             inputs = self.plan.data.dataset_inputs()
             staging_area().run_ended()  # copies that cannot be reused go; the others wait for a run of the same data
-        backend_text = backend_log.since(self.log_mark)  # what the backends printed meanwhile (not in the cell)
-        if backend_text:
-            artifacts["logs/backend.txt"] = backend_text
+        artifacts.update(backend_log.artifacts(self.log_mark))  # what the backends printed meanwhile (not in the cell)
         # A stopped run does not wait for MLflow still opening (it ends the run itself once open).
         self.launch.opening.close(self.status, self.reason, tags, metrics=waiting, artifacts=artifacts,
                                   inputs=inputs, timeout=0 if self.stopped_early else 30.0)

@@ -431,7 +431,7 @@ class Session:
         self.opening.close(status, None if status == "FINISHED" else reason,
                            {"dtrain_magic.session_cells": str(self.cells_run), "dtrain_magic.session_end": reason,
                             "dtrain_magic.wall_time_s": f"{time.monotonic() - self.started:.3f}"},
-                           metrics=self.pump.waiting_metrics, artifacts=_backend_slice(self.log_mark))
+                           metrics=self.pump.waiting_metrics, artifacts=backend_log.artifacts(self.log_mark))
 
     # -- idle release ------------------------------------------------------------------------------------------------
     def _restart_idle_timer(self) -> None:
@@ -528,12 +528,6 @@ def _rebuilt(answer: CellDone, strict: bool) -> Any:
             raise SessionError(f"rank {answer.rank}'s value came back but cannot be rebuilt in the notebook ({why}); "
                                "pull what it holds instead (a tensor, a state_dict(), plain data)") from None
         return Unsent("?", f"<rank {answer.rank}'s value: cannot be rebuilt in the notebook ({why})>", why)
-
-
-def _backend_slice(mark: backend_log.Mark) -> dict[str, str]:
-    """What the backends printed during the session (not in any cell): its MLflow ``logs/backend.txt``."""
-    text = backend_log.since(mark)
-    return {"logs/backend.txt": text} if text else {}
 
 
 def _serve_function() -> Callable[..., None]:
