@@ -83,6 +83,8 @@ class RunConfig:
     pp: int = 1
     microbatches: int | None = None
     pp_schedule: str = "gpipe"
+    # Big-model knobs (docs/big-models.md): gradient clipping
+    clip_grad: float | None = None
     # Data sources (docs/data.md): ((name, source), ...) in the order given, and where staged copies go
     data: tuple[tuple[str, str], ...] = ()
     data_dir: str | None = None
@@ -132,6 +134,7 @@ class RunConfig:
         self._check_owned_fields()
         check_batch_arithmetic(self.train_batch, self.micro_batch, self.grad_accum, self.num_processes)
         self._check_model_parallel()
+        self._check_big_model_knobs()
         if self.backend != "auto":
             BACKENDS.facts(self.backend).validate(self)
         STRATEGIES.facts(self.strategy).validate(self)
@@ -203,6 +206,14 @@ class RunConfig:
                     f"--pp-schedule 1f1b needs at least as many micro-batches as stages: got --microbatches "
                     f"{microbatches} for --pp {self.pp}; use --microbatches {self.pp} or more, or --pp-schedule gpipe",
                 )
+
+    def _check_big_model_knobs(self) -> None:
+        """``--clip-grad``: a positive, finite norm."""
+        value = self.clip_grad
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < float("inf")):
+            raise ConfigError("--clip-grad", f"got {value!r}; must be a gradient norm > 0 (e.g. 1.0), or left out "
+                                             "for no clipping")
 
     @property
     def data_parallel_size(self) -> int:

@@ -70,6 +70,7 @@ SPARK = "Spark (TorchDistributor)"
 RAY = "Ray (TorchTrainer)"
 DEEPSPEED = "DeepSpeed and batch arithmetic"
 MODEL_PARALLEL = "Model parallelism"
+BIG_MODELS = "Big-model knobs (docs/big-models.md)"
 DATA = "Data (docs/data.md)"
 SWEEP = "Sweeps (docs/sweeps.md)"  # the sweep's own options: no RunConfig field (`dtrain_magic.sweep.options`)
 
@@ -306,6 +307,13 @@ FLAGS: tuple[Flag, ...] = (
          doc="micro-batches per pipeline step with `--pp`", default_doc="2 × `--pp`"),
     Flag(("--pp-schedule",), "pp_schedule", MODEL_PARALLEL, choices=PP_SCHEDULES, default="gpipe",
          help="pipeline schedule with --pp", doc="pipeline schedule with `--pp`"),
+    # -- big-model knobs (docs/big-models.md) ---------------------------------------------------------
+    Flag(("--clip-grad",), "clip_grad", BIG_MODELS, type=float, default=None, placeholder="NORM",
+         help="clip the global gradient norm (over every shard, stage and rank) to NORM before each optimizer step; "
+              "ctx.grad_norm is the norm before clipping",
+         doc="clip the global gradient norm (every shard's, stage's and rank's together, as one process would) to "
+             "NORM before each optimizer step (deepspeed: its `gradient_clipping`); `ctx.grad_norm` is the last "
+             "norm before clipping, the same on every rank", default_doc="no clipping"),
     # -- data (docs/data.md) ---------------------------------------------------------------------------
     Flag(("--data",), "data", DATA, kind=APPEND, cheatsheet=True, type=data_item, default=(), placeholder="NAME=SOURCE",
          help="a data source the function reads with ctx.data(NAME, batch_size): a notebook variable (Spark or pandas "

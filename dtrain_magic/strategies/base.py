@@ -100,6 +100,9 @@ class Strategy(ABC):
         self.loaders: tuple = ()
         self.tp_plan: Mapping[str, Any] | None = None
         self.pp_split: Sequence[str | int] | None = None
+        #: the global gradient norm (every shard's, before clipping) of the last optimizer step with ``--clip-grad``
+        #: (``ctx.grad_norm``); None before the first such step, or without ``--clip-grad``
+        self.grad_norm: float | None = None
 
     @classmethod
     def check(cls, config: RunConfig) -> None:
@@ -399,6 +402,8 @@ class TorchStrategy(Strategy):
             return stepped
         if self.parallel is not None:
             self.parallel.finish_gradients(self.accumulation)
+        if self.config.clip_grad is not None:
+            self._clip_gradients()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -406,6 +411,17 @@ class TorchStrategy(Strategy):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return True
+
+    def _clip_gradients(self) -> None:
+        """``--clip-grad``: the global norm over every shard and stage (`clipping`), on the true gradients (fp16's are
+        unscaled first: the scaler then skips its own unscale at its step)."""
+        from .clipping import clip_grad_norm
+
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        pp_group = self.pipeline.group if self.pipeline is not None else None  # the stages' norms combined
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]  # what the step updates
+        self.grad_norm = clip_grad_norm(params, self.config.clip_grad, pp_group=pp_group)
 
     def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         """As `Strategy.train_step`; under ``--pp``, the batch goes through the pipeline schedule in

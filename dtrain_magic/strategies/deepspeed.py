@@ -9,8 +9,9 @@ The flags map onto DeepSpeed's config keys (see docs/strategies.md)::
     --train-batch T            train_batch_size = T (= M x G x world size, checked before launch)
 
 ``--deepspeed-config`` (JSON text or a path to a JSON file) is merged on top; a key that disagrees with
-a flag is a `ConfigError` before anything launches. ``gradient_clipping`` is 0.0 unless the user's config
-sets it (DeepSpeed clips at 1.0 by default, which DDP and FSDP do not). The user's torch optimizer is
+a flag is a `ConfigError` before anything launches. ``gradient_clipping`` is ``--clip-grad``'s norm, else 0.0
+unless the user's config sets it (DeepSpeed clips at 1.0 by default, which DDP and FSDP do not); DeepSpeed takes
+the global norm over every partition itself and ``ctx.grad_norm`` reads it back. The user's torch optimizer is
 passed to ``deepspeed.initialize`` as the client optimizer (a config ``optimizer`` section would make
 DeepSpeed JIT-compile FusedAdam, ~40 s on CPU).
 
@@ -163,6 +164,9 @@ def _refuse_conflicts(config: RunConfig, user: dict) -> None:
             continue
         if bool(enabled) != (config.precision == name):
             conflicts.append(f"{name}.enabled is {json.dumps(enabled)} but --precision {config.precision}")
+    user_clip = user.get("gradient_clipping")
+    if user_clip not in (None, "auto") and config.clip_grad is not None and user_clip != config.clip_grad:
+        conflicts.append(f"gradient_clipping is {user_clip} but --clip-grad {config.clip_grad:g}")
     user_accum = user.get("gradient_accumulation_steps")
     if user_accum not in (None, "auto") and user_accum != config.grad_accum:
         conflicts.append(f"gradient_accumulation_steps is {user_accum} but --grad-accum {config.grad_accum}")
@@ -216,7 +220,7 @@ def _flag_keys(config: RunConfig, train: int, micro: int, user_stage: int | None
         "zero_optimization": {"stage": config.zero if config.zero is not None else (user_stage or 0)},
         "fp16": {"enabled": config.precision == "fp16"},
         "bf16": {"enabled": config.precision == "bf16"},
-        "gradient_clipping": 0.0,
+        "gradient_clipping": float(config.clip_grad or 0.0),
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
@@ -239,6 +243,8 @@ def _resolve_auto(merged: dict, built: dict, sizes: dict) -> dict:
             zero[key] = sizes[key]  # "auto": the size derived from the model
         else:
             del zero[key]  # not known (no model yet, or not a size): DeepSpeed's own default
+    if merged.get("gradient_clipping") == "auto":
+        merged["gradient_clipping"] = built["gradient_clipping"]  # --clip-grad's norm, or none
     return merged
 
 
@@ -422,7 +428,17 @@ class DeepSpeedStrategy(Strategy):
 
     def step(self) -> bool:
         boundary = bool(self.engine.is_gradient_accumulation_boundary())
+        own_norm = None
+        if boundary and self.config.clip_grad is not None and self.stage == 0:
+            # ZeRO-0 clips with torch's helper and keeps no norm (the engine's stays None): the same norm, taken here
+            # from the gradients the engine averaged in its backward
+            from .clipping import total_norm
+
+            own_norm = float(total_norm(self.engine.module.parameters()))
         self.engine.step()  # steps the optimizer and zeroes grads only at the boundary
+        if boundary and self.config.clip_grad is not None:
+            norm = self.engine.get_global_grad_norm() if own_norm is None else own_norm
+            self.grad_norm = None if norm is None else float(norm)
         return boundary
 
     def autocast(self) -> contextlib.AbstractContextManager:

@@ -247,6 +247,14 @@ class TrainContext:
             self._pulse.step()
         return self.strategy.step()
 
+    @property
+    def grad_norm(self) -> float | None:
+        """With ``--clip-grad``: the global gradient norm of the last optimizer step, before clipping, over every
+        shard, stage and rank (the norm one process training the plain model on the global batch would see), the
+        same on every rank; log it with ``ctx.log(grad_norm=ctx.grad_norm)``. None before the first step and
+        without ``--clip-grad``."""
+        return self.strategy.grad_norm
+
     def autocast(self) -> contextlib.AbstractContextManager:
         """Context manager for the forward pass in the run's ``--precision``."""
         return self.strategy.autocast()

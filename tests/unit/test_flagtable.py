@@ -63,6 +63,7 @@ ROUND_TRIP: dict[str, list[dict]] = {
     "pp": [{"pp": 2}, {"pp": 2, "num_processes": 4}],
     "microbatches": [{"pp": 2, "microbatches": 4}],
     "pp_schedule": [{"pp": 2, "pp_schedule": "1f1b"}],
+    "clip_grad": [{"clip_grad": 1.0}, {"clip_grad": 0.25}, {"clip_grad": 3}],
     "data": [{"data": {"train": "df_train"}}, {"data": (("train", "df[x,y]"), ("val", "/data/my runs/val.parquet"))},
              {"data": ["a=s3://bucket/part-*.parquet", "b=it's"]}, {"data": {"x": "ünïcode ✓", "y": "-odd"}}],
     **{field: [{**needs, field: text} for text in TEXTS] for field, needs in FREE_TEXT.items()},
