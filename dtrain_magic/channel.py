@@ -25,6 +25,11 @@ listener of its own too: each waiting worker sends `StandbyReady` once it can ru
 with one `StandbyJob` (the run's cloudpickled `WorkerJob` and what changed in the notebook since the launch) or
 `StandbyRelease` (nothing to run: the worker returns, and the launch ends).
 
+The notebook also writes to a rank's connection, once: `StopAt` (every rank stops after the same ``ctx.step``
+count: a pruned sweep trial, `dtrain_magic.driver.step_stop`), read by the rank's pulse thread. The rank answers
+`Stopped` when it stopped there, or `StopMissed` when it had already passed that step (the notebook then stops the
+run as Stop does).
+
 An interactive session (`dtrain_magic.session`) is a run whose function serves the notebook's cells: its messages
 (the cells, values and pushes, interrupts) are declared in `dtrain_magic.session.protocol` and added to this
 protocol with `extend_protocol`.
@@ -177,11 +182,14 @@ class DataProgress(Message):
 
 @dataclass(frozen=True, slots=True)
 class Result(Message):
-    """A rank's return value, cloudpickled in the worker (unpickled in the notebook once every rank's is in)."""
+    """A rank's return value, cloudpickled in the worker (unpickled in the notebook once every rank's is in), and
+    ``outputs``: what its ``ctx.write`` calls wrote, sealed (`dtrain_magic.data.outputs.OutputWriter.seal`; ``""``:
+    nothing), which the driver commits once every rank's result of the last attempt is in."""
 
     KIND: ClassVar[str] = "result"
     rank: int
     pickled_value: bytes
+    outputs: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,6 +285,36 @@ class StandbyRelease(Message):
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class StopAt(Message):
+    """Notebook → every rank of a run: stop right after ``ctx.step`` count ``step`` (the same on every rank, beyond
+    where any rank is: `dtrain_magic.driver.step_stop`); ``reason`` says why (a pruned sweep trial)."""
+
+    KIND: ClassVar[str] = "stop at"
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stopped(Message):
+    """A rank stopped after ``ctx.step`` count ``step``, as `StopAt` asked: it ends cleanly, with no result."""
+
+    KIND: ClassVar[str] = "stopped"
+    rank: int
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class StopMissed(Message):
+    """A rank was at ``ctx.step`` count ``steps``, past the ``stop_at`` it was asked to stop after: the ranks cannot
+    all stop at that step (the notebook stops the run as Stop does)."""
+
+    KIND: ClassVar[str] = "stop missed"
+    rank: int
+    steps: int
+    stop_at: int
+
+
 def _protocol(*classes: type[Message]) -> dict[str, type[Message]]:
     """Give each class its fields' getter (``operator.attrgetter``, in C: `wire` is on every ``ctx.log``) and
     index the classes by kind for `decode`."""
@@ -292,7 +330,7 @@ def _protocol(*classes: type[Message]) -> dict[str, type[Message]]:
 
 _BY_KIND = _protocol(Hello, Output, Metric, Metrics, Pulse, ModelFacts, Status, Total, Result, Error, RankStarted,
                      RankDone, RankDied, StackRequest, StackReply, StandbyReady, StandbyJob, StandbyRelease,
-                     DataProgress)
+                     DataProgress, StopAt, Stopped, StopMissed)
 
 
 class ProtocolError(ValueError):
@@ -331,7 +369,8 @@ class ChannelAddress:
 
 class AuthenticatedListener:
     """A ``multiprocessing.connection`` listener with a fresh secret; every accepted connection is
-    served by ``serve(conn, serial)`` in a thread of its own (serials count from 1, in accept order)."""
+    served by ``serve(conn, serial)`` in a thread of its own (serials count from 1, in accept order), which closes
+    it when ``serve`` returns: ``serve`` never closes it itself."""
 
     def __init__(self, host: str, serve: Callable[[Connection, int], None], name: str):
         self.authkey = secrets.token_bytes(32)
@@ -356,9 +395,35 @@ class AuthenticatedListener:
             with self._lock:
                 self._connections.append(conn)
                 serial = len(self._connections)
-                server = threading.Thread(target=self._serve, args=(conn, serial), name=self._name, daemon=True)
+                server = threading.Thread(target=self._serve_then_close, args=(conn, serial), name=self._name,
+                                          daemon=True)
                 self._servers.append(server)
             server.start()
+
+    def _serve_then_close(self, conn: Connection, serial: int) -> None:
+        try:
+            self._serve(conn, serial)
+        finally:
+            # Closed here only, under the lock `close` hangs connections up under: two threads closing one
+            # connection raced (EBADF, or worse a descriptor number reused meanwhile closed or shut down).
+            with self._lock:
+                try:
+                    conn.close()
+                except OSError as exc:
+                    log_dropped(__name__, "close", exc)
+
+    def send(self, conn: Connection, wire: tuple) -> bool:
+        """Write ``wire`` to one accepted connection (its server thread keeps reading it); False when it is closed
+        or its peer is gone. Under the lock connections are closed under, so a closed descriptor's number, reused
+        meanwhile, is never written to."""
+        with self._lock:
+            if conn.closed:
+                return False
+            try:
+                conn.send(wire)
+            except (OSError, EOFError, ValueError):
+                return False
+            return True
 
     def join_servers(self, timeout: float) -> None:
         """Wait for every connection's server thread to end (its peer closed the connection)."""
@@ -383,12 +448,8 @@ class AuthenticatedListener:
         except OSError as exc:
             log_dropped(__name__, "close", exc)
         with self._lock:
-            for conn in self._connections:
+            for conn in self._connections:  # each server's recv returns (EOF), and its thread closes it
                 _hang_up(conn)
-                try:
-                    conn.close()
-                except OSError as exc:
-                    log_dropped(__name__, "close", exc)
 
 
 def _hang_up(conn: Connection) -> None:
@@ -411,19 +472,21 @@ class Channel:
         self._delivered: set[int] = set()  # connections get() has returned a message from
         self._retired: set[int] = set()
         self.last_serial: int | None = None
+        self._ranks: dict[int, tuple[int, Connection]] = {}  # rank → (serial, connection) of its latest Hello
         self._listener = AuthenticatedListener(host, self._read_loop, "dtrain-channel-read")
         self.address = ChannelAddress(host, self._listener.port, self._listener.authkey)
 
     def _read_loop(self, conn: Connection, serial: int) -> None:
         try:
             while True:
-                self.messages.put((serial, decode(conn.recv())))
+                message = decode(conn.recv())
+                if type(message) is Hello:  # the rank's connection, for `send_to_ranks` (a restart's replaces it)
+                    self._ranks[message.rank] = (serial, conn)
+                self.messages.put((serial, message))
         except (EOFError, OSError):
             pass
         except Exception as exc:  # unpicklable, or not a message: report rather than lose it silently
             self.messages.put((serial, Error(None, f"unreadable message from a worker: {exc!r}", "", time.time())))
-        finally:
-            conn.close()
 
     def put(self, message: Message) -> None:
         """Inject a message from the driver side (a launcher's captured process output, say)."""
@@ -446,6 +509,15 @@ class Channel:
 
     def pending(self) -> bool:
         return not self.messages.empty()
+
+    def send_to_ranks(self, message: Message, world_size: int) -> bool:
+        """Write ``message`` to each of ranks 0 .. ``world_size - 1`` over its own connection (`StopAt`); False,
+        sending nothing, while a rank has not said `Hello` yet, or when a connection is gone."""
+        targets = [self._ranks.get(rank) for rank in range(world_size)]
+        if any(target is None or target[0] in self._retired for target in targets):
+            return False
+        wire = message.wire()
+        return all([self._listener.send(conn, wire) for _, conn in targets])  # a list: every rank is written to
 
     def retire_earlier_connections(self, keep_last: bool = True) -> None:
         """Ignore from now on every connection that delivered a message so far (but the last one's,
@@ -489,6 +561,18 @@ class WorkerLink:
             except (OSError, EOFError):
                 # The notebook went away (run cancelled): keep training code from crashing on a log call.
                 self._broken = True
+
+    def fileno(self) -> int:
+        """The connection's descriptor: readable once the notebook wrote to this rank (for
+        `multiprocessing.connection.wait`)."""
+        return self._conn.fileno()
+
+    def receive(self) -> Message | None:
+        """The message the notebook wrote to this rank (`StopAt`), None when nothing is waiting; `EOFError` or
+        `OSError` once the notebook is gone. One reader: the rank's pulse thread."""
+        if not self._conn.poll(0):
+            return None
+        return decode(self._conn.recv())
 
     def close(self) -> None:
         with self._lock:

@@ -125,11 +125,9 @@ class Standby:
     def _serve(self, conn: Any, serial: int) -> None:
         try:
             ready = decode(conn.recv())
-        except Exception:  # not a waiting worker, or the listener closed
-            _close(conn)
+        except Exception:  # not a waiting worker, or the listener closed (the listener closes conn)
             return
         if not isinstance(ready, StandbyReady):
-            _close(conn)
             return
         entry = _Waiting(conn, ready)
         with self._lock:
@@ -151,7 +149,6 @@ class Standby:
         with self._lock:
             if not entry.answered and self.released is None and self._waiting.get(ready.rank) is entry:
                 self.lost = self.lost or f"rank {ready.rank}'s worker ended while waiting"
-        _close(conn)
 
     @staticmethod
     def _answer(entry: _Waiting, message: Message) -> None:
@@ -216,13 +213,6 @@ class Standby:
         return (f"{self.where} wait for the next run with this placement until {until} (idle "
                 f"{_seconds(self.expires_at - self.started_at)}; --keep-warm S changes it, %distribute_release "
                 "frees them now)")
-
-
-def _close(conn: Any) -> None:
-    try:
-        conn.close()
-    except OSError:  # closed already (the listener closes its connections when it closes)
-        pass
 
 
 def _seconds(value: float) -> str:

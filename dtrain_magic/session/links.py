@@ -34,11 +34,9 @@ class RankLinks:
             ready = decode(conn.recv())
         except Exception as exc:  # not a rank of this session, or the listener closed
             log_dropped(__name__, "_serve", exc)
-            conn.close()
-            return
+            return  # (the listener closes conn when this returns)
         with self._lock:
             if not isinstance(ready, SessionReady) or ready.rank in self._conns:
-                conn.close()
                 return
             self._conns[ready.rank], self.ready[ready.rank] = conn, ready
             if len(self._conns) >= self.world_size:
