@@ -19,6 +19,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from .batch_arithmetic import check_batch_arithmetic
 from .dataspec import normalize as normalize_data
+from .dataspec import normalize_outputs
 from .errors import ConfigError, log_dropped
 from .flagtable import BY_FIELD, DEFAULT_EXPERIMENT, DEFAULT_HANG_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, FLAGS, SWITCH
 from .registry import BACKENDS, STRATEGIES
@@ -88,6 +89,8 @@ class RunConfig:
     # Data sources (docs/data.md): ((name, source), ...) in the order given, and where staged copies go
     data: tuple[tuple[str, str], ...] = ()
     data_dir: str | None = None
+    # What ctx.write writes (docs/data.md, the way back): ((output name, notebook variable), ...) to bind
+    outputs: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         for row in FLAGS:  # every flag with a fixed set of values: backend, strategy, precision, zero, ...
@@ -126,6 +129,7 @@ class RunConfig:
                 "use --precision bf16 on CPU, or --gpu on a machine with CUDA",
             )
         object.__setattr__(self, "data", normalize_data(self.data))  # a mapping, NAME=SOURCE strings or pairs
+        object.__setattr__(self, "outputs", normalize_outputs(self.outputs))  # NAME=VARIABLE, as data
         if self.data_dir is not None and (not isinstance(self.data_dir, str) or not self.data_dir.strip()):
             raise ConfigError("--data-dir", f"got {self.data_dir!r}; must be a directory or URI")
         if self.data_dir is not None and not self.data:

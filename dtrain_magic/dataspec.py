@@ -94,3 +94,48 @@ def as_text(specs: DataSpecs) -> str:
 def from_text(text: str) -> DataSpecs:
     """The panel's text box back into specs: ``NAME=SOURCE`` items separated by spaces."""
     return normalize(text.split())
+
+
+OUTPUT_FLAG = "--output"
+
+
+def parse_output(text: str) -> tuple[str, str]:
+    """One ``NAME=VARIABLE`` of ``--output`` → ``(name, variable)``; argparse's ``type`` for it."""
+    name, sep, variable = _unquote(str(text).strip()).partition("=")
+    name, variable = name.strip(), variable.strip()
+    if not sep or not name or not variable:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VARIABLE (e.g. --output preds=df_preds)")
+    return name, variable
+
+
+def normalize_outputs(value: Any) -> DataSpecs:
+    """What `RunConfig` keeps of ``outputs`` (``--output NAME=VARIABLE``): ``((name, variable), ...)``. Takes None, a
+    mapping, ``"NAME=VARIABLE"`` strings or pairs; both must be Python identifiers, each output and each variable
+    once: a `ConfigError` naming ``--output`` otherwise."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    items: Iterable[Any] = value.items() if isinstance(value, Mapping) else value
+    specs: list[tuple[str, str]] = []
+    for item in items:
+        if isinstance(item, str):
+            try:
+                item = parse_output(item)
+            except argparse.ArgumentTypeError as exc:
+                raise ConfigError(OUTPUT_FLAG, str(exc)) from None
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise ConfigError(OUTPUT_FLAG, f"got {item!r}; give NAME=VARIABLE (the name ctx.write(NAME, ...) writes, "
+                                           "the notebook variable it is bound to)")
+        name, variable = item
+        for what, text in (("output name", name), ("variable", variable)):
+            if not isinstance(text, str) or not _NAME.match(text):
+                raise ConfigError(OUTPUT_FLAG, f"got the {what} {text!r} in {name}={variable}; it must be a Python "
+                                               "identifier (letters, digits, _)")
+        specs.append((name, variable))
+    for index in (0, 1):
+        seen = [spec[index] for spec in specs]
+        twice = sorted({text for text in seen if seen.count(text) > 1})
+        if twice:
+            raise ConfigError(OUTPUT_FLAG, f"{', '.join(twice)} given twice; each output and each variable once")
+    return tuple(specs)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from .dataspec import parse_item as data_item
+from .dataspec import parse_output as output_item
 from .errors import ConfigError
 from .registry import BACKENDS, STRATEGIES
 
@@ -330,6 +331,14 @@ FLAGS: tuple[Flag, ...] = (
          doc="where sources written once for the ranks go (Spark DataFrames, Ray Datasets off Ray, notebook "
              "objects): a directory or URI every worker reads; needed when the workers do not share this machine's "
              "files", default_doc="a private temp dir on this machine, removed with the kernel"),
+    Flag(("--output",), "outputs", DATA, kind=APPEND, type=output_item, default=(), placeholder="NAME=VARIABLE",
+         entry_points=(MAGIC,),
+         help="bind the output the function writes with ctx.write(NAME, batch) to this notebook variable: a Spark "
+              "DataFrame on --backend spark, a Ray Dataset on ray, a pyarrow Dataset otherwise; repeatable",
+         doc="bind the output the function writes with `ctx.write(NAME, batch)` to this notebook variable once the run "
+             "committed it: a Spark DataFrame (`spark.read.parquet`, never collected) on `--backend spark`, a Ray "
+             "Dataset on `ray`, a pyarrow Dataset otherwise; repeatable (`result.outputs[NAME]` has every output, "
+             "docs/data.md)", default_doc="none"),
     # -- the cell --------------------------------------------------------------------------------------
     Flag(("--fn",), "fn", CELL, default=None, placeholder="NAME", entry_points=(MAGIC,),
          help="name of the function to ship (None means the last top-level def in the cell)",

@@ -17,9 +17,10 @@ class RunResult:
     run. ``config``: the `RunConfig` used. ``wall_time_s``: launch to last result. ``metrics``: last
     value of each metric rank 0 logged. ``time_to_first_step_s``: launch to the first ``ctx.log``.
     ``checkpoint_root``: where ``ctx.save_checkpoint()`` without a directory saved (also the MLflow
-    run's ``dtrain_magic.checkpoint_root`` tag). ``outputs``: each rank's output (stdout and stderr as they
-    came, the last 4 M characters), by rank: `output` gives one rank's; the MLflow run has each as
-    ``logs/rank_N.txt``.
+    run's ``dtrain_magic.checkpoint_root`` tag). ``outputs``: what the function wrote with ``ctx.write``, by output
+    name (`dtrain_magic.data.outputs.Output`: ``.path``, ``.rows``, ``.dataset()``, ``.to_pandas()``), committed
+    once every rank returned. ``printed``: each rank's output (stdout and stderr as they came, the last 4 M
+    characters), by rank: `output` gives one rank's; the MLflow run has each as ``logs/rank_N.txt``.
     """
 
     value: Any
@@ -31,22 +32,25 @@ class RunResult:
     time_to_first_step_s: float | None = None
     tracking_uri: str | None = None
     checkpoint_root: str | None = None
-    outputs: dict[int, str] = field(default_factory=dict, repr=False)
+    printed: dict[int, str] = field(default_factory=dict, repr=False)
+    outputs: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def output(self, rank: int = 0) -> str:
         """What ``rank`` printed during the run (its stdout and stderr, in order), without the ``[rank N]`` prefix."""
         if not 0 <= rank < self.config.num_processes:
             raise ValueError(f"rank {rank}: this run had ranks 0 to {self.config.num_processes - 1}")
-        return self.outputs.get(rank, "")
+        return self.printed.get(rank, "")
 
     def __repr__(self) -> str:
         short = reprlib.Repr()
         short.maxstring, short.maxother, short.maxlist, short.maxdict = 80, 80, 4, 6
         metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(self.metrics.items()))
+        outputs = ", ".join(f"{name}={getattr(out, 'rows', '?'):,} rows" for name, out in self.outputs.items())
         return (
             f"RunResult(backend={self.config.backend}, strategy={self.config.strategy}, "
             f"world_size={self.config.num_processes}, wall_time_s={self.wall_time_s:.2f}, "
-            f"run_id={self.run_id!r}, metrics={{{metrics}}}, value={short.repr(self.value)})"
+            f"run_id={self.run_id!r}, metrics={{{metrics}}}, value={short.repr(self.value)}"
+            + (f", outputs={{{outputs}}})" if outputs else ")")
         )
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:

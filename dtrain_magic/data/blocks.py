@@ -31,6 +31,15 @@ class Blocks:
     def rows(self) -> int:
         return sum(self.block_rows)
 
+    @property
+    def block_offsets(self) -> tuple[int, ...]:
+        """The natural index of each block's first row (blocks read one after the other)."""
+        offsets, total = [], 0
+        for count in self.block_rows:
+            offsets.append(total)
+            total += count
+        return tuple(offsets)
+
     def read(self, index: int, columns: Sequence[str]) -> pa.Table:
         """Block ``index`` with ``columns``."""
         raise NotImplementedError

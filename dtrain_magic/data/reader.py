@@ -49,9 +49,10 @@ class DataBatches:
     def __init__(self, source: StagedSource, rank: int, ranks: int, batch_size: int, *, shuffle: bool = False,
                  seed: int = 0, drop_last: bool = False, columns: Sequence[str] | None = None,
                  collate_fn: Callable[[dict], Any] | None = None, device: Any = None,
-                 shuffle_window: int | None = None, progress: Progress | None = None):
+                 shuffle_window: int | None = None, progress: Progress | None = None, with_ids: bool | str = False):
         self.source, self.rank, self.ranks = source, rank, ranks
         self.columns = _check_arguments(source, batch_size, columns)
+        self.id_key = _id_key(source, with_ids)
         self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, bool(shuffle), seed, bool(drop_last)
         self.collate_fn, self.device, self._progress = collate_fn, device, progress
         self.split = Split(source.rows, ranks, self.drop_last)
@@ -162,6 +163,10 @@ class DataBatches:
         tables = [blocks.read(piece.block, self.columns).slice(piece.start, piece.rows) for piece in group]
         table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
         arrays = {f.name: to_numpy(table.column(f.name), f) for f in self._fields}
+        if self.id_key is not None:  # each row's natural index: its position in the source
+            offsets = self.source.blocks.block_offsets
+            arrays[self.id_key] = np.concatenate([np.arange(offsets[p.block] + p.start, offsets[p.block] + p.stop,
+                                                            dtype=np.int64) for p in group])
         if self.shuffle:
             order = window_permutation(table.num_rows, self.seed, epoch, self.rank, index)
             arrays = {k: np.take(v, order, axis=0) for k, v in arrays.items()}
@@ -181,6 +186,21 @@ class DataBatches:
     def __repr__(self) -> str:
         return (f"DataBatches({self.source.name!r}: {len(self)} batches of {self.batch_size} per epoch on rank "
                 f"{self.rank} of {self.ranks}, shuffle={self.shuffle}, epoch {self.epoch})")
+
+
+def _id_key(source: StagedSource, with_ids: bool | str) -> str | None:
+    """The batch key of the row ids ``ctx.data(..., with_ids=)`` asks for (None: none); a `ValueError` for a key
+    that is one of the source's columns."""
+    if with_ids is False or with_ids is None:
+        return None
+    key = "row_id" if with_ids is True else with_ids
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"ctx.data({source.name!r}, with_ids=...): give True (ids as batch['row_id']) or the key to "
+                         f"put them under, got {with_ids!r}")
+    if key in source.column_names:
+        raise ValueError(f"ctx.data({source.name!r}, with_ids={with_ids!r}): the source already has a column {key!r}; "
+                         "name another key for the ids (with_ids='my_key'), or read that column itself as the id")
+    return key
 
 
 def _length(arrays: dict[str, np.ndarray]) -> int:
@@ -219,9 +239,13 @@ class RayShardBatches:
     def __init__(self, source: StagedSource, rank: int, ranks: int, batch_size: int, *, shuffle: bool = False,
                  seed: int = 0, drop_last: bool = False, columns: Sequence[str] | None = None,
                  collate_fn: Callable[[dict], Any] | None = None, device: Any = None,
-                 shuffle_window: int | None = None, progress: Progress | None = None):
+                 shuffle_window: int | None = None, progress: Progress | None = None, with_ids: bool | str = False):
         import ray.train
 
+        if with_ids is not False and with_ids is not None:
+            raise ValueError(f"ctx.data({source.name!r}, with_ids=...): a Ray Dataset on --backend ray is streamed to "
+                             "the ranks by Ray Train, in no fixed order, so its rows have no position to be their id: "
+                             "read an id column of the Dataset itself (columns=[..., 'id'])")
         self.source, self.rank, self.ranks = source, rank, ranks
         self.columns = _check_arguments(source, batch_size, columns)
         self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, bool(shuffle), seed, bool(drop_last)

@@ -77,6 +77,7 @@ class Pump:
         self.t0_wall = time.time() - (time.monotonic() - t0)  # the workers stamp metrics with wall-clock time
         self.tracker: RunTracker | None = None
         self.results: dict[int, bytes] = {}  # rank -> its cloudpickled return value
+        self.written: dict[int, str] = {}  # rank -> what its ctx.write calls wrote (`Result.outputs`), to commit
         self.errors: list[ch.Error] = []
         self.failures: list = []
         self.hellos: set = set()
@@ -184,6 +185,7 @@ class Pump:
         """The workers were restarted: the earlier attempt's results and errors no longer count."""
         self.hellos.clear()
         self.results.clear()
+        self.written.clear()  # an earlier attempt's parts are never committed
         self.errors.clear()
         self.watch.forget()
         self.perf.forget()
@@ -324,6 +326,7 @@ class Pump:
                 self._metric(message.step, message.metrics, message.timestamp_ms)
             case ch.Result():
                 self.results[message.rank] = message.pickled_value
+                self.written[message.rank] = message.outputs
                 self.watch.ended(message.rank, "returned", now)
             case ch.Error():
                 self.errors.append(message)

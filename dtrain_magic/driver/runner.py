@@ -69,7 +69,7 @@ class PreparedRun:
         result = _Run(self.plan, self.payload, observer or TextObserver(), stop, tags, self.params,
                       self.log_mark).execute()
         if self.namespace is not None:
-            bind_result(self.namespace, self.config, result)
+            bind_result(self.namespace, self.config, result, getattr(self.plan.launcher, "session", None))
         return result
 
     def dry_run_text(self, model: Any = None, equivalent: str | None = None) -> str:
@@ -94,11 +94,19 @@ def prepare(config: RunConfig, make_payload: Callable[[], Payload],
     return PreparedRun(plan, payload, namespace, log_mark=log_mark)
 
 
-def bind_result(namespace: MutableMapping[str, Any], config: RunConfig, result: RunResult) -> None:
-    """A notebook's names for the result: ``_distribute_result`` always, ``--result NAME`` when given."""
+def bind_result(namespace: MutableMapping[str, Any], config: RunConfig, result: RunResult,
+                spark_session: Callable[[RunConfig], Any] | None = None) -> None:
+    """A notebook's names for the result: ``_distribute_result`` always, ``--result NAME`` when given, and each
+    ``--output NAME=VARIABLE`` as the backend's own table (``spark_session``: the Spark launcher's, for a Spark
+    DataFrame)."""
     namespace[LAST_RESULT_NAME] = result
     if config.result:
         namespace[config.result] = result
+    if config.outputs:
+        from . import outputs
+
+        session = (lambda: spark_session(config)) if spark_session is not None else None
+        outputs.bind(namespace, config, result.outputs, print, session)
 
 
 class _Run:
@@ -198,11 +206,14 @@ class _Run:
         return self.plan.data.stage(self.observer.note)
 
     def _result(self, tracker: RunTracker, values: list[Any]) -> RunResult:
+        from . import outputs
+
+        written = outputs.finish(self.config, self.launch.checkpoint_root, self.pump.written, self.observer.note)
         result = RunResult(
             value=values[0], values=values, run_id=tracker.run_id, config=self.config,
             wall_time_s=time.monotonic() - self.started, metrics=dict(tracker.last_metrics),
             time_to_first_step_s=self.pump.first_metric_s, tracking_uri=tracker.tracking_uri,
-            checkpoint_root=self.launch.checkpoint_root, outputs=self.pump.outputs.by_rank(),
+            checkpoint_root=self.launch.checkpoint_root, printed=self.pump.outputs.by_rank(), outputs=written,
         )
         tracker.log_result(result.value)
         return result
@@ -212,6 +223,10 @@ class _Run:
         that came while it was opening; the cell says what waits for the next run."""
         self.launch.give_back_unstarted()
         pump = self.pump
+        if self.status != "FINISHED" and pump is not None:  # its ranks' ctx.write parts go: no partial output
+            from . import outputs
+
+            outputs.discard(self.config, self.launch.checkpoint_root)
         waiting = pump.waiting_metrics if pump is not None else []
         tags = {"dtrain_magic.wall_time_s": f"{time.monotonic() - self.started:.3f}"}
         artifacts = {}

@@ -97,6 +97,7 @@ class TrainContext:
         pulse: Pulse | None = None,
         data: Sequence[Any] = (),
         params: Mapping[str, Any] | None = None,
+        outputs_root: str | None = None,
     ):
         self.config = config
         self.strategy = strategy
@@ -113,6 +114,8 @@ class TrainContext:
         self._data_sources = tuple(data)  # `dtrain_magic.data.blocks.StagedSource`s: what --data gave this run
         self._data_positions: Any = None  # `dtrain_magic.data.reader.DataPositions`, once ctx.data made a reader
         self._params = MappingProxyType(dict(params or {}))
+        self._outputs_root = outputs_root  # where ctx.write's parts go (`dtrain_magic.data.outputs.outputs_root`)
+        self._writer: Any = None  # `dtrain_magic.data.outputs.OutputWriter`, made by the first ctx.write
 
     @property
     def params(self) -> Mapping[str, Any]:
@@ -195,7 +198,7 @@ class TrainContext:
 
     def data(self, name: str, batch_size: int, *, shuffle: bool = False, columns: Sequence[str] | None = None,
              collate_fn: Callable[[dict], Any] | None = None, drop_last: bool = False, device: Any = None,
-             shuffle_window: int | None = None) -> Any:
+             shuffle_window: int | None = None, with_ids: bool | str = False) -> Any:
         """This rank's batches of the data source ``--data NAME=...`` (docs/data.md): iterate it once per epoch
         (``loader.set_epoch(epoch)`` first: the order, reshuffled per epoch with ``shuffle``, depends only on
         ``--seed`` and the epoch); ``len(loader)`` batches per epoch, the same on every rank. Each batch is a dict of
@@ -204,7 +207,9 @@ class TrainContext:
         (ranks of one model replica under ``--tp``/``--pp`` read the same batches); ``drop_last=False`` pads the
         last rank's share with fewer than ``ranks`` rows read twice, ``drop_last=True`` leaves out fewer than
         ``ranks x batch_size``. ``shuffle_window``: rows shuffled together (default about 64 MB of them).
-        ``ctx.save_checkpoint`` records where the loader is; ``ctx.load_checkpoint`` resumes it there."""
+        ``ctx.save_checkpoint`` records where the loader is; ``ctx.load_checkpoint`` resumes it there.
+        ``with_ids=True`` adds each row's id, its position in the source (int64, the same on every run), as
+        ``batch["row_id"]`` (a string: under that key), so what `write` writes of a batch joins back to the input."""
         from ..data.reader import DataPositions, ProgressSender, open_batches
 
         if self._data_positions is None:
@@ -215,8 +220,48 @@ class TrainContext:
             self._data_sources, name, self.data_parallel_rank, self.data_parallel_size, batch_size=batch_size,
             shuffle=shuffle, seed=self.config.seed or 0, drop_last=drop_last, columns=columns, collate_fn=collate_fn,
             device=self.device if device is None else torch.device(device), shuffle_window=shuffle_window,
-            progress=progress)
+            progress=progress, with_ids=with_ids)
         return self._data_positions.add(name, reader)
+
+    def write(self, name: str, batch: Mapping[str, Any]) -> None:
+        """Append ``batch``'s rows to the run's output ``name`` (docs/data.md, the way back): a dict of column ->
+        tensor, numpy array or list, one row per element along dim 0; every write of ``name`` has the same columns
+        and types. Each rank writes its own Parquet parts; the driver commits them once every rank returned
+        (``result.outputs[name]``, ``--output name=VARIABLE``): a failed or interrupted run leaves no output, a
+        restarted one only its last attempt's rows. Under ``--tp``/``--pp`` call it on every rank: only the one
+        rank of each model replica that holds its output (the first tensor-parallel shard of the last pipeline
+        stage) writes."""
+        if self._writer is None:
+            from ..data.outputs import OutputWriter
+
+            if self._outputs_root is None:
+                raise RuntimeError(f"ctx.write({name!r}): this context has no output location (it was not built "
+                                   "by a run)")
+            self._writer = OutputWriter(self._outputs_root, self.rank, self._writes_outputs())
+        self._writer.write(name, batch)
+
+    def _writes_outputs(self) -> bool:
+        """Whether this rank writes its replica's rows: the first shard (tp) of the last stage (pp)."""
+        if self.config.tp * self.config.pp == 1:
+            return True
+        from ..parallel.mesh import ParallelDims
+
+        coords = ParallelDims(self.world_size, self.config.tp, self.config.pp).coordinates(self.rank)
+        return coords["tp"] == 0 and coords["pp"] == self.config.pp - 1
+
+    def seal_outputs(self, why: str = "the run has ended") -> str:
+        """Close what `write` wrote (the function returned) and refuse later writes; the manifest for the driver
+        (``""``: nothing written)."""
+        if self._writer is None:
+            from ..data.outputs import OutputWriter
+
+            self._writer = OutputWriter(self._outputs_root or "", self.rank, False)
+        return self._writer.seal(why)
+
+    def abort_outputs(self, why: str = "the run has ended") -> None:
+        """The function failed: close what `write` opened; nothing of it is committed."""
+        if self._writer is not None:
+            self._writer.abort(why)
 
     def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         """Forward (under `autocast`), ``loss_fn(outputs, targets)``, backward, and the optimizer step at the

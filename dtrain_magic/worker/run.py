@@ -50,13 +50,14 @@ def run_worker(job: WorkerJob, ranks: RankInfo | None = None, checkpoints: Any =
     under ``job.checkpoint_root``.
     """
     rank = _connect(job, ranks or rank_from_env())
+    ctx = None
     try:
         device = _join(rank)
         if job.config.seed is not None:
             seed_everything(job.config.seed)
         ctx = _build_context(rank, device, checkpoints)
         value = _call(rank, ctx)
-        _send_result(rank, value)
+        _send_result(rank, value, ctx.seal_outputs())  # its ctx.write parts closed: the driver commits them
         if rank.owns_group:
             # Leave together: a rank that finished its last collective first (a broadcast's sender) must
             # not close its connections while a peer is still reading from them. A peer that failed makes
@@ -67,6 +68,8 @@ def run_worker(job: WorkerJob, ranks: RankInfo | None = None, checkpoints: Any =
                 log_dropped(__name__, "run_worker", exc)
         return value
     except BaseException as exc:
+        if ctx is not None:
+            ctx.abort_outputs()  # nothing of a failed rank's ctx.write is committed
         _report_failure(rank, exc)
         raise
     finally:
@@ -114,6 +117,7 @@ def _join(rank: _Rank) -> Any:
 
 def _build_context(rank: _Rank, device: Any, checkpoints: Any) -> Any:
     """The strategy and the `TrainContext` the user's function gets; integrations installed around it."""
+    from ..data.outputs import outputs_root
     from .checkpoints import checkpoint_store
     from .context import TrainContext
 
@@ -126,6 +130,7 @@ def _build_context(rank: _Rank, device: Any, checkpoints: Any) -> Any:
         pulse=rank.pulse,
         data=job.data,
         params=job.params,
+        outputs_root=outputs_root(job.checkpoint_root, job.config.data_dir) if job.checkpoint_root else None,
     )
     # Existing code runs unchanged: its own init/destroy_process_group adopt the run's group, and
     # Hugging Face / Ray Train metrics reach the run (dtrain_magic/integrations). Before the load:
@@ -147,7 +152,7 @@ def _call(rank: _Rank, ctx: Any) -> Any:
     return value
 
 
-def _send_result(rank: _Rank, value: Any) -> None:
+def _send_result(rank: _Rank, value: Any, outputs: str = "") -> None:
     try:
         data = cloudpickle.dumps(value)
     except Exception as exc:
@@ -156,7 +161,7 @@ def _send_result(rank: _Rank, value: Any) -> None:
             "Return plain Python data (lists, dicts, numbers) or tensors"
         ) from None
     _close_pulse(rank)  # every logged value reaches the notebook before the result does
-    rank.link.send(Result(rank.ranks.rank, data))
+    rank.link.send(Result(rank.ranks.rank, data, outputs))
     rank.link.send(Status(rank.ranks.rank, "done", ""))
 
 

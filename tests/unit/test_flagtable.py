@@ -66,6 +66,7 @@ ROUND_TRIP: dict[str, list[dict]] = {
     "clip_grad": [{"clip_grad": 1.0}, {"clip_grad": 0.25}, {"clip_grad": 3}],
     "data": [{"data": {"train": "df_train"}}, {"data": (("train", "df[x,y]"), ("val", "/data/my runs/val.parquet"))},
              {"data": ["a=s3://bucket/part-*.parquet", "b=it's"]}, {"data": {"x": "ünïcode ✓", "y": "-odd"}}],
+    "outputs": [{"outputs": {"preds": "df_preds"}}, {"outputs": ["preds=p", "scores=s"]}],
     **{field: [{**needs, field: text} for text in TEXTS] for field, needs in FREE_TEXT.items()},
 }
 ROUND_TRIP["tracking_uri"] += [{"tracking_uri": "sqlite:////tmp/my runs/mlflow.db"},
