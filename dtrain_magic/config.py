@@ -84,8 +84,11 @@ class RunConfig:
     pp: int = 1
     microbatches: int | None = None
     pp_schedule: str = "gpipe"
-    # Big-model knobs (docs/big-models.md): gradient clipping
+    # Big-model knobs (docs/big-models.md): gradient clipping, activation checkpointing, torch.compile per block
     clip_grad: float | None = None
+    ac: str = "none"
+    ac_module: str | None = None
+    compile: bool = False
     # Data sources (docs/data.md): ((name, source), ...) in the order given, and where staged copies go
     data: tuple[tuple[str, str], ...] = ()
     data_dir: str | None = None
@@ -218,6 +221,19 @@ class RunConfig:
                                   or not 0 < value < float("inf")):
             raise ConfigError("--clip-grad", f"got {value!r}; must be a gradient norm > 0 (e.g. 1.0), or left out "
                                              "for no clipping")
+        module = self.ac_module
+        if module is not None and (not isinstance(module, str) or not _IDENTIFIER.match(module)):
+            raise ConfigError("--ac-module", f"got {self.ac_module!r}; must be a module class name (e.g. Block)")
+        if self.ac_module is not None and self.ac == "none" and not self.compile:
+            raise ConfigError("--ac-module", "names the blocks --ac and --compile apply to: add --ac full (or "
+                                             "selective) or --compile, or drop it")
+        if self.pp > 1:
+            # torch.distributed.pipelining runs each stage's forward and backward itself (and cuts the model into
+            # stages after ctx.prepare has seen it): a checkpointed or compiled block there is untested and unsupported
+            for flag, on in (("--ac", self.ac != "none"), ("--compile", self.compile)):
+                if on:
+                    raise ConfigError(flag, f"is not supported with --pp {self.pp} (pipeline parallelism): the "
+                                            f"pipeline schedule runs each stage itself; drop {flag} or --pp")
 
     @property
     def data_parallel_size(self) -> int:

@@ -46,6 +46,7 @@ from .registry import BACKENDS, STRATEGIES
 PRECISIONS = ("fp32", "fp16", "bf16")
 ZERO_STAGES = (0, 1, 2, 3)
 PP_SCHEDULES = ("gpipe", "1f1b")
+AC_MODES = ("none", "selective", "full")
 ON_STALL = ("report", "fail")
 DEFAULT_HANG_TIMEOUT_S = 15.0
 DEFAULT_STALL_TIMEOUT_S = 120.0
@@ -315,6 +316,22 @@ FLAGS: tuple[Flag, ...] = (
          doc="clip the global gradient norm (every shard's, stage's and rank's together, as one process would) to "
              "NORM before each optimizer step (deepspeed: its `gradient_clipping`); `ctx.grad_norm` is the last "
              "norm before clipping, the same on every rank", default_doc="no clipping"),
+    Flag(("--ac",), "ac", BIG_MODELS, choices=AC_MODES, default="none",
+         help="activation checkpointing per block (recompute its activations in the backward): full = every block, "
+              "selective = every other block",
+         doc="activation checkpointing per block (non-reentrant; its activations recomputed in the backward): `full` "
+             "every block, `selective` every other block (torchtitan's layer-selective AC); applied before "
+             "`--compile` and sharding",
+         panel=PanelControl(DROPDOWN, "activation checkpointing", column=1)),
+    Flag(("--ac-module",), "ac_module", BIG_MODELS, default=None, placeholder="NAME",
+         help="the block class --ac and --compile apply to (None means the module class the model repeats most)",
+         doc="the block class (`__name__`) `--ac` and `--compile` apply to",
+         default_doc="the class the model repeats most among its blocks"),
+    Flag(("--compile",), "compile", BIG_MODELS, kind=STORE_TRUE, default=False,
+         help="torch.compile each block (after --ac, before sharding)",
+         doc="`torch.compile` each block, after `--ac` and before sharding (the first step pays the compile: about a "
+             "minute per block class on a 2-core CPU)",
+         panel=PanelControl(CHECKBOX, "torch.compile blocks", column=1)),
     # -- data (docs/data.md) ---------------------------------------------------------------------------
     Flag(("--data",), "data", DATA, kind=APPEND, cheatsheet=True, type=data_item, default=(), placeholder="NAME=SOURCE",
          help="a data source the function reads with ctx.data(NAME, batch_size): a notebook variable (Spark or pandas "

@@ -28,7 +28,9 @@ from ..weights.loading import match
 from ..weights.saving import DEFAULT_SHARD_BYTES, write_model_config, write_safetensors
 from ..weights.sources import open_weights
 from . import flops
+from .blocks import prepare_blocks
 from .pulse import Pulse
+from .resume_point import note_step
 
 
 class _ShardedLoader(DataLoader):
@@ -187,6 +189,8 @@ class TrainContext:
         self.strategy.set_loaders(loaders)
         self.strategy.set_model_parallel_options(tp_plan=tp_plan, pp_split=pp_split)
         self._parameters = flops.count_parameters(model)
+        # --ac, then --compile, on each block, then the strategy shards (wrap): the one order that works (blocks.py)
+        prepare_blocks(model, self.config.ac, self.config.ac_module, self.config.compile, announce=self._announce)
         # Without weights= the two-argument call: a strategy written before weights= (wrap(model, optimizer)) works.
         model, optimizer = (self.strategy.wrap(model, optimizer) if plan is None
                             else self.strategy.wrap(model, optimizer, plan))
@@ -352,6 +356,11 @@ class TrainContext:
         if per_token is not None:
             self._model_flops["per_token"] = float(per_token)
         self._send_model_facts()
+
+    def _announce(self, line: str) -> None:
+        """A line for the cell, from rank 0 only (what ctx.prepare did to the model)."""
+        if self.is_main:
+            print(f"dtrain_magic: {line}", flush=True)
 
     def _send_model_facts(self) -> None:
         if not self.is_main or self._pulse is None:

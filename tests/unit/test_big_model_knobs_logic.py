@@ -12,6 +12,7 @@ from dtrain_magic.config import RunConfig
 from dtrain_magic.errors import ConfigError
 from dtrain_magic.strategies.clipping import clip_grad_norm, total_norm
 from dtrain_magic.strategies.deepspeed import build_config
+from dtrain_magic.worker.blocks import checkpoint_blocks, find_blocks, prepare_blocks
 
 
 @pytest.mark.parametrize("value", [0, -1.0, float("inf"), float("nan"), True, "1.0"])
@@ -55,3 +56,86 @@ def test_total_norm_skips_parameters_without_gradients_and_is_zero_without_any()
     expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     assert float(total_norm([*model.parameters(), frozen])) == pytest.approx(float(expected), rel=1e-6)
     assert float(total_norm([frozen])) == 0.0
+
+
+# -- --ac / --compile (dtrain_magic.worker.blocks) -----------------------------------------------------------------
+class Block(torch.nn.Module):
+    def __init__(self, width: int = 32, hidden: int = 128):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(width, hidden), torch.nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class EightBlocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 32)
+        self.layers = torch.nn.ModuleList(Block() for _ in range(8))
+        self.head = torch.nn.Linear(32, 1)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _activation_bytes(ac: str) -> tuple[int, torch.Tensor, dict]:
+    """Bytes of the activations one forward keeps for the backward: what autograd saves (saved_tensors_hooks see what
+    is saved outside a checkpoint) plus each checkpointed block's input (the checkpoint holds it to recompute)."""
+    torch.manual_seed(0)
+    model = EightBlocks()
+    checkpointed = prepare_blocks(model, ac)
+    saved = [0]
+
+    def pack(tensor):
+        saved[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def held_input(module, args):
+        saved[0] += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+
+    for block in checkpointed if ac != "none" else []:
+        block.register_forward_pre_hook(held_input)
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(x).pow(2).mean()
+    loss.backward()
+    return saved[0], loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def test_activation_checkpointing_saves_activation_memory_and_changes_no_number():
+    plain, loss, grads = _activation_bytes("none")
+    for mode, least_saved in (("full", 0.70), ("selective", 0.30)):
+        kept, mode_loss, mode_grads = _activation_bytes(mode)
+        print(f"--ac {mode}: {kept} activation bytes kept of {plain} ({1 - kept / plain:.0%} lower)")
+        assert kept <= (1 - least_saved) * plain, (mode, kept, plain)
+        torch.testing.assert_close(mode_loss, loss, atol=1e-6, rtol=0)
+        for name in grads:
+            torch.testing.assert_close(mode_grads[name], grads[name], atol=1e-6, rtol=0, msg=name)
+
+
+def test_the_blocks_are_the_repeated_class_or_the_one_named_and_names_do_not_change():
+    model = EightBlocks()
+    keys = list(model.state_dict())
+    assert find_blocks(model) == list(model.layers)
+    assert len(checkpoint_blocks(find_blocks(model), "selective")) == 4  # blocks 0, 2, 4, 6
+    assert list(model.state_dict()) == keys  # weights=, checkpoints and save_weights see the plain model's names
+    assert find_blocks(model, "Linear") == [model.embed, *(m for b in model.layers for m in (b.up, b.down)), model.head]
+    with pytest.raises(ConfigError, match="--ac-module.*'Attention'.*repeated classes: Linear \\(18\\), Block \\(8\\)"):
+        find_blocks(model, "Attention")
+    with pytest.raises(ConfigError, match="--ac.*no repeated module class.*--ac-module"):
+        find_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))
+
+
+@pytest.mark.parametrize("values,flag,words", [
+    ({"ac_module": "Block"}, "--ac-module", "add --ac full"),
+    ({"ac": "full", "pp": 2}, "--ac", "--pp 2"),
+    ({"compile": True, "pp": 2}, "--compile", "--pp 2"),
+])
+def test_ac_and_compile_refusals_name_both_flags(values, flag, words):
+    with pytest.raises(ConfigError, match=flag) as error:
+        RunConfig(**values)
+    assert words in str(error.value)

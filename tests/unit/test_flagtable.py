@@ -32,7 +32,7 @@ FREE_TEXT = {  # text fields, with what they need to be valid
     "experiment": {}, "tracking_uri": {}, "spark_master": {"backend": "spark"}, "ray_address": {"backend": "ray"},
     "storage": {}, "deepspeed_config": {"strategy": "deepspeed"}, "data_dir": {"data": {"train": "df"}},
 }
-IDENTIFIERS = {"fn", "result"}  # text fields that must be Python identifiers (no spaces or quotes possible)
+IDENTIFIERS = {"fn", "result", "ac_module"}  # text fields that must be Python identifiers (no spaces or quotes possible)
 
 # Non-default values per RunConfig field (with what makes them valid). Every field needs at least one.
 ROUND_TRIP: dict[str, list[dict]] = {
@@ -64,6 +64,9 @@ ROUND_TRIP: dict[str, list[dict]] = {
     "microbatches": [{"pp": 2, "microbatches": 4}],
     "pp_schedule": [{"pp": 2, "pp_schedule": "1f1b"}],
     "clip_grad": [{"clip_grad": 1.0}, {"clip_grad": 0.25}, {"clip_grad": 3}],
+    "ac": [{"ac": "full"}, {"ac": "selective"}],
+    "ac_module": [{"ac": "full", "ac_module": "Block"}, {"compile": True, "ac_module": "GPT2Block"}],
+    "compile": [{"compile": True}, {"compile": True, "ac": "full"}],
     "data": [{"data": {"train": "df_train"}}, {"data": (("train", "df[x,y]"), ("val", "/data/my runs/val.parquet"))},
              {"data": ["a=s3://bucket/part-*.parquet", "b=it's"]}, {"data": {"x": "ünïcode ✓", "y": "-odd"}}],
     "outputs": [{"outputs": {"preds": "df_preds"}}, {"outputs": ["preds=p", "scores=s"]}],
