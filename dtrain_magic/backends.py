@@ -81,7 +81,10 @@ class Spark(Backend):
 
     name = "spark"
     own_fields = ("local_mode", "spark_master")  # --cluster, --spark-master
-    keeps_workers_warm = True  # TorchDistributor never restarts failed workers: no restarts_workers
+    # --max-restarts: TorchDistributor never restarts a rank (Spark aborts a failed barrier stage whole), so the
+    # launcher submits a new job per attempt, resuming from the run's checkpoints (launchers/spark/restarts.py)
+    restarts_workers = True
+    keeps_workers_warm = True
 
     @classmethod
     def in_use(cls, modules: Mapping[str, Any]) -> bool:

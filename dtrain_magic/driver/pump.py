@@ -92,11 +92,15 @@ class Pump:
         self.artifacts: dict[str, str] = {}  # MLflow artifacts waiting for the run (stacks), path → text
         self.thinned = 0  # metric values the workers left out (a loop logging faster than MLflow takes)
         self.last_step = 0
+        self.restart_notes: list[str] = []  # one per restart the launcher made (`LaunchState.restart_note`)
+        self._restart_metrics: list[tuple[int, dict]] = []  # restarts before the MLflow run was open
+        self._running: Any = None
         self._perf_at = self._perf_metrics_at = 0.0
 
     def watch_job(self, running: Any) -> None:
         """The launched job: its own way to reach the workers' stacks (`RunningJob.dump_stacks`)."""
         self.collector.remote = running.dump_stacks
+        self._running = running
 
     def hold(self, running: Any, limit_s: float, stop: threading.Event | None) -> None:
         """Before the MLflow run may open: handle the workers' messages (output streams, metrics reach the
@@ -111,7 +115,7 @@ class Pump:
                     break
             state = running.poll()
             if state.restarted:
-                self._forget_attempt(keep_last=False)
+                self._restarted(state)
             if state.finished or state.failures:
                 break  # `run` sees it again and ends the run
             _raise_if_stopped(stop)
@@ -129,9 +133,10 @@ class Pump:
             while message is not None:
                 self.handle(message)
                 message = self.channel.get(timeout=0) if self.channel.pending() else None
-            if running.poll().restarted:
-                self._forget_attempt(keep_last=False)
             _raise_if_stopped(stop)
+            state = running.poll()
+            if state.restarted:
+                self._restarted(state)
             self._raise_if_timed_out()
             self._tick(time.monotonic())
         return opening.wait()
@@ -142,6 +147,9 @@ class Pump:
         waiting, self.waiting_metrics = self.waiting_metrics, []
         for step, metrics, stamp in waiting:
             tracker.log_metrics(step, metrics, stamp)
+        for step, metrics in self._restart_metrics:
+            tracker.log_metrics(step, metrics, logged=False)
+        self._restart_metrics = []
 
     def _raise_if_timed_out(self) -> None:
         if self.config.timeout and time.monotonic() - self.t0 > self.config.timeout:
@@ -160,7 +168,7 @@ class Pump:
                 message = self.channel.get(timeout=0) if self.channel.pending() else None
             state = running.poll()
             if state.restarted:
-                self._forget_attempt(keep_last=False)
+                self._restarted(state)
                 first_error_at = None
             if state.finished:
                 self.failures = state.failures
@@ -180,6 +188,17 @@ class Pump:
             _raise_if_stopped(stop)
             self._raise_if_timed_out()
             self._tick(now)
+
+    def _restarted(self, state: Any) -> None:
+        """The launcher restarted every worker (`LaunchState.restarted`): forget the failed attempt; the MLflow run
+        gets a ``restarts`` metric at the step reached and, at its end, a tag per restart (`restart_notes`)."""
+        self._forget_attempt(keep_last=False)
+        self.restart_notes.append(state.restart_note or "every worker restarted")
+        entry = (self.last_step, {"restarts": float(len(self.restart_notes))})
+        if self.tracker is not None:
+            self.tracker.log_metrics(*entry, logged=False)
+        else:
+            self._restart_metrics.append(entry)
 
     def _forget_attempt(self, keep_last: bool) -> None:
         """The workers were restarted: the earlier attempt's results and errors no longer count."""
@@ -330,6 +349,9 @@ class Pump:
                 self.watch.ended(message.rank, "returned", now)
             case ch.Error():
                 self.errors.append(message)
+                failed = getattr(self._running, "worker_failed", None)  # a backend restarting on it (Spark)
+                if failed is not None:
+                    failed(message.rank, message.summary)
                 if message.rank is not None:
                     self.watch.ended(message.rank, f"failed: {message.summary}", now)
             case ch.Status():

@@ -240,6 +240,9 @@ class _Run:
                                                         "$DTRAIN_MAGIC_METRIC_RATE a second after a burst)")
             if pump.perf.flagged:
                 tags["dtrain_magic.stragglers"] = "; ".join(pump.perf.flagged.values())
+            if pump.restart_notes:  # --max-restarts: how many, and each one's reason in the launcher's words
+                tags["dtrain_magic.restarts"] = str(len(pump.restart_notes))
+                tags.update({f"dtrain_magic.restart_{n}": note for n, note in enumerate(pump.restart_notes, 1)})
             pump.collector.cleanup()
         inputs: list = []
         if self.plan.data is not None:

@@ -79,6 +79,8 @@ class LaunchState:
     # True once, on the poll right after the launcher restarted every worker itself (local --max-restarts):
     # the runner forgets the failed attempt's results and errors.
     restarted: bool = False
+    # With ``restarted``: what was restarted and why, in the launcher's words (the MLflow run keeps it as a tag).
+    restart_note: str = ""
 
 
 class RunningJob(ABC):
@@ -99,6 +101,11 @@ class RunningJob(ABC):
     @abstractmethod
     def cancel(self) -> None:
         """Stop every worker now and release what the run holds (processes, jobs, ports). Idempotent."""
+
+    def worker_failed(self, rank: int | None, summary: str) -> None:
+        """A rank reported an error over the channel (the pump tells every job): a backend whose workers end
+        cleanly after their function raised (TorchDistributor's, Spark) restarts on it under ``--max-restarts``.
+        Default: nothing (the launcher sees the failure itself, as an exit code)."""
 
     def dump_stacks(self, workers: Mapping[int, Any], timeout: float) -> dict[int, tuple[str, str]]:
         """The Python stacks of ``workers`` (rank → `driver.stacks.Worker`) that this backend reaches its own way,

@@ -398,6 +398,7 @@ class TrainContext:
         if self._data_positions is not None:  # where each ctx.data loader is, to resume there
             client_state = self._data_positions.client_state(client_state)
         self.strategy.save_checkpoint(directory, client_state)
+        note_step(directory, client_state, self.is_main)  # the step a restart or --resume names in the cell
         self.barrier()
         if self._checkpoints is not None:
             self._checkpoints.saved(directory)

@@ -48,6 +48,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 CLUSTER_MASTER = "local-cluster[2,1,1024]"
 TIMES: dict[str, float] = {}
+RESTART_REFERENCE: dict = {}  # restart_cell's final weights on the local backend, uninterrupted (set once)
 
 
 EXECUTOR_HELPER = """
@@ -325,6 +326,7 @@ def test_checkpoints_land_where_every_backend_puts_them(spark_launcher, shell):
     assert spark.error_in_exec is None, spark.error_in_exec
     local = shell.run(restart_cell("local", save=True))
     assert local.error_in_exec is None, local.error_in_exec
+    RESTART_REFERENCE.update(local.result.value)  # the uninterrupted run's weights (the restart test compares)
     for name, value in local.result.value.items():
         assert torch.allclose(value, spark.result.value[name], atol=1e-5, rtol=0), name
     for result in (spark.result, local.result):
@@ -458,6 +460,39 @@ def test_killed_worker_names_its_rank_and_signal(spark_launcher, shell, mlflow):
     # whatever torchrun says, so TorchDistributor.run never reports it).
     assert "process was killed by SIGKILL" in str(error) and "Traceback" not in str(error), str(error)
     assert ended_run(mlflow).info.status == "FAILED"
+    assert_taken_over(spark_launcher, waiting)
+    assert_no_torchrun_left(spark_launcher)
+    assert_no_spark_job_running(spark_launcher)
+
+
+def test_max_restarts_resubmits_the_job_and_resumes_from_the_last_checkpoint(spark_launcher, shell, mlflow, capsys):
+    """--max-restarts 1 on Spark (issue #37): rank 1's process exits (os._exit(1)) once mid-run; the launcher cancels
+    the failed barrier job, sweeps its torchrun processes and submits a new one, which resumes from the newest
+    complete checkpoint (step 3) and ends with the uninterrupted run's weights, in the same MLflow run."""
+    import torch
+
+    if not RESTART_REFERENCE:  # (this test alone: the checkpoint test did not run first)
+        reference = shell.run(restart_cell("local"))
+        assert reference.error_in_exec is None, reference.error_in_exec
+        RESTART_REFERENCE.update(reference.result.value)
+    waiting = take_over(spark_launcher)  # the first attempt runs on the waiting workers, the second is fresh
+    capsys.readouterr()
+    cell = restart_cell("spark", flags="--max-restarts 1", kill=True).replace("os.kill(os.getpid(), signal.SIGKILL)",
+                                                                             "os._exit(1)")
+    restarted = shell.run(cell)
+    assert restarted.error_in_exec is None, restarted.error_in_exec
+    said = "".join(capsys.readouterr())
+    assert "dtrain_magic: rank 1 lost (" in said and f"restarting from step {EVERY - 1}, 1 of 1" in said, said
+    assert f"[rank 0] resumed at step {EVERY}" in said, said
+    for name, value in RESTART_REFERENCE.items():
+        assert torch.allclose(value, restarted.result.value[name], atol=1e-6, rtol=0), name
+    run = mlflow.get_run(restarted.result.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["dtrain_magic.restarts"] == "1"
+    assert run.data.tags["dtrain_magic.restart_1"].startswith("rank 1 lost (")
+    assert [m.value for m in mlflow.get_metric_history(run.info.run_id, "restarts")] == [1.0]
+    assert {m.step for m in mlflow.get_metric_history(run.info.run_id, "loss")} == set(range(STEPS))
+    first_attempt = [int(open(f"pid_{rank}").read().split()[0]) for rank in (0, 1)]
+    assert not any(alive(pid) for pid in first_attempt), first_attempt  # the failed attempt's workers are gone
     assert_taken_over(spark_launcher, waiting)
     assert_no_torchrun_left(spark_launcher)
     assert_no_spark_job_running(spark_launcher)

@@ -34,7 +34,7 @@ def test_every_backend_and_strategy_validates_without_torch():
         c.RunConfig(backend="spark", strategy="fsdp", tp=2, num_processes=4, local_mode=False)
         c.RunConfig(backend="local", strategy="ddp", pp=2, microbatches=4, max_restarts=1)
         c.default_strategy({{"zero": 2}}), c.detect_backend()
-        for refused in ({{"backend": "spark", "max_restarts": 1}}, {{"strategy": "deepspeed", "tp": 2}},
+        for refused in ({{"backend": "spark", "max_restarts": -1}}, {{"strategy": "deepspeed", "tp": 2}},
                         {{"backend": "local", "ray_address": "auto"}}, {{"strategy": "ddp", "zero": 1}}):
             try:
                 c.RunConfig(**refused)

@@ -229,9 +229,19 @@ def test_a_strategy_registered_in_one_line_is_a_choice_everywhere(monkeypatch):
 
 
 def test_backend_facts_generate_the_rules():
-    with pytest.raises(ConfigError, match="--max-restarts: --backend spark does not restart failed workers; use "
-                                          "--backend local or ray"):
-        RunConfig(backend="spark", max_restarts=1)
+    from dtrain_magic.backends import Backend
+
+    class Once(Backend):  # a backend that never restarts its workers (every built-in one does now)
+        name = "once"
+
+    BACKENDS.register("once", "dtrain_magic.no_such_module:Once", facts=Once)
+    try:
+        with pytest.raises(ConfigError, match="--max-restarts: --backend once does not restart failed workers; use "
+                                              "--backend local or spark or ray"):
+            RunConfig(backend="once", max_restarts=1)
+    finally:
+        BACKENDS.unregister("once")
+    assert RunConfig(backend="spark", max_restarts=1).max_restarts == 1  # a new barrier job per attempt (#37)
     with pytest.raises(ConfigError, match="--keep-warm: applies only to --backend spark or ray"):
         RunConfig(backend="local", keep_warm=5)
     with pytest.raises(ConfigError, match="URLs .* are for --backend ray"):

@@ -122,7 +122,6 @@ def test_other_argparse_errors_get_no_flag_list_hint():
         ("--backend local --cluster", "--cluster", "spark"),
         ("--backend local --spark-master local[2]", "--spark-master", "spark"),
         ("--backend local --ray-address auto", "--ray-address", "ray"),
-        ("--backend spark --max-restarts 1", "--max-restarts", "restart"),
         ("--strategy ddp --deepspeed-config {}", "--deepspeed-config", "deepspeed"),
         ("--seed -1", "--seed", ">= 0"),
         ("--micro-batch 0 --train-batch 8", "--micro-batch", ">= 1"),

@@ -65,6 +65,7 @@ from ..standby import (
 )
 from . import sessions
 from .diagnostics import check_java, gpu_setting_error, is_loopback_master, one_line_reason, torchrun_root_cause
+from .restarts import RestartingClaim, RestartingJob
 from .worker import _spark_standby_fn, _spark_train_fn
 
 _CANCEL_GRACE_S = 3.0
@@ -205,7 +206,9 @@ class SparkJob(StandbyLaunch):
     def for_job(cls, launcher: "SparkLauncher", spark: Any, job: WorkerJob, emit: Emit,
                 tracking_uri: str | None) -> "SparkJob":
         """Launch ``job``'s workers now."""
-        return cls(launcher, spark, job.config, emit, f"dtrain_magic-{job.run_id or uuid.uuid4().hex}",
+        # One job group per launch: a restarted run's attempts (--max-restarts) are cancelled one by one.
+        group = f"dtrain_magic-{job.run_id or 'run'}-{uuid.uuid4().hex}"
+        return cls(launcher, spark, job.config, emit, group,
                    job.channel.host, lambda watch: (_spark_train_fn, (job, tracking_uri, watch)))
 
     @classmethod
@@ -577,12 +580,15 @@ class SparkLauncher(Spark, Launcher):
             items.append(("import-time environment", _digest(import_time_environment())))
         return Placement(Spark.name, tuple(items))
 
-    def claim_standby(self, config: RunConfig) -> Claim | None:
+    def claim_standby(self, config: RunConfig) -> Claim | RestartingClaim | None:
         spark = self._running_session(config)
         if spark is not None and _data_needs_the_slots(config):
             self.release_standby("a run with --data on a cluster: writing a DataFrame needs the slots they hold")
             return None
-        return None if spark is None else self.standbys.claim(self._placement(config, spark))
+        claim = None if spark is None else self.standbys.claim(self._placement(config, spark))
+        if claim is None or not config.max_restarts:
+            return claim
+        return RestartingClaim(claim, self._launch)  # --max-restarts: later attempts are fresh launches
 
     def keep_warm(self, config: RunConfig) -> str | None:
         """Launch the next run's workers (local mode: on this machine, held by default; cluster mode: barrier
@@ -704,6 +710,14 @@ class SparkLauncher(Spark, Launcher):
         return resolve_tracking_uri(config)
 
     def start(self, job: WorkerJob, emit: Emit) -> RunningJob:
+        first = self._launch(job, emit)
+        if not job.config.max_restarts:
+            return first
+        return RestartingJob(first, lambda: self._launch(job, emit), job.config.max_restarts, emit,
+                             job.checkpoint_root)
+
+    def _launch(self, job: WorkerJob, emit: Emit) -> SparkJob:
+        """One ``TorchDistributor.run`` of ``job`` (a run's, or one attempt of a run under ``--max-restarts``)."""
         spark = self.session(job.config)
         tracking_uri = self._tracking_uri(job.config)
         self.standbys.make_way(self._placement(job.config, spark))  # another placement's workers go first
