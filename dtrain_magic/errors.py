@@ -79,6 +79,29 @@ class RunInterrupted(DistributeError):
     title = "RunInterrupted"
 
 
+class RunStopped(RunInterrupted):
+    """Every rank stopped at one step, as the notebook asked (a pruned sweep trial: `driver.step_stop`): the run
+    ended cleanly, no rank left in a collective, with no value. ``step``: the ``ctx.step`` count every rank
+    stopped after."""
+
+    title = "RunStopped"
+
+    def __init__(self, message: str, step: int):
+        self.step = step
+        super().__init__(message)
+
+
+class StopAtStep(BaseException):
+    """Raised in a worker by ``ctx.step()`` (``ctx.train_step``, or ``ctx.log`` in a loop that never steps) once
+    the rank made the step the notebook asked every rank to stop at; `worker.run.run_worker` ends the rank
+    cleanly on it. A BaseException, like KeyboardInterrupt, so that a loop's ``except Exception`` does not keep
+    training past it (``finally`` blocks still run). ``step``: the rank's ``ctx.step`` count."""
+
+    def __init__(self, step: int):
+        self.step = step
+        super().__init__(f"stopped after step {step}, as the notebook asked every rank")
+
+
 class RunTimeout(DistributeError):
     """The run exceeded ``--timeout``."""
 

@@ -22,11 +22,12 @@ from .. import channel as ch
 from .. import procfacts
 from ..channel import Channel
 from ..config import RunConfig
-from ..errors import RunHung, RunInterrupted, RunStalled, RunTimeout, WorkerError
+from ..errors import RunHung, RunInterrupted, RunStalled, RunStopped, RunTimeout, WorkerError
 from ..tracking import RunOpening, RunTracker
 from .observer import RunObserver
 from .perf import Throughput
 from .stacks import StackCollector, merge_ended, rank_stack, render_all, whereabouts
+from .step_stop import StepStop, StopPlan
 from .watch import Watch
 
 _POLL_S = 0.05
@@ -92,6 +93,8 @@ class Pump:
         self.artifacts: dict[str, str] = {}  # MLflow artifacts waiting for the run (stacks), path → text
         self.thinned = 0  # metric values the workers left out (a loop logging faster than MLflow takes)
         self.last_step = 0
+        self.stop_plan = StopPlan(config.num_processes)  # fed every pulse: a `StepStop` picks its step from them
+        self._stop_asked_at: float | None = None
         self.restart_notes: list[str] = []  # one per restart the launcher made (`LaunchState.restart_note`)
         self._restart_metrics: list[tuple[int, dict]] = []  # restarts before the MLflow run was open
         self._running: Any = None
@@ -111,14 +114,14 @@ class Pump:
             message = self.channel.get(timeout=_POLL_S)
             if message is not None:
                 self.handle(message)
-                if isinstance(message, (ch.Metric, ch.Metrics, ch.Result, ch.Error)):
+                if isinstance(message, (ch.Metric, ch.Metrics, ch.Result, ch.Error, ch.Stopped)):
                     break
             state = running.poll()
             if state.restarted:
                 self._restarted(state)
             if state.finished or state.failures:
                 break  # `run` sees it again and ends the run
-            _raise_if_stopped(stop)
+            self._check_stop(stop)
             self._raise_if_timed_out()
             self._tick(time.monotonic())
 
@@ -133,7 +136,7 @@ class Pump:
             while message is not None:
                 self.handle(message)
                 message = self.channel.get(timeout=0) if self.channel.pending() else None
-            _raise_if_stopped(stop)
+            self._check_stop(stop)
             state = running.poll()
             if state.restarted:
                 self._restarted(state)
@@ -150,6 +153,26 @@ class Pump:
         for step, metrics in self._restart_metrics:
             tracker.log_metrics(step, metrics, logged=False)
         self._restart_metrics = []
+
+    def _check_stop(self, stop: threading.Event | None) -> None:
+        """Stop (the event set) raises `RunInterrupted`; a `StepStop` asked to stop at a step sends every rank the
+        step once the pump can pick it (`StopPlan.choose`), and falls back to Stop when they cannot all stop there
+        (`StopPlan.fallback`)."""
+        _raise_if_stopped(stop)
+        if not isinstance(stop, StepStop) or not stop.wanted:
+            return
+        now, plan = time.monotonic(), self.stop_plan
+        if plan.target is None:
+            self._stop_asked_at = self._stop_asked_at or now
+            target = plan.choose(now, self._stop_asked_at)
+            if target is not None and self.channel.send_to_ranks(ch.StopAt(target, stop.reason or ""),
+                                                                 self.config.num_processes):
+                plan.sent(target, now)
+            return
+        ended = set(self.results) | set(plan.stopped_ranks) | {e.rank for e in self.errors if e.rank is not None}
+        why = plan.fallback(now, ended)
+        if why is not None:
+            raise RunInterrupted(f"the run was stopped: {why}; every worker was stopped")
 
     def _raise_if_timed_out(self) -> None:
         if self.config.timeout and time.monotonic() - self.t0 > self.config.timeout:
@@ -185,7 +208,7 @@ class Pump:
             for failure in state.failures:
                 if failure.rank is not None:
                     self.watch.ended(failure.rank, f"died: {failure.reason}", now)
-            _raise_if_stopped(stop)
+            self._check_stop(stop)
             self._raise_if_timed_out()
             self._tick(now)
 
@@ -208,6 +231,7 @@ class Pump:
         self.errors.clear()
         self.watch.forget()
         self.perf.forget()
+        self.stop_plan.forget()
         self.channel.retire_earlier_connections(keep_last=keep_last)
 
     # -- progress, hangs, stalls, throughput -----------------------------------------------------------------
@@ -318,7 +342,8 @@ class Pump:
         return reason, detail
 
     def _all_results(self) -> bool:
-        return len(self.results) == self.config.num_processes
+        """Every rank returned, or stopped at the step asked (`StepStop`)."""
+        return len(self.results) + len(self.stop_plan.stopped_ranks) >= self.config.num_processes
 
     def drain(self) -> None:
         self.channel.wait_readers(timeout=2.0)
@@ -340,6 +365,12 @@ class Pump:
             case ch.Pulse():
                 self.watch.pulse(message, now)
                 self.perf.pulse(message)
+                self.stop_plan.pulse(message.rank, message.steps, now)
+            case ch.Stopped():
+                self.stop_plan.stopped(message.rank, message.step)
+                self.watch.ended(message.rank, f"stopped after step {message.step}", now)
+            case ch.StopMissed():
+                self.stop_plan.missed(message.rank, message.steps)
             case ch.Metric():
                 self.watch.activity(message.rank, now)
                 self._metric(message.step, message.metrics, message.timestamp_ms)
@@ -394,6 +425,11 @@ class Pump:
             # The earliest error is the cause; later ones are peers noticing (connection reset by peer).
             first = min(self.errors, key=lambda error: error.unix_time)
             raise WorkerError(first.rank, first.summary, first.traceback)
+        stopped = self.stop_plan.stopped_ranks
+        if stopped:  # asked to stop at a step: no value, whatever ranks that ended the loop right there returned
+            step = max(stopped.values())
+            ranks = ", ".join(f"rank {rank} after {at}" for rank, at in sorted(stopped.items()))
+            raise RunStopped(f"the run was stopped at a step, as asked (step {self.stop_plan.target}): {ranks}", step)
         world = self.config.num_processes
         missing = [rank for rank in range(world) if rank not in self.results]
         if missing:

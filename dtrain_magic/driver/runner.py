@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, MutableMapping
 
 from .. import backend_log, procfacts
 from ..config import RunConfig
-from ..errors import DistributeError, RunInterrupted, log_dropped
+from ..errors import DistributeError, RunInterrupted, RunStopped, log_dropped
 from ..launchers import Launcher
 from ..payload import Payload
 from ..result import RunResult
@@ -152,7 +152,8 @@ class _Run:
             self.observer.finished(result, None)
             return result
         except (KeyboardInterrupt, RunInterrupted) as exc:
-            self.status, self.reason = "KILLED", "interrupted from the notebook"
+            self.status, self.reason = "KILLED", ("interrupted from the notebook" if type(exc) is not RunStopped
+                                                  else str(exc))
             error = (exc if isinstance(exc, RunInterrupted)
                      else RunInterrupted("the run was interrupted; every worker was stopped"))
             self.observer.finished(None, error)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, TextIO
 
 from ..config import RunConfig
 from ..driver import runner
+from ..driver.step_stop import StepStop
 from ..errors import ConfigError, DistributeError, RunInterrupted, summary
 from .options import SweepOptions
 from .parent import ParentRun
@@ -52,7 +53,7 @@ class Sweep:
         self._prepared: dict[tuple, Any] = {(): base}
         self._prepare_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._running: dict[int, threading.Event] = {}
+        self._running: dict[int, StepStop] = {}
         self._stopping = threading.Event()
         self.results: dict[int, Any] = {}
         self.failures: list[str] = []
@@ -178,7 +179,7 @@ class Sweep:
                     return
                 self._asked += 1
                 trial = self.study.ask(self.space.distributions)
-                stop = self._running[trial.number] = threading.Event()
+                stop = self._running[trial.number] = StepStop()
             try:
                 outcome = self._trial(trial, stop)
             except Exception as exc:  # not the trial's own failure (that is an Outcome): said, never a silent thread
@@ -188,7 +189,7 @@ class Sweep:
                     self._running.pop(trial.number, None)
             self._tell(trial, outcome)
 
-    def _trial(self, trial: Any, stop: threading.Event) -> Outcome:
+    def _trial(self, trial: Any, stop: StepStop) -> Outcome:
         options, params = self.space.split(trial.params)
         try:
             prepared = self._prepare(options)
@@ -201,7 +202,8 @@ class Sweep:
         from optuna.trial import TrialState
 
         for key, value in ((RUN_ID_ATTR, outcome.run_id), ("pruned_at_step", outcome.pruned_at),
-                           ("error", outcome.error), ("steps", outcome.steps)):
+                           ("stopped_at_step", outcome.stopped_at), ("error", outcome.error),
+                           ("steps", outcome.steps)):
             if value is not None:
                 trial.set_user_attr(key, value)
         self._tag_child(trial, outcome)
@@ -224,11 +226,16 @@ class Sweep:
         tags: dict[str, Any] = {"dtrain_magic.trial": trial.number}
         if outcome.pruned_at is not None:
             tags["dtrain_magic.pruned_at_step"] = outcome.pruned_at
+        if outcome.stopped_at is not None:
+            tags["dtrain_magic.stopped_at_step"] = outcome.stopped_at
         self.parent.tag_trial(outcome.run_id, tags)
 
     def _line(self, trial: Any, outcome: Outcome) -> str:
-        """``trial 3/12 FINISHED val_loss=0.123 lr=0.01 batch=32 (4.2 s)``."""
+        """``trial 3/12 FINISHED val_loss=0.123 lr=0.01 batch=32 (4.2 s)``; ``trial 4/12 PRUNED at step 7, every rank
+        stopped after step 9 ...``."""
         state = f"PRUNED at step {outcome.pruned_at}" if outcome.state == PRUNED else outcome.state
+        if outcome.stopped_at is not None:
+            state += f", every rank stopped after step {outcome.stopped_at}"
         value = f" {self.options.metric}={outcome.value:.4g}" if outcome.value is not None else ""
         params = " ".join(f"{k}={_shown(v)}" for k, v in trial.params.items())
         error = f": {outcome.error}" if outcome.error else ""

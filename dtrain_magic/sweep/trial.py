@@ -1,5 +1,6 @@
 """One trial: a run of the prepared payload with the trial's ``ctx.params`` and run options, its ``--metric`` fed to
-Optuna's pruner as rank 0 logs it, stopped through the run's stop event when the pruner says so.
+Optuna's pruner as rank 0 logs it, and when the pruner says so stopped with every rank after the same step (its
+`driver.step_stop.StepStop`; Stop's way, every worker at once, when they cannot all stop there).
 
 `run_trial` runs it on the calling thread (which pumps the run) and returns an `Outcome`; it never raises for the
 trial's own failure (that is the trial's FAILED), only for nothing.
@@ -10,14 +11,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 from ..config import RunConfig
 from ..driver.observer import RunObserver, prefix_lines
-from ..errors import DistributeError, RunInterrupted, summary
+from ..driver.step_stop import StepStop
+from ..errors import DistributeError, RunInterrupted, RunStopped, summary
 
 FINISHED, PRUNED, FAILED, INTERRUPTED = "FINISHED", "PRUNED", "FAILED", "INTERRUPTED"
 
@@ -31,17 +32,18 @@ class Outcome:
     run_id: str | None = None
     result: Any = None  # the `RunResult` of a FINISHED trial
     error: str | None = None  # a FAILED trial's one line
-    pruned_at: int | None = None
+    pruned_at: int | None = None  # the --metric step at which Optuna's pruner said prune
+    stopped_at: int | None = None  # the ctx.step count every rank stopped after (None: stopped as Stop stops)
     steps: int = 0
     seconds: float = 0.0
 
 
 class TrialObserver(RunObserver):
     """A trial's run as it happens: its workers' output prefixed with the trial, rank 0's ``--metric`` reported to the
-    Optuna trial at each logged step, and the run's ``stop`` set once Optuna's pruner prunes it (and its MLflow run is
-    open: the workers start first, and the pruned run's tags need its id)."""
+    Optuna trial at each logged step, and the run's ``stop`` asked to stop every rank at one step once Optuna's
+    pruner prunes it (`StepStop.at_a_step`)."""
 
-    def __init__(self, trial: Any, metric: str, label: str, stop: threading.Event, out: TextIO | None = None):
+    def __init__(self, trial: Any, metric: str, label: str, stop: StepStop, out: TextIO | None = None):
         self.trial, self.metric_name, self.label, self.stop = trial, metric, label, stop
         self._out = out
         self.run_id: str | None = None
@@ -57,8 +59,6 @@ class TrialObserver(RunObserver):
 
     def started(self, config: RunConfig, run_id: str, link: str, plan: str) -> None:
         self.run_id = run_id
-        if self.pruned_at is not None:
-            self.stop.set()  # pruned while its MLflow run was opening: stopped now, so that the run exists to say so
 
     def output(self, rank: int, stream: str, text: str) -> None:
         lines, self._pending[(rank, stream)] = prefix_lines(rank, text, self._pending.get((rank, stream), ""))
@@ -82,12 +82,12 @@ class TrialObserver(RunObserver):
         self.trial.report(self.last, step)
         if self.trial.should_prune():
             self.pruned_at = step
-            if self.run_id is not None:  # else at `started`: a run stopped before its MLflow run opened has no id here
-                self.stop.set()
+            # Every rank stops after one step the pump picks; the run ends after its MLflow run opened (`started`).
+            self.stop.at_a_step(f"pruned by Optuna at {self.metric_name} step {step}")
 
 
 def run_trial(prepared: Any, trial: Any, params: dict[str, Any], parent_run_id: str | None, metric: str,
-              label: str, stop: threading.Event, out: TextIO | None = None) -> Outcome:
+              label: str, stop: StepStop, out: TextIO | None = None) -> Outcome:
     """Run one trial (`PreparedRun.execute` with its params and parent run) and say how it ended."""
     observer = TrialObserver(trial, metric, label, stop, out)
     started = time.monotonic()
@@ -99,9 +99,11 @@ def run_trial(prepared: Any, trial: Any, params: dict[str, Any], parent_run_id: 
     return outcome
 
 
-def _execute(prepared: Any, observer: TrialObserver, stop: threading.Event) -> Outcome:
+def _execute(prepared: Any, observer: TrialObserver, stop: StepStop) -> Outcome:
     try:
         result = prepared.execute(observer, stop)
+    except RunStopped as stopped:  # every rank stopped after one step: pruned
+        return Outcome(PRUNED, value=observer.last, pruned_at=observer.pruned_at, stopped_at=stopped.step)
     except RunInterrupted:
         if observer.pruned_at is not None:
             return Outcome(PRUNED, value=observer.last, pruned_at=observer.pruned_at)

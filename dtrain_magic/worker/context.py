@@ -280,7 +280,10 @@ class TrainContext:
                 self._pulse.batch(*flops.batch_size_and_tokens(inputs if isinstance(inputs, tuple) else (inputs,),
                                                                inputs if isinstance(inputs, dict) else {}))
             self._pulse.step()
-        return self.strategy.train_step(inputs, targets, loss_fn)
+        loss = self.strategy.train_step(inputs, targets, loss_fn)
+        if self._pulse is not None:
+            self._pulse.check_stop()  # the step the notebook asked every rank to stop after: raises StopAtStep
+        return loss
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward pass through the strategy (loss scaling, accumulation, DeepSpeed's engine). Not under ``--pp``:
@@ -291,10 +294,17 @@ class TrainContext:
 
     def step(self) -> bool:
         """Optimizer step and zero_grad at each ``--grad-accum`` boundary. True if the optimizer stepped. Not under
-        ``--pp`` (`train_step` steps)."""
+        ``--pp`` (`train_step` steps).
+
+        When the notebook asked every rank to stop after this step (a pruned sweep trial, docs/sweeps.md), it
+        raises `dtrain_magic.errors.StopAtStep` after the optimizer step: the run ends cleanly on every rank at the
+        same step (``finally`` blocks run; ``except Exception`` does not catch it)."""
         if self._pulse is not None:
             self._pulse.step()
-        return self.strategy.step()
+        stepped = self.strategy.step()
+        if self._pulse is not None:
+            self._pulse.check_stop()
+        return stepped
 
     @property
     def grad_norm(self) -> float | None:
@@ -331,6 +341,8 @@ class TrainContext:
             if self._pulse is not None:
                 tokens = values.get("tokens")
                 self._pulse.log_call(float(tokens) if isinstance(tokens, (int, float, torch.Tensor)) else None)
+                if not self._pulse.steps:  # a loop that never calls ctx.step stops at a ctx.log count
+                    self._pulse.check_stop()
             return
         # A loop may call this thousands of times a second: str keys and float values are taken as they are
         for key, value in values.items():
@@ -341,6 +353,8 @@ class TrainContext:
             self._send(Metric(self.rank, int(step), values, int(time.time() * 1000)))
             return
         self._pulse.record(int(step), values)
+        if not self._pulse.steps:
+            self._pulse.check_stop()
 
     def flush_metrics(self) -> None:
         """Send the ``ctx.log`` values gathered so far now, rather than with the next batch (a session's cell calls

@@ -13,6 +13,11 @@ most ``rate`` a second, evenly spread; a set's last value is always sent, and th
 the batch. Thinning at the call keeps the queue to the values sent: a few attribute operations on the training
 thread, no work per step for the reporter.
 
+The reporter thread is also where the notebook's `channel.StopAt` arrives (it waits on the rank's connection
+between its sends): it sets `Pulse.stop_at`, which the training thread checks after each counted step
+(`Pulse.check_stop`, from ``ctx.step``): at that count it raises `errors.StopAtStep`, and every rank, given the
+same count, stops after the same step.
+
 `install_stack_dump`: ``faulthandler`` on `procfacts.STACK_SIGNAL` (and for fatal signals) with the rank's
 stack file, whose first line names the training thread (`procfacts`).
 """
@@ -24,12 +29,13 @@ import os
 import threading
 import time
 from collections import deque
+from multiprocessing.connection import wait
 from typing import Any, Callable
 
 from .. import procfacts
-from ..channel import Message, Metrics, ModelFacts
+from ..channel import Message, Metrics, ModelFacts, StopAt, StopMissed
 from ..channel import Pulse as PulseMessage
-from ..errors import log_dropped
+from ..errors import StopAtStep, log_dropped
 
 METRICS_EVERY_S = 0.25
 PULSE_EVERY_S = 0.5
@@ -70,10 +76,15 @@ class Pulse:
     sent) sends what is left."""
 
     def __init__(self, rank: int, send: Callable[[Message], None], rate: float | None = None, burst: int = BURST,
-                 reporter: bool = True):
+                 reporter: bool = True, inbox: Any = None):
         """``rate``: values a second per set of metrics after the burst (default ``$DTRAIN_MAGIC_METRIC_RATE`` or
-        `RATE`); ``reporter=False``: no thread (the caller flushes)."""
+        `RATE`); ``reporter=False``: no thread (the caller flushes); ``inbox``: what the notebook writes to this
+        rank (a `channel.WorkerLink`: ``fileno`` and ``receive``), read by the thread."""
         self.rank, self._send = rank, send
+        self.stop_at: int | None = None  # the step count to stop after (`channel.StopAt`), set by the thread
+        self._missed = False
+        self._inbox = inbox if reporter else None
+        self._wake = os.pipe() if self._inbox is not None else None  # `close` wakes the thread's wait through it
         self.steps = 0  # ctx.step / ctx.train_step calls
         self.log_calls = 0  # ctx.log calls (every rank counts them)
         self.samples = 0
@@ -135,18 +146,53 @@ class Pulse:
     def facts(self, facts: ModelFacts) -> None:
         self._send(facts)
 
+    def check_stop(self) -> None:
+        """After each counted step (``ctx.step``, ``ctx.train_step``; ``ctx.log`` in a loop without steps): raise
+        `StopAtStep` at the count the notebook asked to stop after. A rank already past it (the request came late)
+        says so once and goes on: the notebook then stops the run as Stop does."""
+        target = self.stop_at
+        if target is None:
+            return
+        done = self.steps or self.log_calls
+        if done == target:
+            raise StopAtStep(done)
+        if done > target and not self._missed:
+            self._missed = True
+            self._send(StopMissed(self.rank, done, target))
+
     # -- the reporter ---------------------------------------------------------------------------------------
     def _loop(self) -> None:
         next_pulse = 0.0
-        while not self._closed.wait(METRICS_EVERY_S):
+        next_flush = time.monotonic() + METRICS_EVERY_S
+        while not self._closed.is_set():
+            self._wait(next_flush - time.monotonic())
+            now = time.monotonic()
+            if self._closed.is_set() or now < next_flush:
+                continue  # closed (close sends the rest), or woken by the notebook's message before the next send
+            next_flush = now + METRICS_EVERY_S
             try:
                 self.flush_metrics()
-                now = time.monotonic()
                 if now >= next_pulse:
                     self._send(self.message())
                     next_pulse = now + PULSE_EVERY_S
             except Exception as exc:  # the notebook went away: WorkerLink already stops sending
                 log_dropped(__name__, "Pulse._loop", exc)
+
+    def _wait(self, timeout: float) -> None:
+        """Sleep ``timeout`` seconds, or less: until `close`, or until the notebook wrote to this rank (taken now:
+        a `StopAt` must reach the training thread before it makes the step)."""
+        timeout = max(0.0, timeout)
+        if self._inbox is None or self._wake is None:
+            self._closed.wait(timeout)
+            return
+        try:
+            if self._inbox in wait([self._inbox, self._wake[0]], timeout):
+                message = self._inbox.receive()
+                if isinstance(message, StopAt):
+                    self.stop_at = message.step
+        except (EOFError, OSError) as exc:  # the notebook went away: nothing more comes; sleep as before
+            log_dropped(__name__, "Pulse._wait", exc)
+            self._inbox = None
 
     def message(self) -> PulseMessage:
         steps = self.steps or self.log_calls
@@ -175,8 +221,14 @@ class Pulse:
         """Send what is queued and the last counters, and stop the thread (before the result or the error, so
         the notebook has every value when it has the result)."""
         self._closed.set()
+        if self._wake is not None:
+            os.write(self._wake[1], b"x")
         if self._thread.ident is not None:
             self._thread.join(2.0)
+        if self._wake is not None and not self._thread.is_alive():
+            for fd in self._wake:
+                os.close(fd)
+            self._wake = None
         self.flush_metrics()
         self._send(self.message())
 

@@ -21,8 +21,8 @@ from typing import Any
 import cloudpickle
 
 from .. import integrations
-from ..channel import Error, Hello, Result, Status, WorkerLink
-from ..errors import log_dropped, short_traceback, summary
+from ..channel import Error, Hello, Result, Status, Stopped, WorkerLink
+from ..errors import StopAtStep, log_dropped, short_traceback, summary
 from .job import RankInfo, WorkerJob, rank_from_env
 from .process_group import barrier, device_for, ensure_process_group
 from .pulse import Pulse, StackDump, install_stack_dump
@@ -56,7 +56,10 @@ def run_worker(job: WorkerJob, ranks: RankInfo | None = None, checkpoints: Any =
         if job.config.seed is not None:
             seed_everything(job.config.seed)
         ctx = _build_context(rank, device, checkpoints)
-        value = _call(rank, ctx)
+        try:
+            value = _call(rank, ctx)
+        except StopAtStep as stopped:  # every rank stops after this step, as the notebook asked: a clean end
+            return _stopped(rank, device, stopped.step)
         _send_result(rank, value, ctx.seal_outputs())  # its ctx.write parts closed: the driver commits them
         if rank.owns_group:
             # Leave together: a rank that finished its last collective first (a broadcast's sender) must
@@ -84,7 +87,7 @@ def _connect(job: WorkerJob, ranks: RankInfo) -> _Rank:
     stacks = install_stack_dump(ranks.rank)
     link.send(Hello(ranks.rank, os.getpid(), socket.gethostname(), stacks.path if stacks else "", _node_id()))
     rank = _Rank(job, ranks, link, (sys.stdout, sys.stderr), stacks=stacks)
-    rank.pulse = Pulse(ranks.rank, link.send)
+    rank.pulse = Pulse(ranks.rank, link.send, inbox=link)  # its thread also reads what the notebook writes
     sys.stdout = ChannelStream(link, ranks.rank, "stdout")
     sys.stderr = ChannelStream(link, ranks.rank, "stderr")
     return rank
@@ -163,6 +166,22 @@ def _send_result(rank: _Rank, value: Any, outputs: str = "") -> None:
     _close_pulse(rank)  # every logged value reaches the notebook before the result does
     rank.link.send(Result(rank.ranks.rank, data, outputs))
     rank.link.send(Status(rank.ranks.rank, "done", ""))
+
+
+def _stopped(rank: _Rank, device: Any, step: int) -> None:
+    """The rank stopped after ``step`` as the notebook asked (`channel.StopAt`): its last values, then `Stopped`;
+    the ranks leave together, as after a result (each stopped after the same step, so each is at this barrier)."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    _close_pulse(rank)
+    rank.link.send(Stopped(rank.ranks.rank, step))
+    rank.link.send(Status(rank.ranks.rank, "stopped", f"after step {step}"))
+    if rank.owns_group:
+        try:
+            barrier(device)
+        except Exception as exc:  # a peer that did not stop here (the notebook stops this worker): it is said
+            log_dropped(__name__, "_stopped", exc)
+    return None
 
 
 def _report_failure(rank: _Rank, exc: BaseException) -> None:

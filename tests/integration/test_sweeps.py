@@ -76,32 +76,6 @@ def test_a_grid_sweep_finds_the_known_best_rate_records_it_in_mlflow_and_resumes
     assert again.best.number == result.best.number
 
 
-def test_the_median_pruner_stops_diverging_trials(tracking_uri):
-    # 3 rates that converge, 3 that diverge (lr > 1), one trial at a time. Optuna's median pruner stops a trial whose
-    # best loss so far is worse than the median of the completed trials' at the same step: a diverging trial once
-    # most completed trials converged. --seed 1 seeds the grid sampler: 0.1 and 0.2 come first (Optuna 4.6).
-    pruner = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=3)
-    space = "lr=grid(0.3,0.2,0.1,1.5,1.6,1.7)"
-    result = dtrain_magic.sweep(regression, space, metric="loss", num_processes=1, cpu=True, seed=1,
-                                tracking_uri=tracking_uri, pruner=pruner, parallel_trials=1, ui=False)
-    frame = result.trials.sort_values("number")
-    completed, expected = [], []
-    for lr in frame["params_lr"]:
-        converged = sum(1 for done in completed if done < 1)
-        expected.append("PRUNED" if lr > 1 and len(completed) >= 2 and converged > len(completed) / 2 else "COMPLETE")
-        completed += [lr] if expected[-1] == "COMPLETE" else []
-    assert list(frame["state"]) == expected and expected.count("PRUNED") >= 2, frame[["params_lr", "state"]]
-    assert frame["user_attrs_steps"].sum() < len(frame) * STEPS  # fewer steps than the unpruned budget
-    pruned = frame[frame["state"] == "PRUNED"]
-    assert (pruned["user_attrs_steps"] < STEPS).all()
-    runs = {run.info.run_id: run for run in children(client(tracking_uri), result.parent_run_id)}
-    for _, trial in pruned.iterrows():
-        run = runs[trial["user_attrs_mlflow_run_id"]]
-        assert run.info.status == "KILLED"
-        assert run.data.tags["dtrain_magic.pruned_at_step"] == str(int(trial["user_attrs_pruned_at_step"]))
-    assert_nothing_left()
-
-
 def test_trials_of_one_process_are_packed_two_at_once_on_two_cores(tracking_uri):
     import os
 
@@ -170,3 +144,61 @@ def test_a_failing_trial_is_failed_with_its_error_and_the_sweep_goes_on(tracking
     runs = {run.data.params["lr"]: run.info.status for run in children(client(tracking_uri), result.parent_run_id)}
     assert runs == {"0.1": "FINISHED", "-1.0": "FAILED"}
     assert result.best.params == {"lr": 0.1}
+
+
+PRUNE_STEPS = 60
+
+
+def diverging_or_not(ctx, out_dir, pause=0.05):
+    """y = 3x - 1 by SGD at ``ctx.params["lr"]`` (above 1 it diverges), a step every ``pause`` s; each rank writes how
+    many ``ctx.step`` calls it made into ``out_dir`` as it ends, however it ends (the pruned trials' evidence)."""
+    import os
+    import time
+
+    import torch
+
+    torch.manual_seed(0)
+    x = torch.linspace(-1, 1, 64).unsqueeze(1)
+    model = torch.nn.Linear(1, 1)
+    model, opt = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=ctx.params["lr"]))
+    made = 0
+    try:
+        for _ in range(60):  # PRUNE_STEPS
+            loss = torch.nn.functional.mse_loss(model(x), 3 * x - 1)
+            ctx.backward(loss)
+            made += 1
+            ctx.step()  # a pruned trial's ranks stop in here, after the same step
+            ctx.log(loss=min(loss.item(), 1e30))
+            time.sleep(pause)
+    finally:
+        with open(os.path.join(out_dir, f"lr{ctx.params['lr']}-rank{ctx.rank}"), "w") as handle:
+            handle.write(str(made))
+
+
+def test_pruned_trials_stop_on_every_rank_after_the_same_step(tmp_path, tracking_uri):
+    # 8 trials of 2 ranks, one at a time: 0.3 and 0.2 converge and come first (--seed 80 orders Optuna 4.6's grid),
+    # the 6 above 1 diverge. Optuna's median pruner stops a trial whose best loss so far is worse than the median of
+    # the completed trials' at the same step (after 2 completed, from step 3): each diverging one, early.
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=3)
+    out = tmp_path / "steps"
+    out.mkdir()
+    result = dtrain_magic.sweep(diverging_or_not, "lr=grid(0.3,0.2,1.5,1.6,1.7,1.8,1.9,2.0)", metric="loss",
+                                num_processes=2, cpu=True, seed=80, tracking_uri=tracking_uri, pruner=pruner,
+                                parallel_trials=1, ui=False, out_dir=str(out))
+    frame = result.trials.sort_values("number")
+    assert list(frame["params_lr"][:2]) == [0.3, 0.2], frame["params_lr"]  # the seed's order (Optuna 4.6)
+    states = dict(zip(frame["params_lr"], frame["state"], strict=True))
+    assert states == {0.3: "COMPLETE", 0.2: "COMPLETE", **{lr: "PRUNED" for lr in (1.5, 1.6, 1.7, 1.8, 1.9, 2.0)}}
+    made = {lr: [int((out / f"lr{lr}-rank{rank}").read_text()) for rank in (0, 1)] for lr in states}
+    runs = {run.info.run_id: run for run in children(client(tracking_uri), result.parent_run_id)}
+    for _, trial in frame[frame["state"] == "PRUNED"].iterrows():
+        lr, stopped = trial["params_lr"], trial["user_attrs_stopped_at_step"]
+        assert made[lr] == [stopped, stopped], (lr, made[lr], stopped)  # every rank: the same last step
+        assert stopped > trial["user_attrs_pruned_at_step"]  # after the decision, never before it
+        run = runs[trial["user_attrs_mlflow_run_id"]]
+        assert run.info.status == "KILLED" and run.data.tags["dtrain_magic.stopped_at_step"] == str(int(stopped))
+        assert run.data.tags["dtrain_magic.pruned_at_step"] == str(int(trial["user_attrs_pruned_at_step"]))
+    assert made[0.3] == made[0.2] == [PRUNE_STEPS, PRUNE_STEPS]
+    total = sum(steps[0] for steps in made.values())
+    assert total <= len(made) * PRUNE_STEPS / 2, made  # at most half the unpruned budget
+    assert_nothing_left()

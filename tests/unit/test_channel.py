@@ -78,6 +78,9 @@ EVERY_KIND = [
     ch.StandbyJob(b"\x80\x05K\x01.", "/home/user/notebooks", {"MY_FLAG": "1"}, ("OLD_FLAG",), "sqlite:///x.db"),
     ch.StandbyRelease("idle for 600 s"),
     ch.DataProgress(0, "train", 2, 120, 500),
+    ch.StopAt(12, "pruned by Optuna at val_loss step 9"),
+    ch.Stopped(1, 12),
+    ch.StopMissed(1, 14, 12),
 ]
 
 

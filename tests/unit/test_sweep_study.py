@@ -14,7 +14,7 @@ import optuna
 import pytest
 
 from dtrain_magic.config import RunConfig
-from dtrain_magic.errors import ConfigError, RunInterrupted, WorkerError
+from dtrain_magic.errors import ConfigError, RunInterrupted, RunStopped, WorkerError
 from dtrain_magic.result import RunResult
 from dtrain_magic.sweep import runner as sweep_runner
 from dtrain_magic.sweep import study as sweep_study
@@ -42,7 +42,8 @@ class FakePlan:
 
 @dataclass(frozen=True)
 class FakeRun:
-    """A `PreparedRun` stand-in: ``train(params, step)`` gives the metric at each step, or raises."""
+    """A `PreparedRun` stand-in: ``train(params, step)`` gives the metric at each step, or raises. Asked to stop at a
+    step (`StepStop.at_a_step`), it makes one more step and ends `RunStopped` after it, as the pump and ranks do."""
 
     plan: FakePlan
     train: Any
@@ -62,10 +63,14 @@ class FakeRun:
         observer.started(self.config, run_id, "", "")
         self.log.append(("start", dict(self.params), time.monotonic()))
         try:
-            value = None
+            value, stop_after = None, None
             for step in range(self.steps):
                 if stop.is_set():
                     raise RunInterrupted("stopped")
+                if stop_after is None and stop.wanted:
+                    stop_after = step + 1  # a ctx.step count beyond this one
+                if stop_after is not None and step == stop_after:
+                    raise RunStopped(f"every rank stopped after step {stop_after}", stop_after)
                 try:
                     value = self.train(dict(self.params), step, self.config)
                 except ZeroDivisionError as exc:  # as a worker's failure comes back
@@ -123,7 +128,7 @@ def test_a_grid_sweep_runs_every_point_once_and_finds_the_best(monkeypatch):
     assert {tags["dtrain_magic.trial"] for tags in FakeParent.made[0].tags.values()} == {0, 1, 2, 3}
 
 
-def test_the_median_pruner_stops_diverging_trials_through_their_stop_event():
+def test_the_median_pruner_stops_diverging_trials_at_a_step_through_their_stop_event():
     def train(params, step, config):
         return 1.0 / (step + 1) if params["lr"] < 0.5 else 10.0 * (step + 1)  # lr >= 0.5 diverges
 
@@ -138,10 +143,12 @@ def test_the_median_pruner_stops_diverging_trials_through_their_stop_event():
     assert list(frame["state"]) == expected and expected.count("PRUNED") >= 2
     pruned = frame[frame["state"] == "PRUNED"]
     assert set(pruned["user_attrs_pruned_at_step"]) == {2}  # the first step after the warm-up
-    assert set(pruned["user_attrs_steps"]) == {3}  # stopped right there, through the run's stop event
-    assert sorted(t["dtrain_magic.pruned_at_step"] for t in FakeParent.made[0].tags.values()
-                  if "dtrain_magic.pruned_at_step" in t) == [2] * len(pruned)
-    assert "PRUNED at step 2" in out.getvalue()
+    assert set(pruned["user_attrs_stopped_at_step"]) == {4}  # the step the run stopped after: one more was made
+    assert set(pruned["user_attrs_steps"]) == {4}
+    tags = [t for t in FakeParent.made[0].tags.values() if "dtrain_magic.pruned_at_step" in t]
+    steps = [(t["dtrain_magic.pruned_at_step"], t["dtrain_magic.stopped_at_step"]) for t in tags]
+    assert steps == [(2, 4)] * len(pruned)
+    assert "PRUNED at step 2, every rank stopped after step 4" in out.getvalue()
 
 
 def test_failing_trials_are_failed_and_the_sweep_stops_at_max_failed_trials():
