@@ -251,7 +251,7 @@ def commit(root: str, manifests: Mapping[int, str]) -> dict[str, Output]:
                 by_name.setdefault(name, []).append((rank, entry))
     for name, entries in by_name.items():
         first_rank, first = entries[0]
-        for rank, entry in entries[1:]:
+        for _rank, entry in entries[1:]:
             columns = tuple(tuple(c) for c in entry["columns"])
             check_same(name, tuple(tuple(c) for c in first["columns"]), columns, where=f"rank {first_rank}'s writes")
     committed = {name: _commit_one(root, name, entries) for name, entries in by_name.items()}

@@ -1,7 +1,7 @@
 """``ctx.write`` on the local backend, really run (2 worker processes, a real MLflow store): 100,000 rows scored by
 2 ranks come back exactly once, joined to the input by ``with_ids``, equal to one process scoring them (1e-6); a rank
-killed half-way leaves no output and no file; a restart (``--max-restarts 1``) writes no row twice; a bad write is a
-clear error naming the output and the column (docs/data.md, the way back)."""
+killed half-way leaves no output and no file; a restart (``--max-restarts 1``) writes no row twice (docs/data.md, the
+way back). Each bad write's clear error (naming the output and the column) is tests/unit/test_outputs.py's."""
 
 from __future__ import annotations
 
@@ -89,13 +89,3 @@ def test_a_rank_killed_half_way_leaves_no_output_and_a_restart_no_row_twice(shel
     assert_scored_once(shell.user_ns["preds"].to_table(), val)
     output = shell.user_ns["run"].outputs["preds"]
     assert len([f for f in os.listdir(output.path) if f.endswith(".parquet")]) == 2
-
-
-def test_a_bad_write_fails_the_run_naming_the_output_and_the_column(shell, tmp_path):
-    cell = ("%%distribute --backend local -n 2 --no-ui\n"
-            "def score(ctx):\n"
-            "    ctx.write('preds', {'id': [1, 2], 'label': 'cat'})\n")
-    result = shell.run(cell)
-    assert isinstance(result.error_in_exec, WorkerError), result.error_in_exec
-    assert "ctx.write('preds'): column 'label' is a str" in str(result.error_in_exec)
-    assert files_under(tmp_path / "dtrain_runs") == []

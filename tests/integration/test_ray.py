@@ -746,6 +746,25 @@ def test_ctx_data_reads_ray_trains_shards_and_the_object_store(shell, mlflow):
     assert ray.is_initialized() and ray_launcher().workers_share_files(RunConfig(backend="ray"))
 
 
+def test_scored_rows_come_back_as_a_ray_dataset(shell):
+    """``ctx.write`` on Ray (docs/data.md, the way back): ``--output preds=preds`` is a Ray Dataset read from the
+    committed parts (``ray.data.read_parquet``), every row of the input once, joined by ``with_ids``."""
+    import numpy as np
+    import pandas as pd
+
+    shell.user_ns["frame"] = pd.DataFrame({"x": np.arange(300, dtype=np.float32)})
+    cell = ('%%distribute --backend ray -n 2 --no-ui --data val=frame --output preds=preds\n'
+            'def score(ctx):\n'
+            '    for batch in ctx.data("val", batch_size=64, with_ids=True):\n'
+            '        ctx.write("preds", {"id": batch["row_id"], "y": batch["x"] * 2})\n')
+    result = shell.run(cell)
+    assert result.error_in_exec is None, result.error_in_exec
+    preds = shell.user_ns["preds"]
+    assert isinstance(preds, ray.data.Dataset) and preds.count() == 300
+    frame = result.result.outputs["preds"].to_pandas().sort_values("id")  # the same parts, read here by pyarrow
+    assert frame["id"].tolist() == list(range(300)) and (frame["y"] == 2 * frame["id"]).all()
+
+
 def test_off_ray_a_ray_dataset_is_written_once_as_parquet(shell, capsys):
     from dtrain_magic.driver.staging import staging_area
 
