@@ -5,7 +5,10 @@
 the GIL, so the next window is read while the current one trains), and yields each batch as a dict of tensors
 (or what ``collate_fn`` makes of it). `RayShardBatches` reads a Ray Dataset through Ray Train's own shard.
 Both remember where they are (`state`), so ``ctx.save_checkpoint`` / ``ctx.load_checkpoint`` carry the data
-position across a restart (`DataPositions`).
+position across a restart (`DataPositions`). A `DataBatches` position is also the samples consumed globally in the
+epoch's global order (`dtrain_magic.data.split`, "resuming an epoch on another number of ranks"): restored on
+another number of ranks (``--elastic``), the rest of that epoch is re-split from there, each row read once, and
+later epochs follow the same global order, so each optimizer step sees the rows it would have without the resize.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import pyarrow as pa
 
 from .blocks import StagedSource, TrainerDataset
 from .columns import row_bytes, to_numpy
-from .split import Split, plan_epoch, window_permutation
+from .split import Split, epoch_rows, global_sequence, plan_epoch, resplit, samples_read, window_permutation
 
 # Rows of a shuffle window by default: about this many bytes of tensors, and never fewer than 16 batches.
 DEFAULT_WINDOW_BYTES = 64 << 20
@@ -46,6 +49,8 @@ class DataBatches:
     """This rank's batches of one source: iterate it once per epoch (``set_epoch(e)`` first to choose the epoch;
     without it each full pass moves to the next). ``len()`` is the batches per epoch, the same on every rank."""
 
+    _layout: tuple[int, int, int] | None = None  # --elastic: see `restore`
+
     def __init__(self, source: StagedSource, rank: int, ranks: int, batch_size: int, *, shuffle: bool = False,
                  seed: int = 0, drop_last: bool = False, columns: Sequence[str] | None = None,
                  collate_fn: Callable[[dict], Any] | None = None, device: Any = None,
@@ -69,8 +74,14 @@ class DataBatches:
         self.epoch = 0
         self.position = (0, 0)  # (epoch, batches yielded in it)
         self._resume: tuple[int, int] | None = None
+        # --elastic: the layout (ranks, batch size, shuffle window) whose global sequence every epoch follows once the
+        # run was resized (None: this reader's own), and the samples of the resumed epoch read before the resize
+        self._layout: tuple[int, int, int] | None = None
+        self._start: tuple[int, int] = (0, 0)  # (epoch, samples of it read before this reader took over)
 
     def __len__(self) -> int:
+        if self._layout is not None:
+            return len(self._layout_batches(self.epoch, 0))
         return self.split.batches(self.batch_size)
 
     @property
@@ -84,21 +95,72 @@ class DataBatches:
         self.epoch = int(epoch)
         if self._resume is not None and self._resume[0] != self.epoch:
             self._resume = None
+        if self._layout is not None:
+            self.position = (self.epoch, self._skipped(self.epoch))
+            return
         self.position = (self.epoch, self._resume[1] if self._resume else 0)
 
     def state(self) -> dict[str, int]:
-        """Where this reader is: the epoch and the batches of it already yielded."""
-        return {"epoch": self.position[0], "batch": self.position[1]}
+        """Where this reader is: the epoch, the batches of it this rank yielded, and the samples consumed globally
+        in the epoch's global sequence with the layout (ranks, batch size, shuffle window) that defines it."""
+        epoch, batch = self.position
+        if self._layout is not None:  # a resized run: the sequence of the layout the run was first read with
+            ranks, size, window = self._layout
+            before = self._start[1] if self._start[0] == epoch else 0
+            read = (batch - self._skipped(epoch)) * self.ranks * self.batch_size
+            left = len(self._sequence(epoch)) - before
+            return {"epoch": epoch, "batch": batch, "samples": before + min(read, left), "ranks": ranks,
+                    "batch_size": size, "window": window, "world": self.ranks}
+        samples = samples_read(self.ranks, batch, self.batch_size, self.rows_per_epoch)
+        return {"epoch": epoch, "batch": batch, "samples": samples, "ranks": self.ranks,
+                "batch_size": self.batch_size, "window": self.shuffle_window, "world": self.ranks}
 
     def restore(self, state: Mapping[str, int]) -> None:
-        """Resume at ``state`` (from `state`): the next pass reads that epoch from that batch on."""
+        """Resume at ``state`` (from `state`): the next pass reads that epoch from that batch on. Saved by another
+        number of ranks (or another batch size), this reader follows the layout it was saved with from then on
+        (`split.resplit`): the rest of the epoch from its global sample position, later epochs whole, so each
+        global batch holds the rows it held before the resize."""
         epoch, batch = int(state.get("epoch", 0)), int(state.get("batch", 0))
+        layout = (int(state.get("ranks", self.ranks)), int(state.get("batch_size", self.batch_size)),
+                  int(state.get("window", self.shuffle_window)))
+        saver = int(state.get("world", layout[0]))  # the ranks that read it (a resized run's may differ)
+        if layout != (self.ranks, self.batch_size, self.shuffle_window) or saver != self.ranks:
+            self._layout = layout
+            self._sequences: dict[int, np.ndarray] = {}
+            self._start = (epoch, int(state.get("samples", 0)))
+            self._resume = None
+            self.epoch, self.position = epoch, (epoch, self._skipped(epoch))
+            return
+        self._layout = None
         if batch >= len(self):
             epoch, batch = epoch + 1, 0
         self.epoch, self.position = epoch, (epoch, batch)
         self._resume = (epoch, batch) if batch else None
 
+    def _sequence(self, epoch: int) -> np.ndarray:
+        """The epoch's global sequence under the run's layout (`split.global_sequence`), natural row indices."""
+        if epoch not in self._sequences:
+            ranks, size, window = self._layout  # type: ignore[misc]
+            block_rows = self.source.blocks.block_rows
+            rows = [epoch_rows(block_rows, r, ranks, epoch, self.seed, self.shuffle, self.drop_last, size, window)
+                    for r in range(ranks)]
+            self._sequences = {epoch: global_sequence(rows, size)}  # one epoch kept
+        return self._sequences[epoch]
+
+    def _layout_batches(self, epoch: int, start: int) -> list[np.ndarray]:
+        """This rank's batches of the epoch's global sequence from sample ``start`` on (`split.resplit`)."""
+        return resplit(self._sequence(epoch)[start:], self.rank, self.ranks, self.batch_size, self.drop_last)
+
+    def _skipped(self, epoch: int) -> int:
+        """Batches of ``epoch`` counted as read when this reader took over mid-epoch (so a full epoch is len())."""
+        if self._start[0] != epoch or not self._start[1]:
+            return 0
+        return max(0, len(self._layout_batches(epoch, 0)) - len(self._layout_batches(epoch, self._start[1])))
+
     def __iter__(self) -> Iterator[Any]:
+        if self._layout is not None:
+            yield from self._iter_layout()
+            return
         epoch = self.epoch
         skip = self._resume[1] if self._resume and self._resume[0] == epoch else 0
         self._resume = None
@@ -112,6 +174,47 @@ class DataBatches:
             yield batch
         self.epoch = epoch + 1
         self.position = (self.epoch, 0)
+
+    def _iter_layout(self) -> Iterator[Any]:
+        """A resized run's epoch: this rank's chunks of the layout's global sequence (from where the resize left it),
+        read row by row from the blocks."""
+        epoch = self.epoch
+        start = self._start[1] if self._start[0] == epoch else 0
+        done = self._skipped(epoch)
+        total = len(self)
+        cache: dict[int, dict[str, np.ndarray]] = {}
+        for indices in self._layout_batches(epoch, start):
+            arrays = self._read_rows(indices, cache)
+            done += 1
+            self.position = (epoch, done)
+            if self._progress is not None:
+                self._progress(epoch, done, total)
+            yield self._finish(arrays)
+        self.epoch = epoch + 1
+        self.position = (self.epoch, 0)
+
+    def _read_rows(self, indices: np.ndarray, cache: dict[int, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """The rows at natural ``indices``, in that order (blocks read once each, the last 4 kept)."""
+        block_rows = self.source.blocks.block_rows
+        offsets = np.concatenate([[0], np.cumsum(block_rows)]).astype(np.int64)
+        owners = np.searchsorted(offsets, indices, side="right") - 1
+        parts: dict[str, list] = {f.name: [] for f in self._fields}
+        order = []
+        for block in dict.fromkeys(owners.tolist()):
+            if block not in cache:
+                if len(cache) >= 4:
+                    cache.pop(next(iter(cache)))
+                table = self.source.blocks.read(block, self.columns)
+                cache[block] = {f.name: to_numpy(table.column(f.name), f) for f in self._fields}
+            where = np.nonzero(owners == block)[0]
+            order.append(where)
+            for name, values in cache[block].items():
+                parts[name].append(np.take(values, indices[where] - offsets[block], axis=0))
+        inverse = np.argsort(np.concatenate(order), kind="stable")
+        arrays = {name: np.concatenate(chunks)[inverse] for name, chunks in parts.items()}
+        if self.id_key is not None:  # ctx.data(..., with_ids=...): the natural indices are the ids
+            arrays[self.id_key] = np.asarray(indices, dtype=np.int64)
+        return arrays
 
     # -- reading -----------------------------------------------------------------------------------
     def _batches(self, epoch: int, skip: int) -> Iterator[Any]:

@@ -141,3 +141,46 @@ def epoch_rows(block_rows: Sequence[int], rank: int, ranks: int, epoch: int, see
         parts.append(rows)
     order = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     return order[: split.batches(batch_size) * batch_size] if drop_last else order
+
+
+# -- resuming an epoch on another number of ranks (--elastic) -------------------------------------------------
+# An epoch read by D ranks in batches of B is, globally, a sequence of *rounds*: round j is rank 0's batch j, then
+# rank 1's batch j, ..., rank D-1's batch j (`global_sequence`). The ranks' first b batches are exactly the first
+# rounds of it, so "where the epoch is" is one number, the samples consumed globally (`samples_read`). A run
+# resumed at sample S on D' ranks reads the rest of the sequence in chunks of B' rows, chunk c going to rank
+# c mod D' (`resplit`): its round j is again a contiguous run of the sequence, so a global batch of B x D x A rows
+# (A: gradient accumulation) is the same set of rows after the resize when B' x D' x A' = B x D x A, and each row
+# left in the epoch is read exactly once. A last, partial round is shared out evenly over the ranks (or left out
+# with ``drop_last``), so every rank has the same number of batches.
+
+
+def global_sequence(rank_rows: Sequence[np.ndarray], batch_size: int) -> np.ndarray:
+    """The epoch's rows in global order: round j = each rank's batch j in rank order (``rank_rows``: each rank's
+    rows in batch order, as `epoch_rows` gives them; every rank has the same number)."""
+    if not rank_rows:
+        return np.zeros(0, dtype=np.int64)
+    length = len(rank_rows[0])
+    parts = [rows[start:start + batch_size] for start in range(0, length, batch_size) for rows in rank_rows]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def samples_read(ranks: int, batches: int, batch_size: int, rows_per_rank: int) -> int:
+    """Rows of the epoch's global sequence consumed once each of ``ranks`` ranks read ``batches`` batches."""
+    return ranks * min(batches * batch_size, rows_per_rank)
+
+
+def resplit(rest: np.ndarray, rank: int, ranks: int, batch_size: int, drop_last: bool = False) -> list[np.ndarray]:
+    """Rank ``rank``'s batches of ``rest`` (what is left of an epoch's global sequence) over ``ranks`` ranks, the
+    same number on every rank: round j is ``ranks`` consecutive chunks of ``batch_size`` rows, chunk r to rank r; a
+    last, partial round is shared out evenly (parts differing by one row at most), or left out with
+    ``drop_last``. A last round of fewer rows than ranks gives the ranks short of one a row from the start of
+    ``rest`` again (padding: fewer than ``ranks`` rows read twice, as the even split pads)."""
+    span = ranks * batch_size
+    full = len(rest) // span
+    mine = [rest[j * span + rank * batch_size: j * span + (rank + 1) * batch_size] for j in range(full)]
+    tail = rest[full * span:]
+    if len(tail) and not drop_last:
+        bounds = np.linspace(0, len(tail), ranks + 1).round().astype(int)
+        part = tail[bounds[rank]:bounds[rank + 1]]
+        mine.append(part if len(part) else rest[rank % len(rest): rank % len(rest) + 1])
+    return mine

@@ -127,14 +127,15 @@ def test_passes_move_through_epochs_and_a_restored_position_resumes_mid_epoch(so
     reader = DataBatches(source, 0, 2, 8, shuffle=True, seed=1, shuffle_window=30)
     epoch0 = [b["id"].tolist() for b in reader]
     epoch1 = [b["id"].tolist() for b in reader]  # no set_epoch: the next pass is the next epoch
-    assert epoch0 != epoch1 and reader.state() == {"epoch": 2, "batch": 0}
+    assert epoch0 != epoch1 and reader.state()["epoch"] == 2 and reader.state()["batch"] == 0
     again = DataBatches(source, 0, 2, 8, shuffle=True, seed=1, shuffle_window=30)
     positions = DataPositions()
     positions.add("train", again)
     for _, _ in zip(range(5), again, strict=False):  # 5 batches of epoch 0, then "save a checkpoint"
         pass
     saved = positions.client_state({"epoch": 0})
-    assert saved[CLIENT_STATE_KEY] == {"train": {"epoch": 0, "batch": 5}}
+    assert saved[CLIENT_STATE_KEY] == {"train": {"epoch": 0, "batch": 5, "samples": 2 * 5 * 8, "ranks": 2,
+                                                 "batch_size": 8, "window": 30, "world": 2}}
     restarted = DataPositions()
     assert restarted.restore(dict(saved)) == {"epoch": 0}  # the user's own state comes back without ours
     fresh = restarted.add("train", DataBatches(source, 0, 2, 8, shuffle=True, seed=1, shuffle_window=30))
