@@ -21,6 +21,7 @@ from ..config import RunConfig
 from ..driver import runner
 from ..driver.step_stop import StepStop
 from ..errors import ConfigError, DistributeError, RunInterrupted, summary
+from .board import SweepBoard
 from .options import SweepOptions
 from .parent import ParentRun
 from .result import RUN_ID_ATTR, SweepResult
@@ -57,6 +58,9 @@ class Sweep:
         self._stopping = threading.Event()
         self.results: dict[int, Any] = {}
         self.failures: list[str] = []
+        self.board = SweepBoard(options.metric, options.mode == "min")  # what the panel draws
+        self.panel: Any = None
+        self._stopped_from_panel = False
         self.check_options()
 
     @property
@@ -126,8 +130,31 @@ class Sweep:
         slots = self.slots(to_run) if to_run else 0
         print(f"dtrain_magic: sweep {name}: {to_run} trial(s) to run of {total}, {slots} at once; "
               f"MLflow parent run {self.parent.run_id}", file=self.out)
-        self._run_threads(to_run, slots)
+        self.board.total = total
+        self._open_panel(config)
+        try:
+            self._run_threads(to_run, slots)
+        finally:
+            if self.panel is not None:
+                self.panel.close()
         return self._end()
+
+    def _open_panel(self, config: RunConfig) -> None:
+        """With the UI on (``--ui``, a notebook's default): the sweep's panel (`ui.sweep_panel`), if the widget
+        packages are there; the lines are printed either way."""
+        if not config.ui:
+            return
+        try:
+            from ..ui.sweep_panel import SweepPanel
+        except ImportError:  # no ipywidgets/plotly (the ui extra): the printed lines are the sweep's record
+            return
+        self.panel = SweepPanel(self.board, on_stop=self.stop)
+
+    def stop(self) -> None:
+        """Stop the sweep from the panel: every running trial stopped, none started; `run` raises
+        `RunInterrupted`."""
+        self._stopped_from_panel = True
+        self._stop_all()
 
     def _total(self, study: Any) -> int:
         """``--trials``; with the grid sampler at most the grid's size, which is also the default."""
@@ -156,14 +183,17 @@ class Sweep:
             for thread in threads:
                 while thread.is_alive():
                     thread.join(0.2)
+            if self._stopped_from_panel:
+                raise KeyboardInterrupt  # as an interrupt ends it (the trials are stopped already)
         except KeyboardInterrupt:
             self._stop_all()
             deadline = time.monotonic() + _JOIN_AFTER_INTERRUPT_S
             for thread in threads:
                 thread.join(max(0.0, deadline - time.monotonic()))
             self.parent.end("KILLED", self.result.best, self.options.metric)
-            raise RunInterrupted("the sweep was interrupted; every trial was stopped (a named sweep continues "
-                                 "where it was when run again)") from None
+            how = "stopped from the panel" if self._stopped_from_panel else "interrupted"
+            raise RunInterrupted(f"the sweep was {how}; every trial was stopped (a named sweep continues where it "
+                                 "was when run again)") from None
 
     def _stop_all(self) -> None:
         self._stopping.set()
@@ -180,6 +210,7 @@ class Sweep:
                 self._asked += 1
                 trial = self.study.ask(self.space.distributions)
                 stop = self._running[trial.number] = StepStop()
+            self.board.trial_started(trial.number, trial.params)
             try:
                 outcome = self._trial(trial, stop)
             except Exception as exc:  # not the trial's own failure (that is an Outcome): said, never a silent thread
@@ -196,7 +227,8 @@ class Sweep:
         except DistributeError as exc:
             return Outcome(FAILED, error=str(exc).splitlines()[0])
         label = f"trial {trial.number + 1}/{self.total}"
-        return run_trial(prepared, trial, params, self.parent.run_id, self.options.metric, label, stop, self._out)
+        return run_trial(prepared, trial, params, self.parent.run_id, self.options.metric, label, stop, self._out,
+                         on_value=lambda step, value: self.board.trial_value(trial.number, step, value))
 
     def _tell(self, trial: Any, outcome: Outcome) -> None:
         from optuna.trial import TrialState
@@ -216,6 +248,9 @@ class Sweep:
                 self.results[trial.number] = outcome.result
             if outcome.state == FAILED:
                 self.failures.append(f"trial {trial.number + 1}: {outcome.error}")
+        note = f"at step {outcome.pruned_at}" if outcome.state == PRUNED else (outcome.error or "")
+        self.board.trial_ended(trial.number, outcome.state, outcome.value if outcome.state == FINISHED else None,
+                               outcome.seconds, note[:120])
         print(self._line(trial, outcome), file=self.out, flush=True)
         if len(self.failures) >= self.options.max_failed_trials:
             self._stop_all()

@@ -13,7 +13,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 from ..config import RunConfig
 from ..driver.observer import RunObserver, prefix_lines
@@ -43,9 +43,10 @@ class TrialObserver(RunObserver):
     Optuna trial at each logged step, and the run's ``stop`` asked to stop every rank at one step once Optuna's
     pruner prunes it (`StepStop.at_a_step`)."""
 
-    def __init__(self, trial: Any, metric: str, label: str, stop: StepStop, out: TextIO | None = None):
+    def __init__(self, trial: Any, metric: str, label: str, stop: StepStop, out: TextIO | None = None,
+                 on_value: Callable[[int, float], None] | None = None):
         self.trial, self.metric_name, self.label, self.stop = trial, metric, label, stop
-        self._out = out
+        self._out, self._on_value = out, on_value
         self.run_id: str | None = None
         self.pruned_at: int | None = None
         self.steps = 0
@@ -76,6 +77,8 @@ class TrialObserver(RunObserver):
         if self.metric_name not in metrics:
             return
         self.last = float(metrics[self.metric_name])
+        if self._on_value is not None:
+            self._on_value(step, self.last)  # the sweep's panel: this trial's curve
         if self.pruned_at is not None or step <= self._reported:
             return  # Optuna keeps one value per step
         self._reported = step
@@ -87,9 +90,11 @@ class TrialObserver(RunObserver):
 
 
 def run_trial(prepared: Any, trial: Any, params: dict[str, Any], parent_run_id: str | None, metric: str,
-              label: str, stop: StepStop, out: TextIO | None = None) -> Outcome:
-    """Run one trial (`PreparedRun.execute` with its params and parent run) and say how it ended."""
-    observer = TrialObserver(trial, metric, label, stop, out)
+              label: str, stop: StepStop, out: TextIO | None = None,
+              on_value: Callable[[int, float], None] | None = None) -> Outcome:
+    """Run one trial (`PreparedRun.execute` with its params and parent run) and say how it ended; ``on_value(step,
+    value)``: each ``--metric`` value as it arrives."""
+    observer = TrialObserver(trial, metric, label, stop, out, on_value)
     started = time.monotonic()
     # log_mark=None: the trial's slice of the backend log starts with the trial, not with the sweep's prepare.
     trial_run = dataclasses.replace(prepared, params=params, parent_run_id=parent_run_id, log_mark=None)

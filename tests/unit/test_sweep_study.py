@@ -126,6 +126,9 @@ def test_a_grid_sweep_runs_every_point_once_and_finds_the_best(monkeypatch):
     assert len(lines) == 4 and all(" FINISHED loss=" in line for line in lines)
     assert FakeParent.made[0].status == "FINISHED" and FakeParent.made[0].best.params == {"lr": 0.01}
     assert {tags["dtrain_magic.trial"] for tags in FakeParent.made[0].tags.values()} == {0, 1, 2, 3}
+    rows = s.board.rows()  # what the panel draws, fed as the trials ran
+    assert [r["status"] for r in rows] == ["FINISHED"] * 4 and [r["steps"] for r in rows] == [10] * 4
+    assert [r["params"] for r in rows if r["is_best"]] == ["lr=0.01"]
 
 
 def test_the_median_pruner_stops_diverging_trials_at_a_step_through_their_stop_event():

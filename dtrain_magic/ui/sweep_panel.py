@@ -1,0 +1,91 @@
+"""The live panel of a sweep (``%%distribute --sweep`` with the UI on): every trial's ``--metric`` curve overlaid in
+one chart, the trials' table with the best trial highlighted, Stop for the sweep, and at the end a parallel-
+coordinates figure of the parameters against the metric. It draws a `sweep.board.SweepBoard` (the data) and holds no
+state of its own.
+
+Like the run monitor's charts (`charts`), each figure is sent as plotly's MIME bundle in an ``ipywidgets.Output``
+(not a ``FigureWidget``, whose saved state carries plotly's whole bundle), replaced when the board changed, at most
+every ``redraw_s`` by a thread of its own, and once more at the end. The trials' lines are printed as well (a
+headless kernel shows no widget; the text is there either way).
+
+Stop: the button's click reaches the kernel while the cell blocks it through a subshell (`_kernel`), and calls
+``on_stop`` (the sweep stops every trial and raises `RunInterrupted`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Callable
+
+import ipywidgets as w
+
+from ..sweep.board import SweepBoard
+from . import _kernel
+from .charts import PLOTLY_MIME
+
+
+def bundle(figure: dict[str, Any], text: str) -> dict[str, Any]:
+    """A plotly figure dict as a display_data output (``text``: what a front-end without plotly shows); checked to
+    be plain JSON (no NaN: the board leaves gaps as None)."""
+    return {"output_type": "display_data", "metadata": {},
+            "data": {PLOTLY_MIME: json.loads(json.dumps(figure, allow_nan=False)), "text/plain": text}}
+
+
+class SweepPanel:
+    """The sweep's panel, shown at once (``display``), redrawn from ``board`` until `close`."""
+
+    def __init__(self, board: SweepBoard, on_stop: Callable[[], None] | None = None, display: bool = True,
+                 redraw_s: float = 0.5):
+        self.board, self.on_stop = board, on_stop
+        self.title = w.HTML(f"<b>sweep</b>: {board.total} trial(s), --metric {board.metric}")
+        self.curves = w.Output()
+        self.table = w.HTML(board.table_html())
+        self.params = w.Output()
+        self.stop_button = w.Button(description="Stop sweep", button_style="danger", icon="stop")
+        self.stop_button.on_click(self._stop_clicked)
+        self.container = w.VBox([self.title, self.stop_button, self.curves, self.table, self.params])
+        self.container.add_class("dtm-sweep-panel")
+        self._shown = -1
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._redraw_s = redraw_s
+        _kernel.route_to_subshell(self.stop_button)
+        self._thread = threading.Thread(target=self._loop, name="dtrain-sweep-panel", daemon=True)
+        self._thread.start()
+        if display:
+            from IPython.display import display as show
+
+            show(self.container)
+
+    def _stop_clicked(self, _button: Any) -> None:
+        self.stop_button.disabled = True
+        self.stop_button.description = "Stopping..."
+        if self.on_stop is not None:
+            self.on_stop()
+
+    def _loop(self) -> None:
+        while not self._closed.wait(self._redraw_s):
+            self.draw()
+
+    def draw(self, final: bool = False) -> None:
+        """Redraw what changed since the last draw (``final``: also the parameters' figure, and the Stop button off)."""
+        with self._lock:
+            version = self.board.version
+            if version != self._shown:
+                self._shown = version
+                rows = self.board.rows()
+                text = "\n".join(f"trial {r['trial']} {r['status']} {r['params']} best={r['best']}" for r in rows)
+                self.curves.outputs = (bundle(self.board.curves_figure(), text),)
+                self.table.value = self.board.table_html()
+            if final:
+                figure = self.board.params_figure()
+                if figure is not None:
+                    self.params.outputs = (bundle(figure, figure["layout"]["title"]["text"]),)
+                self.stop_button.disabled = True
+
+    def close(self) -> None:
+        """The sweep ended: the last draw, the parameters' figure, the thread stopped."""
+        self._closed.set()
+        self._thread.join(2.0)
+        self.draw(final=True)
