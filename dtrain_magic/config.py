@@ -89,6 +89,7 @@ class RunConfig:
     ac: str = "none"
     ac_module: str | None = None
     compile: bool = False
+    offload: str = "none"  # CPU offload (needs --gpu): "optimizer" or "params"
     # Data sources (docs/data.md): ((name, source), ...) in the order given, and where staged copies go
     data: tuple[tuple[str, str], ...] = ()
     data_dir: str | None = None
@@ -234,6 +235,21 @@ class RunConfig:
                 if on:
                     raise ConfigError(flag, f"is not supported with --pp {self.pp} (pipeline parallelism): the "
                                             f"pipeline schedule runs each stage itself; drop {flag} or --pp")
+        if self.offload != "none":
+            self._check_offload()
+
+    def _check_offload(self) -> None:
+        """``--offload``: only from a GPU (a CPU run's tensors are in CPU memory already), and not with
+        ``--tp``/``--pp``; which strategies offload what is theirs to say (their ``validate``)."""
+        if not self.use_gpu:
+            raise ConfigError("--offload", f"{self.offload} moves GPU memory to the CPU, but this run is on CPU "
+                                           "(--cpu, or no CUDA here): there is nothing to offload to; drop --offload "
+                                           "or run with --gpu")
+        if self.tp > 1 or self.pp > 1:
+            flag = "--tp" if self.tp > 1 else "--pp"
+            raise ConfigError("--offload", f"is not supported with {flag} (model parallelism's DTensor/pipeline "
+                                           f"stages are not offloaded by the installed torch); drop --offload or "
+                                           f"{flag}")
 
     @property
     def data_parallel_size(self) -> int:

@@ -47,6 +47,7 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 ZERO_STAGES = (0, 1, 2, 3)
 PP_SCHEDULES = ("gpipe", "1f1b")
 AC_MODES = ("none", "selective", "full")
+OFFLOAD = ("none", "optimizer", "params")
 ON_STALL = ("report", "fail")
 DEFAULT_HANG_TIMEOUT_S = 15.0
 DEFAULT_STALL_TIMEOUT_S = 120.0
@@ -332,6 +333,14 @@ FLAGS: tuple[Flag, ...] = (
          doc="`torch.compile` each block, after `--ac` and before sharding (the first step pays the compile: about a "
              "minute per block class on a 2-core CPU)",
          panel=PanelControl(CHECKBOX, "torch.compile blocks", column=1)),
+    Flag(("--offload",), "offload", BIG_MODELS, choices=OFFLOAD, default="none",
+         help="keep in CPU memory (needs --gpu): optimizer = the optimizer states and step (deepspeed ZeRO 1-3), "
+              "params = parameters, gradients and optimizer (fsdp, deepspeed ZeRO-3)",
+         doc="keep in CPU memory, needs `--gpu`: `optimizer` the optimizer states and step (deepspeed ZeRO 1-3: "
+             "`offload_optimizer`), `params` the parameters, gradients and optimizer states too (fsdp: "
+             "`CPUOffloadPolicy`; deepspeed ZeRO-3: `offload_param` and `offload_optimizer`); a step can be several "
+             "times slower",
+         panel=PanelControl(DROPDOWN, "CPU offload", column=1)),
     # -- data (docs/data.md) ---------------------------------------------------------------------------
     Flag(("--data",), "data", DATA, kind=APPEND, cheatsheet=True, type=data_item, default=(), placeholder="NAME=SOURCE",
          help="a data source the function reads with ctx.data(NAME, batch_size): a notebook variable (Spark or pandas "

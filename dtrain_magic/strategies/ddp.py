@@ -11,15 +11,27 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, Mapping
 
+from ..errors import ConfigError
 from .base import TorchStrategy
 from .memory import ModelFacts
 
 if TYPE_CHECKING:  # torch loads in the worker (`wrap`), not with the strategy's facts
     import torch
 
+    from ..config import RunConfig
+
 
 class DDPStrategy(TorchStrategy):
     name = "ddp"
+
+    @classmethod
+    def validate(cls, config: RunConfig) -> None:
+        """``--offload``: DDP keeps whole parameters, gradients and optimizer states on every rank's GPU and its
+        buckets all-reduce them there; nothing in it can live on the CPU."""
+        if config.offload != "none":
+            raise ConfigError("--offload", f"{config.offload} is not supported with --strategy ddp (it keeps a whole "
+                                           "copy of everything on each GPU); use --strategy fsdp --offload params, or "
+                                           "--zero 2 --offload optimizer, or --zero 3 --offload params")
 
     @classmethod
     def memory_buffers(cls, facts: ModelFacts, zero: int | None, precision: str, world_size: int, tp: int = 1,

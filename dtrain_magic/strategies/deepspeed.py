@@ -229,6 +229,13 @@ def _flag_keys(config: RunConfig, train: int, micro: int, user_stage: int | None
     if built["zero_optimization"]["stage"] > 0:
         # the magic passes plain torch optimizers; DeepSpeed only "tests" its own under ZeRO
         built["zero_allow_untested_optimizer"] = True
+    if config.offload != "none":
+        # the user's torch optimizer steps the offloaded fp32 partitions on the CPU (DeepSpeed would otherwise insist
+        # on its own DeepSpeedCPUAdam, a C++ op it JIT-builds)
+        built["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        built["zero_force_ds_cpu_optimizer"] = False
+    if config.offload == "params":
+        built["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     return built
 
 
@@ -256,6 +263,23 @@ class DeepSpeedStrategy(Strategy):
         "DeepSpeed's own tensor/pipeline engines need models written for them. Use --strategy fsdp with it (FSDP "
         "over the data-parallel ranks, ZeRO-3-like) or --strategy ddp"
     )
+
+    @classmethod
+    def validate(cls, config: RunConfig) -> None:
+        """What DeepSpeed cannot combine (before launch, naming both flags): ``--offload optimizer`` without ZeRO 1-3
+        (only ZeRO's partitioned optimizer offloads), ``--offload params`` without ZeRO-3 (only ZeRO-3 partitions
+        parameters). (``--compile``, compiled blocks inside ZeRO-3's hooks, runs on DeepSpeed 0.19: not refused.)"""
+        if config.offload == "none":
+            return
+        stage = config.zero  # else the stage --deepspeed-config gives (parsed only here: `check` reports its errors)
+        if stage is None:
+            stage = _get(parse_user_config(config.deepspeed_config), "zero_optimization.stage", 0)
+        if config.offload == "optimizer" and not stage:
+            raise ConfigError("--offload", "optimizer needs --zero 1, 2 or 3 (DeepSpeed offloads ZeRO's partitioned "
+                                           f"optimizer states), not ZeRO-{stage or 0}")
+        if config.offload == "params" and stage != 3:
+            raise ConfigError("--offload", f"params needs --zero 3 (only ZeRO-3 partitions the parameters), not "
+                                           f"--zero {stage or 0}; or use --offload optimizer")
 
     @classmethod
     def memory_model(cls, zero: int | None, precision: str) -> MemoryModel:

@@ -33,17 +33,29 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, Mapping
 
+from ..errors import ConfigError
 from .base import ADAM_TEMPORARIES, TorchStrategy
 from .memory import MemoryModel, ModelFacts, blocks
 
 if TYPE_CHECKING:  # torch loads in the worker (`wrap`), not with the strategy's facts
     import torch
 
+    from ..config import RunConfig
+
 UNSHARDED_BLOCKS = 3  # the block in use, the next one prefetched, and the block's unsharded gradient
 
 
 class FSDPStrategy(TorchStrategy):
     name = "fsdp"
+
+    @classmethod
+    def validate(cls, config: RunConfig) -> None:
+        """``--offload``: FSDP2's ``CPUOffloadPolicy`` keeps parameters, gradients and the optimizer step on the CPU
+        together; it has no optimizer-only offload."""
+        if config.offload == "optimizer":
+            raise ConfigError("--offload", "optimizer is not supported with --strategy fsdp: FSDP2 offloads the "
+                                           "parameters, gradients and optimizer step together (--offload params), "
+                                           "or use --zero 2 --offload optimizer")
 
     @classmethod
     def memory_model(cls, zero: int | None, precision: str) -> MemoryModel:
@@ -74,11 +86,28 @@ class FSDPStrategy(TorchStrategy):
         if not deferred:
             model = model.to(self.device)
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-        _fully_shard(model, init_device_mesh(self.device.type, (self.world_size,)))
+        offload = self.config.offload == "params"  # CPUOffloadPolicy: shards, gradients and the step on the CPU
+        _fully_shard(model, init_device_mesh(self.device.type, (self.world_size,)), offload=offload)
         self.fill_shards(model, weights, pristine)
         optimizer = self.prepared_optimizer(optimizer, model, names)
         self.model, self.optimizer = model, optimizer
         return model, optimizer
+
+    def fill_shards(self, model: torch.nn.Module, weights: Any, pristine: torch.nn.Module | None,
+                    views: Mapping[str, Any] | None = None) -> None:
+        """As `TorchStrategy.fill_shards`; under ``--offload params`` a deferred model's shards get their storage in CPU
+        memory, where ``CPUOffloadPolicy`` keeps them (FSDP copies each unit to the GPU for its forward and
+        backward)."""
+        if self.config.offload != "params":
+            super().fill_shards(model, weights, pristine, views)
+            return
+        import torch
+
+        device, self.device = self.device, torch.device("cpu")
+        try:
+            super().fill_shards(model, weights, pristine, views)
+        finally:
+            self.device = device
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -93,11 +122,13 @@ class FSDPStrategy(TorchStrategy):
             model.set_requires_gradient_sync(True)
 
 
-def _fully_shard(model: torch.nn.Module, mesh: Any) -> None:
-    """Each of the model's blocks (`memory.blocks`) its own FSDP unit, then the root, over ``mesh`` (1-D)."""
-    from torch.distributed.fsdp import fully_shard
+def _fully_shard(model: torch.nn.Module, mesh: Any, offload: bool = False) -> None:
+    """Each of the model's blocks (`memory.blocks`) its own FSDP unit, then the root, over ``mesh`` (1-D); with
+    ``offload`` (``--offload params``), each unit's shards kept in pinned CPU memory (FSDP2's ``CPUOffloadPolicy``)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
     for block in blocks(model):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, offload_policy=policy)
+    fully_shard(model, mesh=mesh, offload_policy=policy)
 

@@ -46,7 +46,7 @@ def test_clip_grad_norm_is_torchs_on_plain_tensors():
     theirs_norm = float(torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.3))
     assert theirs_norm > 0.3  # it clips
     assert clip_grad_norm(ours.parameters(), 0.3) == pytest.approx(theirs_norm, rel=1e-6)
-    for a, b in zip(ours.parameters(), theirs.parameters()):
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, atol=0, rtol=0)
 
 
@@ -139,3 +139,32 @@ def test_ac_and_compile_refusals_name_both_flags(values, flag, words):
     with pytest.raises(ConfigError, match=flag) as error:
         RunConfig(**values)
     assert words in str(error.value)
+
+
+# -- --offload, and the combinations refused before launch -----------------------------------------------------
+@pytest.mark.parametrize("values,flag,words", [
+    ({"offload": "params", "strategy": "fsdp"}, "--offload", "nothing to offload to"),  # a CPU run
+    ({"offload": "optimizer", "strategy": "deepspeed", "zero": 2}, "--offload", "this run is on CPU"),
+    ({"offload": "params", "strategy": "ddp", "use_gpu": True}, "--offload", "--strategy ddp"),
+    ({"offload": "optimizer", "strategy": "fsdp", "use_gpu": True}, "--offload", "--strategy fsdp"),
+    ({"offload": "params", "strategy": "deepspeed", "zero": 2, "use_gpu": True}, "--offload", "--zero 3"),
+    ({"offload": "optimizer", "strategy": "deepspeed", "zero": 0, "use_gpu": True}, "--offload", "--zero 1, 2 or 3"),
+    ({"offload": "params", "strategy": "fsdp", "tp": 2, "use_gpu": True}, "--offload", "--tp"),
+    ({"offload": "params", "strategy": "fsdp", "pp": 2, "use_gpu": True}, "--offload", "--pp"),
+])
+def test_combinations_that_cannot_work_are_refused_naming_both_flags(values, flag, words):
+    with pytest.raises(ConfigError) as error:
+        RunConfig(**values)
+    assert str(error.value).startswith(flag) and words in str(error.value), str(error.value)
+
+
+def test_offload_is_deepspeeds_offload_keys_and_fsdps_policy_where_allowed():
+    zero2 = build_config(RunConfig(strategy="deepspeed", zero=2, offload="optimizer", use_gpu=True), 2)
+    assert zero2["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert "offload_param" not in zero2["zero_optimization"] and zero2["zero_force_ds_cpu_optimizer"] is False
+    zero3 = build_config(RunConfig(strategy="deepspeed", zero=3, offload="params", use_gpu=True), 2)
+    assert zero3["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": True}
+    assert "offload_optimizer" in zero3["zero_optimization"]
+    assert "offload_optimizer" not in build_config(RunConfig(strategy="deepspeed", zero=3), 2)["zero_optimization"]
+    RunConfig(strategy="fsdp", offload="params", use_gpu=True)  # accepted: FSDP2's CPUOffloadPolicy
+    RunConfig(strategy="deepspeed", zero=1, offload="optimizer", use_gpu=True)

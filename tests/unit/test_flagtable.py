@@ -67,6 +67,8 @@ ROUND_TRIP: dict[str, list[dict]] = {
     "ac": [{"ac": "full"}, {"ac": "selective"}],
     "ac_module": [{"ac": "full", "ac_module": "Block"}, {"compile": True, "ac_module": "GPT2Block"}],
     "compile": [{"compile": True}, {"compile": True, "ac": "full"}],
+    "offload": [{"offload": "params", "strategy": "fsdp", "use_gpu": True},
+                {"offload": "optimizer", "strategy": "deepspeed", "zero": 2, "use_gpu": True}],
     "data": [{"data": {"train": "df_train"}}, {"data": (("train", "df[x,y]"), ("val", "/data/my runs/val.parquet"))},
              {"data": ["a=s3://bucket/part-*.parquet", "b=it's"]}, {"data": {"x": "ünïcode ✓", "y": "-odd"}}],
     "outputs": [{"outputs": {"preds": "df_preds"}}, {"outputs": ["preds=p", "scores=s"]}],

@@ -22,7 +22,8 @@ def state(line: str = "--backend local", **kwargs) -> PanelState:
 def test_prefilled_from_the_flags():
     s = state("--backend local --strategy fsdp --precision bf16 -n 3 --grad-accum 4 --experiment exp1 --cpu")
     assert s.values == dict(backend="local", strategy="fsdp", zero=None, precision="bf16", num_processes=3,
-                            grad_accum=4, use_gpu=False, tp=1, pp=1, experiment="exp1", data="")
+                            grad_accum=4, use_gpu=False, tp=1, pp=1, experiment="exp1", data="", ac="none",
+                            compile=False, offload="none")
     assert s.to_config().flag_line() == (
         "%%distribute --backend local --strategy fsdp --precision bf16 -n 3 --cpu --grad-accum 4 "
         "--experiment exp1 --ui")
@@ -238,16 +239,17 @@ def test_panel_text_output_is_capped_and_kernel_written():
 
 
 def test_controls_labels_and_options_come_from_the_flag_table():
-    from dtrain_magic.flagtable import BACKENDS, FLAGS, PRECISIONS, STRATEGIES, ZERO_STAGES
+    from dtrain_magic.flagtable import AC_MODES, BACKENDS, FLAGS, OFFLOAD, PRECISIONS, STRATEGIES, ZERO_STAGES
     from dtrain_magic.ui.panel import CONTROLS
 
     rows = [row for row in FLAGS if row.panel is not None]
     assert CONTROLS == tuple(row.field for row in rows)
     assert set(CONTROLS) == {"backend", "strategy", "zero", "precision", "num_processes", "grad_accum", "use_gpu",
-                             "tp", "pp", "experiment", "data"}
+                             "tp", "pp", "experiment", "data", "ac", "compile", "offload"}
     options = PanelState(RunConfig(use_gpu=True), gpu_available=lambda: True).options()
     assert options == {"backend": [(b, b) for b in BACKENDS if b != "auto"], "strategy": [(s, s) for s in STRATEGIES],
-                       "zero": [(f"ZeRO-{z}", z) for z in ZERO_STAGES], "precision": [(p, p) for p in PRECISIONS]}
+                       "zero": [(f"ZeRO-{z}", z) for z in ZERO_STAGES], "precision": [(p, p) for p in PRECISIONS],
+                       "ac": [(m, m) for m in AC_MODES], "offload": [(m, m) for m in OFFLOAD]}
     config = flags.config_from_line("--backend local", gpu_available=lambda: False)
     panel = ConfigurePanel(config, "def train(ctx):\n    return 1\n", shell=None, checker=lambda c: None)
     assert [panel.controls[row.field].description for row in rows] == [row.panel.label for row in rows]
