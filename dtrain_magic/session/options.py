@@ -17,13 +17,15 @@ from ..config import RunConfig, resolve_config
 from ..errors import ConfigError
 from ..flagtable import FLAGS, PYTHON, SWEEP, Flag
 
-NOT_FOR_SESSIONS = ("fn", "result", "keep_warm", "max_restarts")
+NOT_FOR_SESSIONS = ("fn", "result", "keep_warm", "max_restarts", "outputs")
 WHY_NOT = {
     "max_restarts": "a session's ranks keep their state in their processes, which a restart would lose; "
                     "%distribute_session restart starts every rank afresh when you want that",
     "keep_warm": "nothing waits after a session: its ranks are held until it stops or is idle for --idle-timeout",
     "fn": "a session runs cells (%%ranks), not a function",
     "result": "a session runs cells (%%ranks), not a function; a cell's value comes back by rank",
+    "outputs": "each cell's ctx.write outputs are committed at the cell's end: bind one with %%ranks --output "
+               "NAME=VARIABLE",
 }
 # The flag table's rows a session takes (``--configure`` included: it shows the panel, whose Start session starts it).
 # A sweep starts many runs; a session is one (its own rows leave the Sweeps group out: the parser refuses them).
