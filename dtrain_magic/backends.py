@@ -35,6 +35,8 @@ class Backend:
     restarts_workers: ClassVar[bool] = False
     #: launches the next run's workers ahead and keeps them waiting (``--keep-warm S``)
     keeps_workers_warm: ClassVar[bool] = False
+    #: ``--resume`` continues a run in a new kernel from its checkpoint root (the workers' ``ctx.load_checkpoint()``)
+    resumes_runs: ClassVar[bool] = False
     #: ``--storage`` may be a URL (``s3://``, ``gs://``), not only a path
     storage_urls: ClassVar[bool] = False
     #: the workers are Ray Train's: a Ray Train loop (``ray.train.report``, ``get_context``...) runs in them
@@ -54,6 +56,10 @@ class Backend:
         if config.keep_warm is not None and not cls.keeps_workers_warm:
             raise ConfigError("--keep-warm", f"applies only to --backend {backends_that('keeps_workers_warm')} (the "
                                              f"next run's workers waiting for it), not --backend {cls.name}")
+        if config.resume is not None and not cls.resumes_runs:
+            raise ConfigError("--resume", f"--backend {cls.name} cannot resume a run in a new kernel yet (its "
+                                          "checkpoints are its own); use --backend "
+                                          f"{backends_that('resumes_runs')}")
         if config.storage is not None and "://" in config.storage and not cls.storage_urls:
             raise ConfigError(
                 "--storage",
@@ -74,6 +80,7 @@ class Local(Backend):
 
     name = "local"
     restarts_workers = True  # --max-restarts: the whole group again, resuming from the run's checkpoints
+    resumes_runs = True  # --resume: ctx.load_checkpoint() reads the run's checkpoint root, whichever kernel
 
 
 class Spark(Backend):
@@ -84,6 +91,7 @@ class Spark(Backend):
     # --max-restarts: TorchDistributor never restarts a rank (Spark aborts a failed barrier stage whole), so the
     # launcher submits a new job per attempt, resuming from the run's checkpoints (launchers/spark/restarts.py)
     restarts_workers = True
+    resumes_runs = True  # --resume: as on local (the checkpoint root is a path every worker reads)
     keeps_workers_warm = True
 
     @classmethod

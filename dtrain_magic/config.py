@@ -25,6 +25,7 @@ from .flagtable import BY_FIELD, DEFAULT_EXPERIMENT, DEFAULT_HANG_TIMEOUT_S, DEF
 from .registry import BACKENDS, STRATEGIES
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_RUN_ID = re.compile(r"^[A-Za-z0-9-]+$")  # --resume's value: an MLflow run id (or "latest")
 
 
 def _choice(flag: str, value: Any, allowed: tuple) -> None:
@@ -72,6 +73,8 @@ class RunConfig:
     # Ray (TorchTrainer)
     ray_address: str | None = None
     max_restarts: int = 0
+    # --resume: RESUME_LATEST (this cell's last unfinished run) or an MLflow run id; None: a fresh run
+    resume: str | None = None
     storage: str | None = None
     # Warm re-runs (Spark, Ray): how long the next run's workers may wait for it (None: the backend's default)
     keep_warm: float | None = None
@@ -104,6 +107,7 @@ class RunConfig:
         _positive_int("--num-processes", self.num_processes)
         _positive_int("--grad-accum", self.grad_accum)
         _positive_int("--max-restarts", self.max_restarts, minimum=0)
+        self._check_resume()
         if self.seed is not None:
             _positive_int("--seed", self.seed, minimum=0)
         for flag, value in (("--micro-batch", self.micro_batch), ("--train-batch", self.train_batch)):
@@ -250,6 +254,17 @@ class RunConfig:
             raise ConfigError("--offload", f"is not supported with {flag} (model parallelism's DTensor/pipeline "
                                            f"stages are not offloaded by the installed torch); drop --offload or "
                                            f"{flag}")
+
+    def _check_resume(self) -> None:
+        """``--resume``: alone (``resume=True`` from Python), or an MLflow run id."""
+        from .flagtable import RESUME_LATEST
+
+        value = {True: RESUME_LATEST, False: None}.get(self.resume, self.resume) if isinstance(self.resume, bool) \
+            else self.resume
+        object.__setattr__(self, "resume", value)
+        if value is not None and (not isinstance(value, str) or not _RUN_ID.match(value)):
+            raise ConfigError("--resume", f"got {value!r}; give it alone (this cell's last unfinished run; "
+                                          "resume=True from Python) or with an MLflow run id (letters, digits, '-')")
 
     @property
     def data_parallel_size(self) -> int:

@@ -53,6 +53,7 @@ DEFAULT_HANG_TIMEOUT_S = 15.0
 DEFAULT_STALL_TIMEOUT_S = 120.0
 OFF_WORDS = ("off", "never", "none")  # what ``--stall-timeout`` takes for "never", besides 0
 DEFAULT_EXPERIMENT = "dtrain_magic"
+RESUME_LATEST = "latest"  # --resume alone: this cell's last unfinished run
 
 # How a flag takes its value.
 VALUE = "value"  # --flag VALUE
@@ -116,6 +117,7 @@ class Flag:
     group: str  # help group
     help: str  # ``%%distribute?`` text (argparse appends "(default: ...)")
     kind: str = VALUE  # VALUE, SWITCH, STORE_TRUE or APPEND
+    const: Any = None  # VALUE: the value of the flag given alone (its value is then optional: ``--resume``)
     type: Callable[[str], Any] | None = None  # VALUE, APPEND: converts the text (None: kept as text)
     choices: tuple[Any, ...] | None = None  # VALUE: the allowed values
     default: Any = None  # when the flag is not given; RunConfig's default unless ``resolved``
@@ -169,6 +171,8 @@ class Flag:
         dest = {"dest": self.field} if self.field else {}
         if self.kind == VALUE:
             extra = {k: v for k, v in (("type", self.type), ("choices", self.choices)) if v is not None}
+            if self.const is not None:
+                extra.update(nargs="?", const=self.const)
             yield self.options, {**dest, **extra, "default": self.default, "help": self.help}
         elif self.kind == SWITCH:
             on = {**dest, "action": "store_const", "const": True, "default": self.default, "help": self.help}
@@ -187,6 +191,8 @@ class Flag:
         ``quote(flag, value, always)`` writes a value as one token."""
         if self.line == NEVER or (self.line == CHANGED and value == self.default):
             return []
+        if self.kind == VALUE and self.const is not None and value == self.const:
+            return [self.options[0]]
         if self.kind == VALUE:
             return [self.options[0], quote(self.name, value, self.quote_always)]
         if self.kind == SWITCH:
@@ -410,7 +416,7 @@ FLAGS: tuple[Flag, ...] = (
          help="join this Ray cluster (None means $RAY_ADDRESS, else a local one)",
          doc="join an existing Ray cluster", default_doc="`$RAY_ADDRESS`, else a local Ray"),
     Flag(("--max-restarts",), "max_restarts", RAY, type=int, default=0, placeholder="N",
-         help="restart failed workers up to N times (ray, local)"),
+         help="restart failed workers up to N times, from the last checkpoint (local, spark, ray)"),
     Flag(("--storage",), "storage", RAY, default=None, placeholder="PATH",
          help="where numbered checkpoints go, under dtrain_<run key>; Ray Train's run storage "
               "(None means ./dtrain_runs)",
@@ -418,6 +424,14 @@ FLAGS: tuple[Flag, ...] = (
              "the MLflow run's `dtrain_magic.checkpoint_root` tag and `RunResult.checkpoint_root` name it); "
              "Ray Train's run storage (ray also takes `s3://`, `gs://`)",
          default_doc="`./dtrain_runs`"),
+    # A bare --resume is RESUME_LATEST; a value names the MLflow run (run(..., resume=True) is the bare flag).
+    Flag(("--resume",), "resume", RAY, default=None, const=RESUME_LATEST, placeholder="[RUN_ID]",
+         help="continue this cell's last unfinished run (or the MLflow run RUN_ID) from its newest complete checkpoint "
+              "in --storage, into the same MLflow run, e.g. after the kernel died or was restarted",
+         doc="continue this cell's last unfinished MLflow run (RUNNING, FAILED or KILLED; or the run `RUN_ID`) from "
+             "its newest complete checkpoint in `--storage`, into the same MLflow run, after the kernel died or was "
+             "restarted; none (or no checkpoint): a fresh run, said in the cell "
+             "(see [resume](reliability.md#resume-in-a-new-kernel---resume))", default_doc="off"),
     # -- DeepSpeed -------------------------------------------------------------------------------------
     # JSON text nearly always has spaces or quotes that a reader would trip over: always quoted on a line.
     Flag(("--deepspeed-config",), "deepspeed_config", DEEPSPEED, default=None, quote_always=True,

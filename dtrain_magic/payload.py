@@ -11,9 +11,11 @@ notebook's cell (`dtrain_magic.notebook.capture`), `dtrain_magic.run` and the co
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import io
 import linecache
+import textwrap
 import types
 from collections import ChainMap
 from dataclasses import dataclass, field
@@ -40,6 +42,9 @@ class Payload:
     uses_ray_train: bool = False  # the function (or a notebook helper it calls) refers to ray.train
     argv: tuple[str, ...] | None = None  # sys.argv on the workers while the function runs (the command line's)
     data_names: tuple[str, ...] = ()  # the data names the function reads with ctx.data("...") (checked before launch)
+    # The function's identity across kernels (`function_key`): its name and a digest of its source. The MLflow run's
+    # ``dtrain_magic.function`` tag, by which ``--resume`` finds this cell's last unfinished run after a restart.
+    function_key: str = ""
 
     def load(self) -> Callable[..., Any]:
         """Unpickle the function (in the worker) and make the cells' source visible to tracebacks.
@@ -184,8 +189,21 @@ def serialize(
     return Payload(
         data, getattr(fn, "__name__", "fn"), takes_ctx, _notebook_sources(fn, cell_files), labels or {},
         call_args=call_args, call_text=None if call is None else call.text, uses_ray_train=refers_to_ray_train(fn),
-        argv=argv, data_names=names_read(fn),
+        argv=argv, data_names=names_read(fn), function_key=function_key(fn),
     )
+
+
+def function_key(fn: Callable[..., Any]) -> str:
+    """``NAME:DIGEST``: the function's name and the first 16 hex digits of the SHA-256 of its source (dedented; its
+    code's bytes and constants when the source is not to be had). The same in a new kernel as long as the function's
+    text is the same: a cell's file name and the pickled bytes change with every kernel, this does not."""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "fn")
+    try:
+        text = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):  # no source (a lambda built by exec, a C function): what the code itself is
+        code = getattr(fn, "__code__", None)
+        text = repr((code.co_code, code.co_consts, code.co_names)) if code is not None else repr(fn)
+    return f"{name}:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
 def dumps_by_value(obj: Any) -> bytes:

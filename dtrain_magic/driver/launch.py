@@ -41,17 +41,19 @@ class Launch:
     """
 
     def __init__(self, plan: RunPlan, observer: RunObserver, *, tags: Mapping[str, str] | None = None,
-                 params: Mapping[str, Any] | None = None):
+                 params: Mapping[str, Any] | None = None, resume: Any = None):
+        """``resume``: a `tracking.resume.ResumeTarget` (``--resume``): its checkpoint root and MLflow run, reopened."""
         self.plan, self.config, self.launcher, self.observer = plan, plan.config, plan.launcher, observer
         self.params = dict(params or {})
         self.started = time.monotonic()
         # Workers launched ahead for this placement (docs/warm-reruns.md): this launch takes them over.
         self.claim = self.launcher.claim_standby(self.config)
-        self.checkpoint_root = self._checkpoint_root()
+        self.checkpoint_root = resume.checkpoint_root if resume is not None else self._checkpoint_root()
         self.early = plan.starts_before_tracking
         self.opening = RunOpening(self.config, tags={"dtrain_magic.checkpoint_root": self.checkpoint_root,
                                                      **(tags or {})},
-                                  deferred=self.early, params=self.params)
+                                  deferred=self.early, params=self.params,
+                                  reopen=resume.run_id if resume is not None else None)
         self.channel: Channel | None = None
         self.pump: Pump | None = None
         self.running: Any = None

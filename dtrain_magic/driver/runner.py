@@ -30,6 +30,7 @@ from ..launchers import Launcher
 from ..payload import Payload
 from ..result import RunResult
 from ..tracking import RunTracker
+from ..tracking.resume import FUNCTION_TAG
 from .launch import Launch, backend_error
 from .observer import RunObserver, TextObserver
 from .plan import RunPlan, check, check_data, check_payload, dry_run_text
@@ -106,7 +107,7 @@ def bind_result(namespace: MutableMapping[str, Any], config: RunConfig, result: 
         from . import outputs
 
         session = (lambda: spark_session(config)) if spark_session is not None else None
-        outputs.bind(namespace, config.backend, config.outputs, result.outputs, print, session)
+        outputs.bind(namespace, config, result.outputs, print, session)
 
 
 class _Run:
@@ -118,11 +119,25 @@ class _Run:
         self.log_mark = log_mark or backend_log.mark()
         self.payload, self.observer, self.stop = payload, observer, stop
         data_tags = plan.data.tags() if plan.data is not None else {}
-        self.launch = Launch(plan, observer, tags={**tags, **data_tags}, params=params)
+        if payload.function_key:  # what --resume finds this cell's run by, in a new kernel
+            data_tags = {**data_tags, FUNCTION_TAG: payload.function_key}
+        self.launch = Launch(plan, observer, tags={**tags, **data_tags}, params=params, resume=self._resume_target())
         self.started = self.launch.started
         self.status, self.reason = "FAILED", None
         self.held: str | None = None
         self.stopped_early = False
+
+    def _resume_target(self) -> Any:
+        """``--resume``: the unfinished run this one continues (`tracking.resume.find_resume_target`), said in the cell;
+        None for a fresh run."""
+        if self.config.resume is None:
+            return None
+        from ..tracking.resume import find_resume_target
+
+        target, words = find_resume_target(self.config, self.payload.function_key)
+        if words:
+            self.observer.note(words)
+        return target
 
     @property
     def pump(self) -> Pump | None:
@@ -209,8 +224,7 @@ class _Run:
     def _result(self, tracker: RunTracker, values: list[Any]) -> RunResult:
         from . import outputs
 
-        written = outputs.finish(outputs.root_of(self.config, self.launch.checkpoint_root), self.pump.written,
-                                 self.observer.note, earlier_attempts=self.config.max_restarts > 0)
+        written = outputs.finish(self.config, self.launch.checkpoint_root, self.pump.written, self.observer.note)
         result = RunResult(
             value=values[0], values=values, run_id=tracker.run_id, config=self.config,
             wall_time_s=time.monotonic() - self.started, metrics=dict(tracker.last_metrics),
@@ -228,10 +242,7 @@ class _Run:
         if self.status != "FINISHED" and pump is not None:  # its ranks' ctx.write parts go: no partial output
             from . import outputs
 
-            root = outputs.root_of(self.config, self.launch.checkpoint_root)
-            outputs.discard(root)
-            if self.stopped_early:  # its workers are still being stopped: what one writes meanwhile goes too
-                outputs.discard_later(root, REAP_AFTER_S + 1.0)
+            outputs.discard(self.config, self.launch.checkpoint_root)
         waiting = pump.waiting_metrics if pump is not None else []
         tags = {"dtrain_magic.wall_time_s": f"{time.monotonic() - self.started:.3f}"}
         artifacts = {}

@@ -17,12 +17,13 @@ from ..config import RunConfig, resolve_config
 from ..errors import ConfigError
 from ..flagtable import FLAGS, PYTHON, SWEEP, Flag
 
-NOT_FOR_SESSIONS = ("fn", "result", "keep_warm", "max_restarts", "outputs")
+NOT_FOR_SESSIONS = ("fn", "result", "keep_warm", "max_restarts", "resume", "outputs")
 WHY_NOT = {
     "max_restarts": "a session's ranks keep their state in their processes, which a restart would lose; "
                     "%distribute_session restart starts every rank afresh when you want that",
     "keep_warm": "nothing waits after a session: its ranks are held until it stops or is idle for --idle-timeout",
     "fn": "a session runs cells (%%ranks), not a function",
+    "resume": "a session's state is its ranks' memory, not a checkpoint: there is no run to resume",
     "result": "a session runs cells (%%ranks), not a function; a cell's value comes back by rank",
     "outputs": "each cell's ctx.write outputs are committed at the cell's end: bind one with %%ranks --output "
                "NAME=VARIABLE",

@@ -32,9 +32,10 @@ class RunTracker:
 
     @classmethod
     def start(cls, config: RunConfig, tags: Mapping[str, str] | None = None,
-              params: Mapping[str, Any] | None = None) -> "RunTracker":
+              params: Mapping[str, Any] | None = None, reopen: str | None = None) -> "RunTracker":
         """Create the run (and the experiment if new); a store MLflow cannot use is a `ConfigError`. ``params``:
-        hyperparameters logged beside the config's (a sweep trial's)."""
+        hyperparameters logged beside the config's (a sweep trial's). ``reopen``: continue that run instead
+        (``--resume``, `reopen`)."""
         wait_for_preload()
         from mlflow import MlflowClient
         from mlflow.entities import Param
@@ -50,12 +51,29 @@ class RunTracker:
         if experiment is not None and experiment.lifecycle_stage == "deleted":
             raise deleted_experiment_error(config, uri)
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(config.experiment)
+        if reopen is not None:
+            return cls.reopen(client, reopen, uri, tags)
         run_tags = {"dtrain_magic.backend": config.backend, "dtrain_magic.strategy": config.strategy}
         run_tags.update(tags or {})
         run = client.create_run(experiment_id, tags=run_tags)
         logged = {**config.to_params(), **{key: str(value) for key, value in (params or {}).items()}}
         client.log_batch(run.info.run_id, params=[Param(key, value[:6000]) for key, value in logged.items()])
         return cls(client, run.info.run_id, experiment_id, uri)
+
+    @classmethod
+    def reopen(cls, client: Any, run_id: str, uri: str, tags: Mapping[str, str] | None) -> "RunTracker":
+        """``--resume``: the unfinished run ``run_id`` RUNNING again, its metrics going on in the same history. Its
+        params stay as logged (MLflow refuses a param's new value); ``tags`` are set, a failure tag of the attempt
+        before is removed, and ``dtrain_magic.resumes`` counts the resumes."""
+        run = client.get_run(run_id)
+        client.update_run(run_id, status="RUNNING")
+        if "dtrain_magic.failure" in run.data.tags:
+            client.delete_tag(run_id, "dtrain_magic.failure")
+        resumes = int(run.data.tags.get("dtrain_magic.resumes", "0") or 0) + 1
+        tracker = cls(client, run_id, run.info.experiment_id, uri)
+        tracker.set_tags({**(tags or {}), "dtrain_magic.resumes": resumes,
+                          f"dtrain_magic.resumed_{resumes}": f"after {run.info.status}"})
+        return tracker
 
     # -- during the run ---------------------------------------------------------------------------
     def log_metrics(self, step: int, metrics: Mapping[str, float], timestamp_ms: int | None = None,
@@ -159,9 +177,10 @@ class RunOpening:
     """
 
     def __init__(self, config: RunConfig, tags: Mapping[str, str] | None = None, system_metrics: bool = True,
-                 deferred: bool = False, params: Mapping[str, Any] | None = None):
+                 deferred: bool = False, params: Mapping[str, Any] | None = None, reopen: str | None = None):
         self._config, self._tags, self._system_metrics = config, dict(tags or {}), system_metrics
         self._params = dict(params or {})
+        self._reopen = reopen  # --resume: the MLflow run to continue
         self.workers_started = False  # set by the caller before waiting: it changes what an error says
         self._tracker: RunTracker | None = None
         self._error: BaseException | None = None
@@ -176,7 +195,7 @@ class RunOpening:
     def _open(self) -> None:
         self._go.wait()
         try:
-            tracker = RunTracker.start(self._config, self._tags, self._params)
+            tracker = RunTracker.start(self._config, self._tags, self._params, reopen=self._reopen)
         except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread by wait()
             self._error = exc
             return

@@ -32,7 +32,8 @@ FREE_TEXT = {  # text fields, with what they need to be valid
     "experiment": {}, "tracking_uri": {}, "spark_master": {"backend": "spark"}, "ray_address": {"backend": "ray"},
     "storage": {}, "deepspeed_config": {"strategy": "deepspeed"}, "data_dir": {"data": {"train": "df"}},
 }
-IDENTIFIERS = {"fn", "result", "ac_module"}  # text fields that must be Python identifiers (no spaces or quotes possible)
+# text fields that must be Python identifiers, or --resume's run ids (no spaces or quotes possible)
+IDENTIFIERS = {"fn", "result", "ac_module", "resume"}
 
 # Non-default values per RunConfig field (with what makes them valid). Every field needs at least one.
 ROUND_TRIP: dict[str, list[dict]] = {
@@ -55,6 +56,7 @@ ROUND_TRIP: dict[str, list[dict]] = {
     "verbose": [{"verbose": True}],
     "local_mode": [{"backend": "spark", "local_mode": False}],
     "max_restarts": [{"max_restarts": 3}],
+    "resume": [{"backend": "local", "resume": "latest"}, {"backend": "spark", "resume": "0a1b2c3d4e5f60718293a4b5c6d7e8f9"}],
     "keep_warm": [{"backend": "spark", "keep_warm": 0.0}, {"backend": "ray", "keep_warm": 30},
                   {"backend": "ray", "keep_warm": 2.5}],
     "micro_batch": [{"micro_batch": 4}, {"micro_batch": 4, "grad_accum": 2, "num_processes": 2, "train_batch": 16}],

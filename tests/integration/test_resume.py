@@ -1,0 +1,110 @@
+"""``--resume`` in a new kernel (issue #37): a notebook process killed mid-run, a new one continues the cell's run.
+
+Real notebook processes (an IPython shell in a subprocess, as tests/integration/test_notebook_exit.py starts them),
+the local backend, one MLflow store on disk shared by both: the first is SIGKILLed (no atexit, no clean-up: a kernel
+that died) while its run waits after its step-3 checkpoint; the second runs the same cell with ``--resume``, then
+once more without it (the uninterrupted run, the reference).
+"""
+
+from __future__ import annotations
+
+import signal
+import textwrap
+
+import pytest
+
+from leftovers import kill_tagged, new_tag, wait_until_none_left
+from test_notebook_exit import run_notebook
+
+pytestmark = pytest.mark.slow
+
+STEPS, EVERY, PAUSE_AT = 12, 4, 6
+
+CELL = '''%%distribute --backend local -n 2 --no-ui @FLAGS@
+import os, time, torch
+def train(ctx):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model, opt = ctx.prepare(model, torch.optim.Adam(model.parameters(), lr=0.01))
+    data = torch.randn({steps}, 2, 4, 8, generator=torch.Generator().manual_seed(1))  # step, rank, batch, x
+    state = ctx.load_checkpoint()
+    start = 0 if state is None else state["step"] + 1
+    print(f"starting at step {{start}}")
+    for step in range(start, {steps}):
+        if step == {pause_at} and not os.path.exists("paused"):  # the first kernel dies here
+            open("paused", "w").close() if ctx.rank == 0 else None
+            time.sleep(600)
+        loss = (model(data[step, ctx.rank]) - data[step, ctx.rank].sum(-1, keepdim=True)).pow(2).mean()
+        ctx.backward(loss)
+        ctx.step()
+        ctx.log({{"loss": loss.item()}}, step=step)
+        if step % {every} == {every} - 1:
+            ctx.save_checkpoint(step=step)
+    return {{k: v.detach().clone() for k, v in ctx.strategy.full_state_dict().items()}}
+'''
+
+HEAD = textwrap.dedent('''
+    import os, sys, time, threading, signal
+    from IPython.core.interactiveshell import InteractiveShell
+    shell = InteractiveShell.instance()
+    shell.run_cell("%load_ext dtrain_magic")
+    def cell(flags):
+        return {cell!r}.replace("@FLAGS@", flags)
+''')
+
+FIRST = HEAD + textwrap.dedent('''
+    from dtrain_magic.state import kernel_state
+    def die_when_paused():
+        # Paused at step 6 (the step-3 checkpoint complete), and the MLflow run open (local workers start before it)
+        while not os.path.exists("paused") or not any(run.launch.tracker for run in kernel_state().live_runs()):
+            time.sleep(0.1)
+        time.sleep(2.0)  # the MLflow writer flushes what it has
+        print("VERDICT killed", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no clean-up: a kernel that died
+    threading.Thread(target=die_when_paused, daemon=True).start()
+    shell.run_cell(cell(""))
+    print("VERDICT returned", flush=True)
+''')
+
+SECOND = HEAD + textwrap.dedent('''
+    resumed = shell.run_cell(cell("--resume"))
+    fresh = shell.run_cell(cell(""))  # the uninterrupted run: "paused" exists, nothing waits
+    for result in (resumed, fresh):
+        if result.error_in_exec is not None:
+            print("VERDICT failed", repr(result.error_in_exec), flush=True)
+            sys.exit(1)
+    a, b = resumed.result.value, fresh.result.value
+    diff = max((a[k] - b[k]).abs().max().item() for k in b)
+    print(f"VERDICT ok {{resumed.result.run_id}} {{fresh.result.run_id}} {{diff!r}}", flush=True)
+''')
+
+
+def test_a_killed_kernels_run_resumes_in_a_new_kernel_into_the_same_mlflow_run(tmp_path):
+    from mlflow import MlflowClient
+
+    cell = CELL.format(steps=STEPS, every=EVERY, pause_at=PAUSE_AT)
+    tag = new_tag()
+    try:
+        first = run_notebook(FIRST.format(cell=cell), tag, tmp_path, timeout=240, merged=True)
+        assert first.returncode == -signal.SIGKILL and "VERDICT killed" in first.stdout, first.stdout[-4000:]
+        assert wait_until_none_left(tag, within_s=10) == []  # the dead kernel's workers went with it
+        client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+        (killed,) = client.search_runs([client.get_experiment_by_name("dtrain_magic").experiment_id])
+        assert killed.info.status == "RUNNING"  # its kernel died with it: nobody ended it
+        second = run_notebook(SECOND.format(cell=cell), tag, tmp_path, timeout=240, merged=True)
+        verdict = second.stdout.rpartition("VERDICT ")[2].split()
+        assert verdict[:1] == ["ok"], second.stdout[-4000:]
+        resumed_id, fresh_id, diff = verdict[1], verdict[2], float(verdict[3])
+        assert wait_until_none_left(tag, within_s=15) == []
+    finally:
+        kill_tagged(tag)
+    said = second.stdout
+    assert f"--resume: continuing MLflow run {killed.info.run_id} (RUNNING before) from step {EVERY - 1}" in said, said
+    assert f"[rank 0] starting at step {EVERY}" in said and "[rank 0] starting at step 0" in said, said
+    assert resumed_id == killed.info.run_id != fresh_id
+    assert diff <= 1e-6, diff  # the uninterrupted run's weights
+    run = client.get_run(resumed_id)
+    assert run.info.status == "FINISHED" and run.data.tags["dtrain_magic.resumes"] == "1"
+    history = client.get_metric_history(resumed_id, "loss")
+    assert {m.step for m in history} == set(range(STEPS))  # one history: the first kernel's steps, then the rest
+    assert len(client.search_runs([run.info.experiment_id])) == 2  # the resumed run and the reference, no third

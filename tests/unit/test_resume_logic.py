@@ -1,0 +1,107 @@
+"""``--resume`` (issue #37), the logic: the flag in every entry point, the function's identity across kernels, and
+which MLflow run a cell continues (a real SQLite MLflow store; runs made with MlflowClient as the runner makes them).
+tests/integration/test_resume.py kills a real notebook process and resumes in a new one."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dtrain_magic import api, cli
+from dtrain_magic.config import RunConfig
+from dtrain_magic.errors import ConfigError
+from dtrain_magic.notebook import flags
+from dtrain_magic.payload import function_key
+from dtrain_magic.tracking.resume import FUNCTION_TAG, ROOT_TAG, find_resume_target
+from dtrain_magic.worker.resume_point import note_step
+
+
+def train(ctx):
+    return ctx.rank
+
+
+def test_the_flag_alone_is_this_cells_last_run_and_a_value_is_a_run_id():
+    line = lambda text: flags.config_from_line(text, gpu_available=lambda: False)  # noqa: E731
+    assert line("--backend local --resume").resume == "latest"
+    assert line("--backend local --resume 0a1b2c").resume == "0a1b2c"
+    assert line("--backend local").resume is None
+    assert line("--backend local --resume").flag_line().endswith(" --resume")
+    assert RunConfig(backend="local", resume=True).resume == "latest" and RunConfig(resume=False).resume is None
+    assert api.config_from_options({"resume": True, "backend": "local", "use_gpu": False}).resume == "latest"
+    with pytest.raises(ConfigError, match="--resume: got 'a b'; give it alone"):
+        RunConfig(backend="local", resume="a b")
+    with pytest.raises(ConfigError, match="--resume: --backend ray cannot resume a run in a new kernel yet"):
+        RunConfig(backend="ray", resume=True)
+    assert cli.parser().parse_args(["run", "m:f", "--resume"]).resume == "latest"
+
+
+def test_the_function_key_is_its_name_and_its_texts_digest():
+    key = function_key(train)
+    assert key.startswith("train:") and len(key) == len("train:") + 16
+    namespace: dict = {}
+    exec("def train(ctx):\n    return ctx.rank\n", namespace)  # the same text, no source file: its code's digest
+    other = function_key(namespace["train"])
+    assert other.startswith("train:") and other == function_key(namespace["train"]) != key
+
+
+@pytest.fixture(scope="module")
+def store_uri(tmp_path_factory):
+    """One SQLite store for the module (making one runs MLflow's migrations: seconds)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+
+
+@pytest.fixture
+def store(store_uri, tmp_path, request):
+    """(tracking URI, experiment, run(status, key, step) -> run id): each test its own experiment."""
+    from mlflow import MlflowClient
+
+    uri = store_uri
+    client = MlflowClient(tracking_uri=uri)
+    name = request.node.name[:60]
+    experiment = client.create_experiment(name)
+
+    def run(status: str, key: str = "train:0123456789abcdef", step: int | None = 3) -> str:
+        root = str(tmp_path / f"dtrain_{len(client.search_runs([experiment]))}")
+        if step is not None:
+            done = os.path.join(root, "checkpoint_000000")
+            os.makedirs(done)
+            note_step(done, {"step": step}, is_main=True)
+            open(os.path.join(done, ".complete"), "w").close()
+        made = client.create_run(experiment, tags={FUNCTION_TAG: key, ROOT_TAG: root})
+        if status != "RUNNING":
+            client.set_terminated(made.info.run_id, status)
+        return made.info.run_id
+
+    return uri, name, run
+
+
+def test_the_newest_unfinished_run_of_this_function_with_a_checkpoint_is_continued(store):
+    uri, experiment, run = store
+    config = RunConfig(backend="local", resume=True, tracking_uri=uri, experiment=experiment)
+    assert find_resume_target(config, "train:0123456789abcdef")[0] is None  # no run yet: a fresh one
+    run("KILLED", step=7)
+    newest = run("RUNNING")
+    run("KILLED", key="other:fedcba9876543210")  # another function's: never this cell's
+    target, words = find_resume_target(config, "train:0123456789abcdef")
+    assert target.run_id == newest and target.status == "RUNNING" and target.point.step == 3
+    assert words.startswith(f"--resume: continuing MLflow run {newest} (RUNNING before) from step 3 (")
+    run("FINISHED")
+    target, words = find_resume_target(config, "train:0123456789abcdef")
+    assert target is None and "finished: a fresh run" in words
+    run("FAILED", step=None)
+    target, words = find_resume_target(config, "train:0123456789abcdef")
+    assert target is None and "saved no complete checkpoint under" in words and words.endswith("a fresh run")
+
+
+def test_a_named_run_is_continued_or_refused_before_anything_launches(store):
+    uri, _, run = store
+    killed, finished, empty = run("KILLED", step=11), run("FINISHED"), run("FAILED", step=None)
+    named = lambda run_id: find_resume_target(RunConfig(resume=run_id, tracking_uri=uri), "any:0")  # noqa: E731
+    assert named(killed)[0].point.step == 11
+    with pytest.raises(ConfigError, match=f"--resume: MLflow run {finished} finished: nothing to resume"):
+        named(finished)
+    with pytest.raises(ConfigError, match=f"--resume: MLflow run {empty} has no complete checkpoint"):
+        named(empty)
+    with pytest.raises(ConfigError, match="--resume: no MLflow run 0000 in sqlite:///"):
+        named("0000")
