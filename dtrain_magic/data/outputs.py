@@ -43,11 +43,12 @@ def outputs_root(checkpoint_root: str, data_dir: str | None = None) -> str:
     """Where a run's outputs go: beside its checkpoints (``<storage>/dtrain_<key>/outputs``), or under
     ``--data-dir`` (``<data-dir>/dtrain_<key>/outputs``) when it is given."""
     if data_dir:
-        return _join(data_dir, os.path.basename(checkpoint_root.rstrip("/")), "outputs")
-    return _join(checkpoint_root, "outputs")
+        return join(data_dir, os.path.basename(checkpoint_root.rstrip("/")), "outputs")
+    return join(checkpoint_root, "outputs")
 
 
-def _join(base: str, *names: str) -> str:
+def join(base: str, *names: str) -> str:
+    """``base/name/...`` for a path or a URI."""
     return "/".join([base.rstrip("/"), *names]) if "://" in base else os.path.join(base, *names)
 
 
@@ -130,11 +131,11 @@ class _Part:
     def __init__(self, root: str, name: str, rank: int, token: str, schema: pa.Schema):
         import pyarrow.parquet as pq
 
-        folder = _join(root, STAGING, name)
+        folder = join(root, STAGING, name)
         self.relative = f"part-r{rank:05d}-{token}.parquet"
         fs, inner = _filesystem(folder)
         fs.create_dir(inner, recursive=True)
-        self.writer = pq.ParquetWriter(_join(inner, self.relative), schema, filesystem=fs)
+        self.writer = pq.ParquetWriter(join(inner, self.relative), schema, filesystem=fs)
         self.pending: list[pa.Table] = []
         self.pending_rows = self.rows = 0
 
@@ -260,7 +261,7 @@ def commit(root: str, manifests: Mapping[int, str]) -> dict[str, Output]:
 
 
 def _commit_one(root: str, name: str, entries: list[tuple[int, dict]]) -> Output:
-    staged, final = _join(root, STAGING, name), _join(root, name)
+    staged, final = join(root, STAGING, name), join(root, name)
     fs, inner = _filesystem(staged)
     listed = {entry["file"] for _, entry in entries}
     columns = tuple(tuple(c) for c in entries[0][1]["columns"])
@@ -275,8 +276,8 @@ def _commit_one(root: str, name: str, entries: list[tuple[int, dict]]) -> Output
     _, final_inner = _filesystem(final)
     fs.create_dir(final_inner, recursive=True)
     for relative in sorted(listed):  # an object store has no folder rename: file by file, the marker last
-        fs.move(_join(inner, relative), _join(final_inner, relative))
-    with fs.open_output_stream(_join(final_inner, SUCCESS)):
+        fs.move(join(inner, relative), join(final_inner, relative))
+    with fs.open_output_stream(join(final_inner, SUCCESS)):
         pass
     return Output(name, final, rows, columns)
 
@@ -287,7 +288,7 @@ def abort(root: str, keep: bool = False) -> None:
     fs, inner = _filesystem(root)
     import pyarrow.fs as pafs
 
-    staging = _join(inner, STAGING)
+    staging = join(inner, STAGING)
     if fs.get_file_info(staging).type == pafs.FileType.Directory:
         fs.delete_dir(staging)
     if not keep and "://" not in root and os.path.isdir(root) and not os.listdir(root):
@@ -297,4 +298,4 @@ def abort(root: str, keep: bool = False) -> None:
             os.rmdir(parent)
 
 
-__all__ = ["Output", "OutputError", "OutputWriter", "abort", "commit", "outputs_root", "to_table"]
+__all__ = ["Output", "OutputError", "OutputWriter", "abort", "commit", "join", "outputs_root", "to_table"]

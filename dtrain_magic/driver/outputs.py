@@ -9,7 +9,8 @@ a Ray Dataset (``ray.data.read_parquet(path)``), elsewhere a pyarrow Dataset.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, MutableMapping
+import threading
+from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
 from ..config import RunConfig
 from ..data.outputs import Output, abort, commit, outputs_root
@@ -21,12 +22,12 @@ def root_of(config: RunConfig, checkpoint_root: str | None) -> str | None:
     return outputs_root(checkpoint_root, config.data_dir) if checkpoint_root else None
 
 
-def finish(config: RunConfig, checkpoint_root: str | None, written: Mapping[int, str],
-           note: Callable[[str], None]) -> dict[str, Output]:
-    """Commit the outputs every rank of the last attempt sealed (``written``: rank → manifest); the cell says where
-    each went. Runs that wrote nothing (and could not have: no restart) touch no file."""
-    root = root_of(config, checkpoint_root)
-    if root is None or (not any(written.values()) and config.max_restarts == 0):
+def finish(root: str | None, written: Mapping[int, str], note: Callable[[str], None],
+           earlier_attempts: bool = False) -> dict[str, Output]:
+    """Commit at ``root`` (`root_of`) the outputs every rank of the last attempt sealed (``written``: rank →
+    manifest); the cell says where each went. Nothing written (and no earlier attempt that could have left parts,
+    ``earlier_attempts``: a run with restarts): no file is touched."""
+    if root is None or (not any(written.values()) and not earlier_attempts):
         return {}
     outputs = commit(root, written)
     for name, output in outputs.items():
@@ -34,9 +35,9 @@ def finish(config: RunConfig, checkpoint_root: str | None, written: Mapping[int,
     return outputs
 
 
-def discard(config: RunConfig, checkpoint_root: str | None) -> None:
-    """A run that did not finish: its ranks' parts go (no output, no partial file); never raises."""
-    root = root_of(config, checkpoint_root)
+def discard(root: str | None) -> None:
+    """What did not finish (a run, a session's cell): its ranks' parts at ``root`` go (no output, no partial
+    file); never raises."""
     if root is None:
         return
     try:
@@ -45,18 +46,30 @@ def discard(config: RunConfig, checkpoint_root: str | None) -> None:
         log_dropped(__name__, f"removing the unfinished outputs at {root}", exc)
 
 
-def bind(namespace: MutableMapping[str, Any], config: RunConfig, outputs: Mapping[str, Output],
-         note: Callable[[str], None], spark_session: Callable[[], Any] | None = None) -> None:
-    """``--output NAME=VARIABLE``: each output bound in ``namespace`` as what fits the run's backend; an output the
-    run did not write is said in the cell (nothing bound)."""
-    for name, variable in config.outputs:
+def discard_later(root: str | None, after_s: float) -> threading.Timer | None:
+    """`discard` again ``after_s`` seconds from now: a run stopped early (an interrupt, Stop, a timeout) gives the cell
+    back while its workers are still being stopped, and one of them may write a part after the first `discard`."""
+    if root is None:
+        return None
+    timer = threading.Timer(after_s, discard, args=(root,))
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def bind(namespace: MutableMapping[str, Any], backend: str, pairs: Sequence[tuple[str, str]],
+         outputs: Mapping[str, Output], note: Callable[[str], None],
+         spark_session: Callable[[], Any] | None = None) -> None:
+    """``--output NAME=VARIABLE`` (``pairs``): each output bound in ``namespace`` as what fits the run's ``backend``;
+    an output the run (or the cell) did not write is said (nothing bound)."""
+    for name, variable in pairs:
         output = outputs.get(name)
         if output is None:
             written = ", ".join(outputs) or "none"
-            note(f"--output {name}={variable}: the run wrote no output {name!r} (ctx.write({name!r}, batch)); it "
-                 f"wrote: {written}; {variable} is not bound")
+            note(f"--output {name}={variable}: no output {name!r} was written (ctx.write({name!r}, batch)); "
+                 f"written: {written}; {variable} is not bound")
             continue
-        namespace[variable] = readable(config.backend, output, spark_session)
+        namespace[variable] = readable(backend, output, spark_session)
 
 
 def readable(backend: str, output: Output, spark_session: Callable[[], Any] | None = None) -> Any:
@@ -75,4 +88,4 @@ def readable(backend: str, output: Output, spark_session: Callable[[], Any] | No
     return output.dataset()
 
 
-__all__ = ["bind", "discard", "finish", "readable", "root_of"]
+__all__ = ["bind", "discard", "discard_later", "finish", "readable", "root_of"]

@@ -107,7 +107,7 @@ def bind_result(namespace: MutableMapping[str, Any], config: RunConfig, result: 
         from . import outputs
 
         session = (lambda: spark_session(config)) if spark_session is not None else None
-        outputs.bind(namespace, config, result.outputs, print, session)
+        outputs.bind(namespace, config.backend, config.outputs, result.outputs, print, session)
 
 
 class _Run:
@@ -224,7 +224,8 @@ class _Run:
     def _result(self, tracker: RunTracker, values: list[Any]) -> RunResult:
         from . import outputs
 
-        written = outputs.finish(self.config, self.launch.checkpoint_root, self.pump.written, self.observer.note)
+        written = outputs.finish(outputs.root_of(self.config, self.launch.checkpoint_root), self.pump.written,
+                                 self.observer.note, earlier_attempts=self.config.max_restarts > 0)
         result = RunResult(
             value=values[0], values=values, run_id=tracker.run_id, config=self.config,
             wall_time_s=time.monotonic() - self.started, metrics=dict(tracker.last_metrics),
@@ -242,7 +243,10 @@ class _Run:
         if self.status != "FINISHED" and pump is not None:  # its ranks' ctx.write parts go: no partial output
             from . import outputs
 
-            outputs.discard(self.config, self.launch.checkpoint_root)
+            root = outputs.root_of(self.config, self.launch.checkpoint_root)
+            outputs.discard(root)
+            if self.stopped_early:  # its workers are still being stopped: what one writes meanwhile goes too
+                outputs.discard_later(root, REAP_AFTER_S + 1.0)
         waiting = pump.waiting_metrics if pump is not None else []
         tags = {"dtrain_magic.wall_time_s": f"{time.monotonic() - self.started:.3f}"}
         artifacts = {}

@@ -16,6 +16,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from ..dataspec import parse_output as output_item
 from ..driver.observer import TextObserver, plan_with_backend
 from ..errors import CellInterrupted, CellTimeout, MissingDependencyError, SessionError
 from ..flagtable import seconds
@@ -63,11 +64,15 @@ def _session_parser(line: str) -> None:  # pragma: no cover - holder of the pars
 @argument("ranks", nargs="*", help="the ranks to run on: 0, 0,1, 1-3 or all (default: every rank)")
 @argument("--timeout", type=seconds, default=None,
           help="interrupt the cell on every rank after S seconds (None means the session's --timeout)")
+@argument("--output", action="append", type=output_item, default=[], metavar="NAME=VARIABLE",
+          help="bind the output the cell writes with ctx.write(NAME, batch), committed at the cell's end, to this "
+               "notebook variable (a Spark DataFrame on spark, a Ray Dataset on ray, else a pyarrow Dataset)")
 def _ranks_parser(line: str, cell: str) -> None:  # pragma: no cover - holder of the parser only
     """Run the cell on the session's ranks (every rank, or those named), each in its own namespace with ``ctx``.
 
     The value of the cell's last expression comes back by rank; the ranks' output is shown as ``[rank N]`` lines.
-    The kernel's interrupt stops the cell on every rank; the session and its state are kept."""
+    The kernel's interrupt stops the cell on every rank; the session and its state are kept. What the cell writes
+    with ``ctx.write`` is committed at its end (``session.outputs[NAME]``, ``--output NAME=VARIABLE``)."""
 
 
 @magic_arguments()
@@ -215,11 +220,16 @@ class SessionMagics(Magics):
         source = "\n" + cell  # line 1 is the %%ranks line: a rank's traceback gives the cell's own line numbers
         filename, label = _cell_name(self.shell, source)
         try:
-            return session.run(source, chosen, timeout=args.timeout, filename=filename, label=label)
+            value = session.run(source, chosen, timeout=args.timeout, filename=filename, label=label)
         except (CellInterrupted, CellTimeout) as exc:
             if exc.stuck and session.config.ui:
                 _offer_restart(self.shell)
             raise
+        if args.output:
+            from ..driver.outputs import bind
+
+            bind(self.shell.user_ns, session.config.backend, args.output, session.cell_outputs, print)
+        return value
 
     ranks.__doc__ = _ranks_parser.__doc__
 

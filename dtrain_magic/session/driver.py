@@ -100,6 +100,8 @@ class Session:
         self._labels: dict[int, str] = {}  # command → what the cell is called ("Cell In[7]")
         self._done: dict[int, dict[int, CellDone]] = {}  # command → its CellDone by rank
         self._sources: list[tuple[str, tuple[int, ...], str]] = []  # (label, ranks, source), for MLflow
+        self.outputs: dict[str, Any] = {}  # what the cells wrote with ctx.write, by name (the latest cell's of each)
+        self.cell_outputs: dict[str, Any] = {}  # what the last cell wrote (`data.outputs.Output` by name)
         self._next_id = 0
         self._lock = threading.RLock()
         self._timer: threading.Timer | None = None
@@ -178,12 +180,33 @@ class Session:
         if filename is None:
             filename, label = f"<session-cell-{self.cells_run + 1}>", f"session cell {self.cells_run + 1}"
         label = label or filename
-        done = self._command(lambda cell_id: RunCell(cell_id, source, filename, label), chosen, label, timeout,
-                             observer)
+        try:
+            done = self._command(lambda cell_id: RunCell(cell_id, source, filename, label), chosen, label, timeout,
+                                 observer)
+        except BaseException:  # a cell that failed or was stopped: its ranks' ctx.write parts go
+            self._end_outputs(self._next_id, {})
+            raise
         self._sources.append((label, chosen, source))
         self.cells_run += 1
+        self._end_outputs(self._next_id, {rank: done[rank].outputs for rank in chosen}, observer)
         values = PerRank({rank: _rebuilt(done[rank], strict=False) for rank in chosen})
         return values if any(value is not None for value in values.values()) else None
+
+    def _end_outputs(self, cell_id: int, written: dict[int, str], observer: RunObserver | None = None) -> None:
+        """A cell's end: what its ranks wrote with ``ctx.write`` (below the session's outputs, in ``cell_<id>``)
+        committed and kept in `outputs` by name (``written``: their sealed parts); for a cell that failed or was
+        stopped (nothing ``written``), removed."""
+        from ..data.outputs import join
+        from ..driver.outputs import discard, finish, root_of
+
+        root = root_of(self.config, self.launch.checkpoint_root)
+        cell_root = join(root, f"cell_{cell_id}") if root is not None else None
+        self.cell_outputs = {}
+        if not any(written.values()):
+            discard(cell_root)
+            return
+        self.cell_outputs = finish(cell_root, written, (observer or CellText()).note)
+        self.outputs.update(self.cell_outputs)
 
     def push(self, ranks: Iterable[int] | None = None, observer: RunObserver | None = None, **values: Any) -> None:
         """Bind each ``name=value`` on ``ranks`` (default every rank): the values are pickled once, here."""

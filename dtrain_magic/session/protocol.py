@@ -83,7 +83,8 @@ class StopSession(Message):
 class CellDone(Message):
     """Command ``cell_id`` ended on ``rank``: ``outcome`` `OK` (``pickled_value``: its value, see
     `session.values.pack`; None when there is none), `FAILED` or `INTERRUPTED` (``summary`` in one line, then
-    ``traceback``, trimmed to the cell's frames and labelled ``Cell In[N]``)."""
+    ``traceback``, trimmed to the cell's frames and labelled ``Cell In[N]``). ``outputs``: what the cell's
+    ``ctx.write`` calls wrote, sealed (`dtrain_magic.data.outputs.OutputWriter.seal`), for the notebook to commit."""
 
     KIND: ClassVar[str] = "session-done"
     rank: int
@@ -92,6 +93,7 @@ class CellDone(Message):
     pickled_value: bytes | None
     summary: str
     traceback: str
+    outputs: str = ""
 
 
 extend_protocol(SessionReady, RunCell, PushValues, PullValue, InterruptCell, StopSession, CellDone)

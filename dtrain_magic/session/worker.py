@@ -161,7 +161,8 @@ class RankSession:
         """Run one command and send its `CellDone` after its output."""
         cell_id = command.cell_id  # type: ignore[attr-defined]
         self.send(Status(self.rank, "running", getattr(command, "label", "") or type(command).__name__))
-        outcome, value, said, where = OK, None, "", ""
+        outcome, value, said, where, written = OK, None, "", "", ""
+        self.ctx.begin_outputs(f"cell_{cell_id}")  # its ctx.write parts: committed at its end, or never
         try:
             self._start(cell_id)
             try:
@@ -169,10 +170,13 @@ class RankSession:
             finally:
                 self._end()
             value = pack(result, strict=isinstance(command, PullValue))
+            written = self.ctx.seal_outputs("the cell has ended")
         except KeyboardInterrupt as exc:
             outcome, said, where = INTERRUPTED, self._interrupted_at(exc), short_traceback(exc, self.labels)
         except BaseException as exc:  # SystemExit too: a cell's exit() must not end the rank
             outcome, said, where = FAILED, summary(exc), short_traceback(exc, self.labels)
+        if outcome != OK:
+            self.ctx.abort_outputs("the cell has ended")
         for stream in (sys.stdout, sys.stderr):  # a last line without its newline goes out now, before CellDone
             try:
                 stream.flush()
@@ -181,7 +185,7 @@ class RankSession:
         self.ctx.flush_metrics()  # the cell's ctx.log values reach the notebook before its end
         # idle before CellDone: the notebook stops handing messages to the monitor at the last CellDone
         self.send(Status(self.rank, "idle", ""))
-        self.send(CellDone(self.rank, cell_id, outcome, value, said, where))
+        self.send(CellDone(self.rank, cell_id, outcome, value, said, where, written))
 
     def _start(self, cell_id: int) -> None:
         with self._lock:

@@ -77,7 +77,9 @@ class SweepPanel:
                 rows = self.board.rows()
                 text = "\n".join(f"trial {r['trial']} {r['status']} {r['params']} best={r['best']}" for r in rows)
                 self.curves.outputs = (bundle(self.board.curves_figure(), text),)
-                self.table.value = self.board.table_html()
+            table = self.board.table_html()  # a running trial's time moves even when no value came
+            if table != self.table.value:
+                self.table.value = table
             if final:
                 figure = self.board.params_figure()
                 if figure is not None:

@@ -117,6 +117,7 @@ class TrainContext:
         self._data_positions: Any = None  # `dtrain_magic.data.reader.DataPositions`, once ctx.data made a reader
         self._params = MappingProxyType(dict(params or {}))
         self._outputs_root = outputs_root  # where ctx.write's parts go (`dtrain_magic.data.outputs.outputs_root`)
+        self._outputs_base = outputs_root  # the run's; a session's cells each write below it (`begin_outputs`)
         self._writer: Any = None  # `dtrain_magic.data.outputs.OutputWriter`, made by the first ctx.write
 
     @property
@@ -255,6 +256,15 @@ class TrainContext:
 
         coords = ParallelDims(self.world_size, self.config.tp, self.config.pp).coordinates(self.rank)
         return coords["tp"] == 0 and coords["pp"] == self.config.pp - 1
+
+    def begin_outputs(self, folder: str) -> None:
+        """A session's cell: its ``ctx.write`` parts go to their own ``folder`` below the run's outputs, committed at
+        the cell's end (`seal_outputs`)."""
+        if self._outputs_base is not None:
+            from ..data.outputs import join
+
+            self._outputs_root = join(self._outputs_base, folder)
+        self._writer = None
 
     def seal_outputs(self, why: str = "the run has ended") -> str:
         """Close what `write` wrote (the function returned) and refuse later writes; the manifest for the driver

@@ -4,7 +4,9 @@
    monitor panel and both live charts while training runs (the training waits half-way on a file the
    test creates once it has seen them: no race with the training's length), the per-rank output tabs and
    the Stacks button (one stack per rank with the cell's line, within 2 s) meanwhile, and after it
-   finished; then Stop on a second, long run.
+   finished; then Stop on a second, long run; then, in the same kernel, a sweep (``--sweep``) of 2 trials: its
+   panel overlays both trials' curves in one chart and lists them in its table while the second one runs, and ends
+   with the parameters' parallel coordinates.
 2. ``%%distribute --configure``: the panel shows the estimate for the cell's own model; deepspeed,
    ZeRO-2 and bf16 are picked, Run shows the monitor and both charts under the panel with points added
    over time, Stop makes the run KILLED in MLflow and ends its worker processes, "Write cell" creates
@@ -121,12 +123,69 @@ def _notebook(root: Path) -> None:
         "%load_ext dtrain_magic",
         _train_cell(200, 0.1, nb / "release_train"),
         _train_cell(400, 0.05),
+        _sweep_cell(root),
     ])
     (nb / "pids").mkdir()
     _write_notebook(nb / "panel.ipynb", [
         "%load_ext dtrain_magic",
         PANEL.replace("PIDS", repr(str(nb / "pids"))).replace("FINISH", repr(str(nb / "finish_panel"))),
     ])
+
+
+# The sweep cell (run after the Stop in test 1's kernel: its workers' pool, MLflow and plotly are warm): 2 one-process
+# trials, one at a time; the first to reach half-way leaves a mark, the second waits there until the test saw the
+# panel with both curves and the table.
+SWEEP = """%%distribute -n 1 --cpu --sweep "lr=grid(0.5,0.05)" --metric loss --pruner none --parallel-trials 1
+import os, time, torch
+x = torch.linspace(-1, 1, 64).unsqueeze(1)
+def train(ctx):
+    model = torch.nn.Linear(1, 1)
+    model, opt = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=ctx.params["lr"]))
+    for step in range(30):
+        loss = torch.nn.functional.mse_loss(model(x), 3 * x - 1)
+        ctx.backward(loss)
+        ctx.step()
+        ctx.log(loss=loss.item())
+        time.sleep(0.03)
+        if step == 15 and os.path.exists(MARK):
+            while not os.path.exists(RELEASE):
+                time.sleep(0.05)
+        elif step == 15:
+            open(MARK, "w").close()
+"""
+
+
+def _sweep_cell(root: Path) -> str:
+    return SWEEP.replace("MARK", repr(str(root / "nb" / "sweep_mark"))).replace(
+        "RELEASE", repr(str(root / "nb" / "release_sweep")))
+
+
+def _check_sweep_panel(page, root: Path, cell: int, shot: Path) -> float:
+    """Run the sweep cell (number ``cell``): while its second trial waits, the sweep's panel shows both trials'
+    curves in one chart and both trials in the table, the best highlighted; at the end the parameters' parallel
+    coordinates. Returns the seconds it took."""
+    from playwright.sync_api import expect
+
+    started = time.monotonic()
+    page.evaluate("() => { const nb = window.jupyterapp.shell.currentWidget.content; "
+                  f"nb.activeCellIndex = {cell}; window.jupyterapp.commands.execute('notebook:run-cell'); }}")
+    panel = page.locator(".dtm-sweep-panel")
+    plots, table = panel.locator(".js-plotly-plot"), panel.locator(".dtm-sweep-table")
+    _wait_for(lambda: plots.first.evaluate_all("(els) => els.length && els[0].data ? els[0].data.length : 0") == 2,
+              120, "two trials' curves in one chart")
+    expect(table).to_contain_text("FINISHED", timeout=30_000)
+    expect(table).to_contain_text("RUNNING")
+    expect(table.locator("tr.dtm-best")).to_have_count(1)
+    expect(plots.first.locator(".legendtext")).to_have_count(2)
+    release = root / "nb" / "release_sweep"
+    assert not release.exists()  # seen while the sweep runs
+    panel.scroll_into_view_if_needed()
+    page.screenshot(path=str(shot), full_page=True)
+    release.touch()
+    expect(plots).to_have_count(2, timeout=60_000)  # the end: parameters against the metric
+    expect(plots.nth(1)).to_contain_text("parameters against loss")
+    expect(table.locator("tbody tr", has_text="FINISHED")).to_have_count(2)
+    return time.monotonic() - started
 
 
 def _free_port() -> int:
@@ -348,12 +407,16 @@ def test_panel_and_charts_in_jupyterlab(chromium, jupyterlab):
                 expect(page.locator(".jp-OutputArea-output")).to_contain_text(["RunInterrupted"], timeout=20_000)
                 stopped_shot = out / "browser_stopped.png"
                 page.screenshot(path=str(stopped_shot), full_page=True)
+
+                # the sweep in the same kernel (run-all stopped at the interrupted cell): its panel while it runs
+                sweep_shot = out / "browser_sweep.png"
+                timings["sweep_s"] = _check_sweep_panel(page, root, 3, sweep_shot)
             finally:
                 context.close()
     finally:
         shutil.rmtree(profile, ignore_errors=True)
     timings["total_s"] = time.monotonic() - t0
-    for shot in (running_shot, finished_shot, stopped_shot):
+    for shot in (running_shot, finished_shot, stopped_shot, sweep_shot):
         assert shot.stat().st_size > 10_000
         print(f"screenshot: {shot}")
     print("browser test timings:", {k: round(v, 1) for k, v in timings.items()})
@@ -611,3 +674,4 @@ def test_saved_notebook_shows_its_final_charts_without_its_kernel(chromium, jupy
     print(f"screenshot: {shot}")
     print(f"saved notebook browser test: executed in {headless_notebook.executed_s:.1f} s (the fixture), "
           f"shown in {time.monotonic() - t0:.1f} s")
+

@@ -258,6 +258,22 @@ def pull_and_push(notebook: Notebook) -> None:
     assert isinstance(error, RankError) and "cannot be pickled" in str(error), error
 
 
+def a_cell_writes_an_output_the_notebook_reads(notebook: Notebook) -> None:
+    """``ctx.write`` in a ``%%ranks`` cell (docs/data.md, the way back): committed at the cell's end, bound by
+    ``--output`` and read in the notebook, every rank's rows once; a cell that fails after writing leaves nothing."""
+    notebook.ok("%%ranks --output preds=preds\nimport torch\nids = torch.arange(10) + 10 * ctx.rank\n"
+                "ctx.write('preds', {'id': ids, 'y': ids * 2.0});")
+    table = notebook.shell.user_ns["preds"].to_table()  # a pyarrow Dataset on local
+    assert sorted(table.column("id").to_pylist()) == list(range(20)), table
+    assert table.column("y").to_pylist() == [2.0 * i for i in table.column("id").to_pylist()]
+    outputs = os.path.dirname(os.path.dirname(notebook.session.outputs["preds"].path))
+    error = notebook.run("%%ranks\nctx.write('scratch', {'id': torch.arange(3)})\nif ctx.rank == 1:\n"
+                         "    raise ValueError('no')").error_in_exec
+    assert isinstance(error, RankError), error
+    left = [os.path.join(d, f) for d, _, files in os.walk(outputs) for f in files]
+    assert left and all("/preds/" in path for path in left), left  # the failed cell's parts are gone
+
+
 def a_rank_stuck_in_a_collective_is_named_and_a_restart_recovers(notebook: Notebook) -> str:
     """A collective on rank 0 alone: the interrupt cannot free it (it waits in gloo's native code for rank 1, which
     never joins); the cell says so and how to restart; rank 0 refuses cells until then (rank 1 still takes them);
@@ -348,7 +364,8 @@ def plan(backend: str) -> list[tuple[str, Callable[[Notebook], Any]]]:
               a_subset_cell_runs_only_there, a_failing_cell_is_reported_and_the_next_works,
               an_interrupt_stops_a_long_cell_everywhere, pull_and_push]
     extra = {
-        "local": [a_rank_stuck_in_a_collective_is_named_and_a_restart_recovers,
+        "local": [a_cell_writes_an_output_the_notebook_reads,
+                  a_rank_stuck_in_a_collective_is_named_and_a_restart_recovers,
                   stop_frees_the_ranks_and_ends_the_mlflow_run, an_idle_session_is_released,
                   an_fsdp_session_trains_like_an_fsdp_run],
         "spark": [],

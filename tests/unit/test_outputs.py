@@ -177,3 +177,29 @@ def test_with_ids_gives_each_row_its_position_in_the_source(tmp_path, shuffle):
     assert sorted(keyed) == ["key", "x"]
     with pytest.raises(ValueError, match="already has a column 'x'"):
         DataBatches(source, 0, 1, 8, with_ids="x")
+
+
+@pytest.mark.parametrize("world, tp, pp, writers", [(2, 1, 1, {0, 1}), (4, 2, 1, {0, 2}), (4, 1, 2, {2, 3}),
+                                                    (8, 2, 2, {4, 6}), (2, 2, 1, {0})])
+def test_one_rank_of_each_model_replica_writes_its_rows(world, tp, pp, writers):
+    """--tp/--pp: every rank of a replica sees the same batches; only the first shard of the last stage (which holds
+    the replica's output) writes, so each data-parallel rank's rows are written once."""
+    from types import SimpleNamespace
+
+    from dtrain_magic.worker.context import TrainContext
+
+    config = SimpleNamespace(tp=tp, pp=pp)
+    found = {rank for rank in range(world)
+             if TrainContext._writes_outputs(SimpleNamespace(config=config, world_size=world, rank=rank))}
+    assert found == writers and len(found) == world // (tp * pp)
+
+
+def test_a_run_stopped_early_discards_again_what_a_stopping_worker_wrote_meanwhile(tmp_path):
+    from dtrain_magic.driver.outputs import discard, discard_later
+
+    root = tmp_path / "dtrain_k" / "outputs"
+    write_rank(root, 0, range(0, 5))
+    discard(str(root))
+    write_rank(root, 1, range(5, 9))  # a worker still being stopped writes once more
+    discard_later(str(root), 0.05).join(5)
+    assert not (tmp_path / "dtrain_k").exists()

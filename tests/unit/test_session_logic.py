@@ -40,7 +40,9 @@ class Rank:
     def __init__(self, rank: int = 0):
         self.ours, theirs = Pipe()
         self.sent: "queue.Queue[ch.Message]" = queue.Queue()
-        self.session = RankSession(SimpleNamespace(rank=rank, flush_metrics=lambda: None), theirs, self.sent.put)
+        ctx = SimpleNamespace(rank=rank, flush_metrics=lambda: None, begin_outputs=lambda folder: None,
+                              seal_outputs=lambda why: "", abort_outputs=lambda why: None)  # a cell's ctx.write ends
+        self.session = RankSession(ctx, theirs, self.sent.put)
         self.next_id = 0
         self.thread: threading.Thread | None = None
 
