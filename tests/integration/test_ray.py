@@ -748,15 +748,14 @@ def test_ctx_data_reads_ray_trains_shards_and_the_object_store(shell, mlflow):
 
 def test_scored_rows_come_back_as_a_ray_dataset(shell):
     """``ctx.write`` on Ray (docs/data.md, the way back): ``--output preds=preds`` is a Ray Dataset read from the
-    committed parts (``ray.data.read_parquet``), every row of the input once, joined by ``with_ids``."""
-    import numpy as np
-    import pandas as pd
-
-    shell.user_ns["frame"] = pd.DataFrame({"x": np.arange(300, dtype=np.float32)})
-    cell = ('%%distribute --backend ray -n 2 --no-ui --data val=frame --output preds=preds\n'
+    committed parts (``ray.data.read_parquet``) with every rank's rows once. (No ``--data``: a run with it launches
+    afresh on Ray; the ids of ``with_ids`` are test_outputs_local's.)"""
+    cell = ('%%distribute --backend ray -n 2 --no-ui --output preds=preds\n'
+            'import torch\n'
             'def score(ctx):\n'
-            '    for batch in ctx.data("val", batch_size=64, with_ids=True):\n'
-            '        ctx.write("preds", {"id": batch["row_id"], "y": batch["x"] * 2})\n')
+            '    for start in range(0, 150, 64):\n'
+            '        ids = torch.arange(start, min(start + 64, 150)) + 150 * ctx.rank\n'
+            '        ctx.write("preds", {"id": ids, "y": ids * 2.0})\n')
     result = shell.run(cell)
     assert result.error_in_exec is None, result.error_in_exec
     preds = shell.user_ns["preds"]
