@@ -37,8 +37,10 @@ class DistributeMagics(Magics):
         namespace = self.shell.user_ns
         if args.sweep is not None:  # a run per trial of the space (docs/sweeps.md); the cell is captured once
             from ..sweep.entry import sweep_from_args
+            from .model_of_cell import model_of_cell
 
             return sweep_from_args(args, lambda: capture(cell, namespace, args.fn, self.shell)[0], namespace,
+                                   cell_model=lambda name: model_of_cell(cell, namespace, name),
                                    in_frontend=_in_frontend(self.shell))
         config = flags.config_from_args(args, in_frontend=_in_frontend(self.shell))
         prepared = runner.prepare(config, lambda: capture(cell, namespace, config.fn, self.shell)[0], namespace)

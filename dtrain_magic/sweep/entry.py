@@ -9,6 +9,8 @@ config from the same given values plus the trial's run options, resolved the sam
 
 from __future__ import annotations
 
+import inspect
+import textwrap
 from typing import Any, Callable, Mapping, MutableMapping
 
 from ..config import RunConfig, resolve_config
@@ -45,14 +47,17 @@ def sweep(fn: Callable[..., Any], space: str, /, *args: Any, trials: int | None 
     def make_config(trial_options: Mapping[str, Any]) -> RunConfig:
         return config_from_options({**config_values, "backend": config.backend, **trial_options})
 
-    return _run(config, make_config, settings, lambda: payload_of(fn, args, call_kwargs), None, data_objects)
+    return _run(config, make_config, settings, lambda: payload_of(fn, args, call_kwargs), None, data_objects,
+                lambda name: model_of_function(fn))
 
 
 def sweep_from_args(args: Any, make_payload: Callable[[], Payload],
-                    namespace: MutableMapping[str, Any] | None = None, **environment: Any) -> SweepResult | None:
+                    namespace: MutableMapping[str, Any] | None = None,
+                    cell_model: Callable[[str], Any] | None = None, **environment: Any) -> SweepResult | None:
     """A parsed ``%%distribute --sweep`` line (or ``python -m dtrain_magic sweep``'s arguments) → the sweep's result;
     ``make_payload``: the capture (run once); ``namespace``: the notebook's (``--data`` sources, ``--result NAME``
-    bound to the `SweepResult`, ``_distribute_result`` to the best trial's `RunResult`)."""
+    bound to the `SweepResult`, ``_distribute_result`` to the best trial's `RunResult`); ``cell_model(name)``: the
+    cell's model counted without training (`notebook.model_of_cell`), for the trials' memory check (`fits`)."""
     given = {row.field: getattr(args, row.field, row.default) for row in FLAGS if row.field is not None}
     settings = options_from({key: getattr(args, key, None) for key in KEYWORDS})
     config = resolve_config(given, **environment)
@@ -60,7 +65,7 @@ def sweep_from_args(args: Any, make_payload: Callable[[], Payload],
     def make_config(trial_options: Mapping[str, Any]) -> RunConfig:
         return resolve_config({**given, "backend": config.backend, **trial_options}, **environment)
 
-    result = _run(config, make_config, settings, make_payload, namespace, namespace)
+    result = _run(config, make_config, settings, make_payload, namespace, namespace, cell_model)
     if namespace is not None and result is not None:
         best = result.best
         if best is not None and best.result is not None:
@@ -72,10 +77,11 @@ def sweep_from_args(args: Any, make_payload: Callable[[], Payload],
 
 def _run(config: RunConfig, make_config: Callable[[Mapping[str, Any]], RunConfig], settings: SweepOptions,
          make_payload: Callable[[], Payload], namespace: MutableMapping[str, Any] | None,
-         sources: Mapping[str, Any] | None) -> SweepResult | None:
+         sources: Mapping[str, Any] | None, model: Callable[[str], Any] | None = None) -> SweepResult | None:
     space = parse_space(settings.space)  # before the capture: a bad space runs nothing
     base = runner.prepare(config, make_payload, None, sources)
-    sweep_run = Sweep(base, make_config, space, settings, sources)
+    cell_model = (lambda: model(base.payload.name)) if model is not None else None
+    sweep_run = Sweep(base, make_config, space, settings, sources, cell_model=cell_model)
     if config.dry_run:
         print(base.dry_run_text())
         trials = settings.trials or space.size or "?"
@@ -83,3 +89,19 @@ def _run(config: RunConfig, make_config: Callable[[Mapping[str, Any]], RunConfig
               f"{settings.metric} --mode {settings.mode}; every combination of its run options checked")
         return None
     return sweep_run.run()
+
+
+def model_of_function(fn: Callable[..., Any]) -> Any:
+    """The model ``fn`` prepares, counted without training as a cell's is (`notebook.model_of_cell` on its source,
+    with the names it refers to); None when its source cannot be read."""
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):  # a builtin, or defined where no source is kept
+        return None
+    from ..notebook.model_of_cell import model_of_cell
+
+    try:
+        names = {**getattr(fn, "__globals__", {}), **inspect.getclosurevars(fn).nonlocals}  # what it refers to
+    except TypeError:  # not a Python function
+        return None
+    return model_of_cell(source, names, getattr(fn, "__name__", None))

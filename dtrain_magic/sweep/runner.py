@@ -20,14 +20,15 @@ from typing import Any, Callable, Mapping, TextIO
 from ..config import RunConfig
 from ..driver import runner
 from ..driver.step_stop import StepStop
-from ..errors import ConfigError, DistributeError, RunInterrupted, summary
+from ..errors import ConfigError, DistributeError, RunInterrupted, log_dropped, summary
 from .board import SweepBoard
+from .fits import skip_reason
 from .options import SweepOptions
 from .parent import ParentRun
 from .result import RUN_ID_ATTR, SweepResult
 from .space import Space
 from .study import counted, mark_interrupted, open_study, resume
-from .trial import FAILED, FINISHED, INTERRUPTED, PRUNED, Outcome, run_trial
+from .trial import FAILED, FINISHED, INTERRUPTED, PRUNED, SKIPPED, Outcome, run_trial
 
 _JOIN_AFTER_INTERRUPT_S = 1.5  # a stopped run gives its thread back within about a second (runner.STOP_WAIT_S)
 
@@ -48,9 +49,11 @@ class Sweep:
     validated as the entry point resolves its own; ``sources``: where ``--data`` sources are found (`prepare`'s)."""
 
     def __init__(self, base: Any, make_config: Callable[[Mapping[str, Any]], RunConfig], space: Space,
-                 options: SweepOptions, sources: Mapping[str, Any] | None = None, out: TextIO | None = None):
+                 options: SweepOptions, sources: Mapping[str, Any] | None = None, out: TextIO | None = None,
+                 cell_model: Callable[[], Any] | None = None):
         self.base, self.make_config, self.space, self.options = base, make_config, space, options
         self.sources, self._out = sources, out
+        self._cell_model, self._model_lock = cell_model, threading.Lock()  # the model, counted once when first asked
         self._prepared: dict[tuple, Any] = {(): base}
         self._prepare_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -226,15 +229,30 @@ class Sweep:
             prepared = self._prepare(options)
         except DistributeError as exc:
             return Outcome(FAILED, error=str(exc).splitlines()[0])
+        skipped = skip_reason(self._model(), prepared.config, self.base.plan.launcher.name == "local")
+        if skipped is not None:
+            return Outcome(SKIPPED, error=skipped)
         label = f"trial {trial.number + 1}/{self.total}"
         return run_trial(prepared, trial, params, self.parent.run_id, self.options.metric, label, stop, self._out,
                          on_value=lambda step, value: self.board.trial_value(trial.number, step, value))
 
+    def _model(self) -> Any:
+        """The cell's model counted without training (`memory.CellModel`), once; None when there is no way to."""
+        with self._model_lock:
+            if callable(self._cell_model):
+                try:
+                    self._cell_model = self._cell_model()
+                except Exception as exc:  # counting is a nicety: the trials launch as they would without it
+                    log_dropped(__name__, "the cell's model", exc)
+                    self._cell_model = None
+            return self._cell_model
+
     def _tell(self, trial: Any, outcome: Outcome) -> None:
         from optuna.trial import TrialState
 
+        skipped = outcome.state == SKIPPED
         for key, value in ((RUN_ID_ATTR, outcome.run_id), ("pruned_at_step", outcome.pruned_at),
-                           ("stopped_at_step", outcome.stopped_at), ("error", outcome.error),
+                           ("stopped_at_step", outcome.stopped_at), ("skipped" if skipped else "error", outcome.error),
                            ("steps", outcome.steps)):
             if value is not None:
                 trial.set_user_attr(key, value)
@@ -250,7 +268,7 @@ class Sweep:
                 self.failures.append(f"trial {trial.number + 1}: {outcome.error}")
         note = f"at step {outcome.pruned_at}" if outcome.state == PRUNED else (outcome.error or "")
         self.board.trial_ended(trial.number, outcome.state, outcome.value if outcome.state == FINISHED else None,
-                               outcome.seconds, note[:120])
+                               outcome.seconds, note[:200])
         print(self._line(trial, outcome), file=self.out, flush=True)
         if len(self.failures) >= self.options.max_failed_trials:
             self._stop_all()

@@ -21,11 +21,13 @@ from ..driver.step_stop import StepStop
 from ..errors import DistributeError, RunInterrupted, RunStopped, summary
 
 FINISHED, PRUNED, FAILED, INTERRUPTED = "FINISHED", "PRUNED", "FAILED", "INTERRUPTED"
+SKIPPED = "SKIPPED"  # not launched: its memory estimate exceeds the device's (`fits`); told FAIL, not a failure
 
 
 @dataclass
 class Outcome:
-    """How a trial ended. ``state``: FINISHED, PRUNED, FAILED, or INTERRUPTED (the sweep was stopped)."""
+    """How a trial ended. ``state``: FINISHED, PRUNED, FAILED, SKIPPED (not launched: ``error`` says why), or
+    INTERRUPTED (the sweep was stopped)."""
 
     state: str
     value: float | None = None

@@ -14,9 +14,9 @@ from dtrain_magic.sweep import entry
 def captured(monkeypatch):
     seen = {}
 
-    def fake_run(config, make_config, settings, make_payload, namespace, sources):
+    def fake_run(config, make_config, settings, make_payload, namespace, sources, model=None):
         seen.update(config=config, make_config=make_config, settings=settings, make_payload=make_payload,
-                    sources=sources)
+                    sources=sources, model=model)
         return None
 
     monkeypatch.setattr(entry, "_run", fake_run)
@@ -83,6 +83,18 @@ def test_the_command_line_has_a_sweep_command_and_run_takes_no_sweep_flag(captur
 
 def test_the_magic_sends_a_sweep_line_to_the_sweep(captured, shell):
     cell = shell.run('%%distribute --no-ui -n 1 --cpu --sweep "lr=grid(1,2)" --metric loss\n'
-                     "def train(ctx):\n    pass\n")
+                     "import torch\n"
+                     "def train(ctx):\n    model, opt = ctx.prepare(torch.nn.Linear(3, 2), None)\n")
     assert cell.error_in_exec is None
     assert captured["settings"].space == "lr=grid(1,2)" and captured["make_payload"]().name == "train"
+    assert captured["model"]("train").num_params == 8  # the cell's model, counted for the trials' memory check
+
+
+def test_a_python_sweep_counts_its_functions_model_for_the_memory_check(captured):
+    import torch
+
+    def train(ctx):
+        model, opt = ctx.prepare(torch.nn.Linear(4, 4), None)
+
+    entry.sweep(train, "lr=grid(1)", metric="loss", num_processes=1, cpu=True)
+    assert captured["model"]("train").num_params == 20

@@ -341,3 +341,32 @@ def test_a_trial_the_sweep_itself_cannot_run_is_failed_and_said_not_left_running
     result = s.run()
     assert set(result.trials["state"]) == {"FAIL"}
     assert out.getvalue().count("the sweep could not run it: TypeError: an unexpected keyword") == 2
+
+
+def test_a_trial_whose_memory_estimate_exceeds_the_device_is_skipped_with_the_reason_not_launched(monkeypatch):
+    from dtrain_magic.strategies import memory
+
+    made = {}
+
+    def prepare(config, make_payload, namespace=None, sources=None):
+        made[config.strategy] = FakeRun(FakePlan(config, base.plan.launcher), quadratic, 2, payload=make_payload())
+        return made[config.strategy]
+
+    # a billion parameters on 4 processes: ddp keeps 14.9 GiB of states per process, fsdp 3.7 GiB; 8 GiB each here
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda device=None, per=1: (32 << 30) // per)
+    monkeypatch.setattr(sweep_runner.runner, "prepare", prepare)
+    base = FakeRun(FakePlan(RunConfig(num_processes=4), FakeLauncher()), quadratic, 2)
+    base.plan.launcher.name = "local"  # the ranks run on this machine: its memory is theirs
+    model = memory.CellModel(10**9, "a fake billion-parameter model")
+    out = io.StringIO()
+    s = Sweep(base, lambda o: base.config.replace(**o), parse_space("strategy=grid(ddp,fsdp) lr=grid(0.01)"),
+              SweepOptions(space="", metric="loss", max_failed_trials=1), out=out, cell_model=lambda: model)
+    result = s.run()
+    frame = result.trials.set_index("params_strategy")
+    assert frame.loc["fsdp", "state"] == "COMPLETE" and frame.loc["ddp", "state"] == "FAIL"
+    reason = frame.loc["ddp", "user_attrs_skipped"]
+    assert reason.startswith("not launched: its memory estimate (ddp, fp32, 4 processes, 1,000,000,000 parameters) "
+                             "is 14.9 GiB per process, more than this machine's memory over 4 process(es) (8.0 GiB)")
+    assert [event for event, _, _ in made["fsdp"].log] == ["start", "end"] and made["ddp"].log == []  # not launched
+    assert "SKIPPED" in out.getvalue() and s.failures == []  # no failure: --max-failed-trials 1 did not stop it
+    assert sorted(r["status"].split(" (")[0] for r in s.board.rows()) == ["FINISHED", "SKIPPED"]
