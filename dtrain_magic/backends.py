@@ -14,6 +14,7 @@ import logging
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from .errors import ConfigError
+from .flagtable import DEFAULT_PREEMPT_GRACE_S
 from .registry import BACKENDS
 
 if TYPE_CHECKING:
@@ -42,6 +43,10 @@ class Backend:
     #: the workers are Ray Train's: a Ray Train loop (``ray.train.report``, ``get_context``...) runs in them
     #: unchanged, and a Ray Dataset reaches them as Ray Train's shards (``TorchTrainer(datasets=...)``), no file
     ray_train: ClassVar[bool] = False
+    #: relaunches a run that lost workers on the survivors, through the same launcher (``--elastic MIN:MAX``)
+    elastic: ClassVar[bool] = False
+    #: a SIGTERM to a worker makes every rank checkpoint at the next step boundary (``--preempt-grace S``)
+    preemption_notice: ClassVar[bool] = False
     #: the workers are in the notebook's Ray job: an in-memory source reaches them through Ray's object store
     #: (``ray.put`` once), not as a file written on this machine
     object_store: ClassVar[bool] = False
@@ -60,6 +65,14 @@ class Backend:
             raise ConfigError("--resume", f"--backend {cls.name} cannot resume a run in a new kernel yet (its "
                                           "checkpoints are its own); use --backend "
                                           f"{backends_that('resumes_runs')}")
+        if config.elastic is not None and not cls.elastic:
+            raise ConfigError("--elastic", f"--backend {cls.name} cannot continue a run on fewer workers yet; use "
+                                           f"--backend {backends_that('elastic')}, or --max-restarts N (restarts "
+                                           "with the same number of workers)")
+        if config.preempt_grace != DEFAULT_PREEMPT_GRACE_S and not cls.preemption_notice:
+            raise ConfigError("--preempt-grace", f"--backend {cls.name} does not act on a preemption notice yet "
+                                                 f"(a SIGTERM stops its workers); --backend "
+                                                 f"{backends_that('preemption_notice')} does")
         if config.storage is not None and "://" in config.storage and not cls.storage_urls:
             raise ConfigError(
                 "--storage",
@@ -80,6 +93,8 @@ class Local(Backend):
 
     name = "local"
     restarts_workers = True  # --max-restarts: the whole group again, resuming from the run's checkpoints
+    elastic = True  # --elastic: the survivors relaunched by the same fork server
+    preemption_notice = True  # the workers are this machine's processes: their SIGTERM handler is the worker's
     resumes_runs = True  # --resume: ctx.load_checkpoint() reads the run's checkpoint root, whichever kernel
 
 

@@ -20,8 +20,10 @@ from urllib.parse import urlsplit, urlunsplit
 from .batch_arithmetic import check_batch_arithmetic
 from .dataspec import normalize as normalize_data
 from .dataspec import normalize_outputs
+from .elastic import parse_elastic
 from .errors import ConfigError, log_dropped
-from .flagtable import BY_FIELD, DEFAULT_EXPERIMENT, DEFAULT_HANG_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, FLAGS, SWITCH
+from .flagtable import (BY_FIELD, DEFAULT_EXPERIMENT, DEFAULT_HANG_TIMEOUT_S, DEFAULT_PREEMPT_GRACE_S,
+                        DEFAULT_STALL_TIMEOUT_S, FLAGS, SWITCH)
 from .registry import BACKENDS, STRATEGIES
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -76,6 +78,11 @@ class RunConfig:
     # --resume: RESUME_LATEST (this cell's last unfinished run) or an MLflow run id; None: a fresh run
     resume: str | None = None
     storage: str | None = None
+    # Checkpoints, preemption, elasticity (docs/reliability.md): numbered checkpoints kept (None: all), seconds a
+    # SIGTERMed rank has to reach a step boundary and checkpoint with every rank (0: off), "MIN:MAX" workers
+    keep_checkpoints: int | None = None
+    preempt_grace: float = DEFAULT_PREEMPT_GRACE_S
+    elastic: str | None = None
     # Warm re-runs (Spark, Ray): how long the next run's workers may wait for it (None: the backend's default)
     keep_warm: float | None = None
     # DeepSpeed / batch arithmetic
@@ -125,6 +132,7 @@ class RunConfig:
             raise ConfigError("--hang-timeout",
                               f"got {self.hang_timeout!r}; must be a number of seconds >= 0 (0: never)")
         self._check_stall_watch()
+        self._check_reliability()
         if self.keep_warm is not None and (isinstance(self.keep_warm, bool)
                                            or not isinstance(self.keep_warm, (int, float))
                                            or not self.keep_warm >= 0):
@@ -162,6 +170,33 @@ class RunConfig:
             raise ConfigError("--on-stall", "fail needs the stall watch, which --stall-timeout 0 (off) turns off: "
                                             f"drop --stall-timeout 0 (the default is {DEFAULT_STALL_TIMEOUT_S:g} s), "
                                             "or drop --on-stall")
+
+    def _check_reliability(self) -> None:
+        """``--keep-checkpoints`` >= 1, ``--preempt-grace`` seconds >= 0, ``--elastic MIN:MAX`` around ``-n``."""
+        if self.keep_checkpoints is not None:
+            _positive_int("--keep-checkpoints", self.keep_checkpoints)
+        grace = self.preempt_grace
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
+            raise ConfigError("--preempt-grace", f"got {grace!r}; must be a number of seconds >= 0 (0: a SIGTERM "
+                                                 "stops a worker at once, as without the notice)")
+        bounds = parse_elastic(self.elastic)
+        if bounds is None:
+            return
+        object.__setattr__(self, "elastic", f"{bounds[0]}:{bounds[1]}")
+        if not bounds[0] <= self.num_processes <= bounds[1]:
+            raise ConfigError("--elastic", f"{self.elastic} does not hold -n {self.num_processes}: the run starts on "
+                                           f"-n workers, so MIN <= -n <= MAX; use -n {bounds[1]} or widen the range")
+        refusal = STRATEGIES.facts(self.strategy).elastic_refusal
+        if refusal:
+            raise ConfigError("--elastic", f"is not supported with --strategy {self.strategy}: {refusal}")
+        if self.tp > 1 or self.pp > 1:
+            raise ConfigError("--elastic", "is not supported with --tp/--pp yet (a resize must keep whole model "
+                                           "replicas); drop --elastic or --tp/--pp")
+
+    @property
+    def elastic_bounds(self) -> tuple[int, int] | None:
+        """``--elastic MIN:MAX`` as numbers (None without it)."""
+        return parse_elastic(self.elastic)
 
     def _check_owned_fields(self) -> None:
         """A flag that belongs to one backend or strategy (its class's ``own_fields``) is an error with another."""

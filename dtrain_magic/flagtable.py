@@ -51,6 +51,7 @@ OFFLOAD = ("none", "optimizer", "params")
 ON_STALL = ("report", "fail")
 DEFAULT_HANG_TIMEOUT_S = 15.0
 DEFAULT_STALL_TIMEOUT_S = 120.0
+DEFAULT_PREEMPT_GRACE_S = 30.0
 OFF_WORDS = ("off", "never", "none")  # what ``--stall-timeout`` takes for "never", besides 0
 DEFAULT_EXPERIMENT = "dtrain_magic"
 RESUME_LATEST = "latest"  # --resume alone: this cell's last unfinished run
@@ -72,6 +73,7 @@ CELL = "The cell"
 TRACKING = "Tracking and display"
 SPARK = "Spark (TorchDistributor)"
 RAY = "Ray (TorchTrainer)"
+RELIABILITY = "Checkpoints, preemption, elasticity (docs/reliability.md)"
 DEEPSPEED = "DeepSpeed and batch arithmetic"
 MODEL_PARALLEL = "Model parallelism"
 BIG_MODELS = "Big-model knobs (docs/big-models.md)"
@@ -432,6 +434,27 @@ FLAGS: tuple[Flag, ...] = (
              "its newest complete checkpoint in `--storage`, into the same MLflow run, after the kernel died or was "
              "restarted; none (or no checkpoint): a fresh run, said in the cell "
              "(see [resume](reliability.md#resume-in-a-new-kernel---resume))", default_doc="off"),
+    # -- checkpoints, preemption, elasticity (docs/reliability.md) ------------------------------------------
+    Flag(("--keep-checkpoints",), "keep_checkpoints", RELIABILITY, type=int, default=None, placeholder="K",
+         help="keep only the newest K numbered checkpoints of ctx.save_checkpoint() (older ones removed once a newer "
+              "one is complete; None means all)",
+         doc="keep only the newest K numbered checkpoints (older ones removed once a newer one is complete)",
+         default_doc="all"),
+    Flag(("--preempt-grace",), "preempt_grace", RELIABILITY, type=seconds, default=DEFAULT_PREEMPT_GRACE_S,
+         placeholder="S",
+         help="local: a SIGTERM to a worker (a preemption notice) makes every rank checkpoint at the next step "
+              "boundary, within S seconds, then the run restarts from it when it may restart; 0: a SIGTERM stops it",
+         doc="local: a SIGTERM to a worker (the cloud's preemption notice) makes every rank checkpoint at the next "
+             "optimizer step boundary within S seconds, then the run restarts (`--max-restarts`) or shrinks "
+             "(`--elastic`) from it: no step lost; `0`: a SIGTERM stops the worker at once "
+             "(see [preemption](reliability.md#preemption-notice))"),
+    Flag(("--elastic",), "elastic", RELIABILITY, type=str, default=None, placeholder="MIN:MAX",
+         help="local: a run that loses workers continues from its last checkpoint on the survivors if at least MIN "
+              "remain (global batch kept through gradient accumulation); later restarts grow it back toward MAX",
+         doc="local: a run that loses workers continues from its last checkpoint on the survivors if at least MIN "
+             "remain, the global batch kept by recomputing gradient accumulation and `ctx.data` re-split from the "
+             "checkpoint's sample position; later restarts grow it back toward MAX "
+             "(see [elastic runs](reliability.md#elastic-runs---elastic-minmax))", default_doc="off"),
     # -- DeepSpeed -------------------------------------------------------------------------------------
     # JSON text nearly always has spaces or quotes that a reader would trip over: always quoted on a line.
     Flag(("--deepspeed-config",), "deepspeed_config", DEEPSPEED, default=None, quote_always=True,

@@ -26,6 +26,7 @@ from ..errors import RunHung, RunInterrupted, RunStalled, RunStopped, RunTimeout
 from ..tracking import RunOpening, RunTracker
 from .observer import RunObserver
 from .perf import Throughput
+from .resizes import ResizeLog
 from .stacks import StackCollector, merge_ended, rank_stack, render_all, whereabouts
 from .step_stop import StepStop, StopPlan
 from .watch import Watch
@@ -89,6 +90,7 @@ class Pump:
         self.perf = Throughput(config.num_processes, config.tp * config.pp)
         self.collector = StackCollector(self.labels)
         self.outputs = RankOutputs()
+        self.resizes = ResizeLog(config.num_processes)  # world size and steps lost over restarts (--elastic)
         self.data_read: set[str] = set()  # the --data names rank 0 read batches of (ctx.data), to name the unread
         self.artifacts: dict[str, str] = {}  # MLflow artifacts waiting for the run (stacks), path → text
         self.thinned = 0  # metric values the workers left out (a loop logging faster than MLflow takes)
@@ -190,6 +192,7 @@ class Pump:
                 self.handle(message)
                 message = self.channel.get(timeout=0) if self.channel.pending() else None
             state = running.poll()
+            self.resizes.launched(state.world_size)  # --elastic: the results to wait for
             if state.restarted:
                 self._restarted(state)
                 first_error_at = None
@@ -343,7 +346,7 @@ class Pump:
 
     def _all_results(self) -> bool:
         """Every rank returned, or stopped at the step asked (`StepStop`)."""
-        return len(self.results) + len(self.stop_plan.stopped_ranks) >= self.config.num_processes
+        return len(self.results) + len(self.stop_plan.stopped_ranks) >= self.resizes.world
 
     def drain(self) -> None:
         self.channel.wait_readers(timeout=2.0)
@@ -364,6 +367,7 @@ class Pump:
                     self._metric(step, metrics, stamp)
             case ch.Pulse():
                 self.watch.pulse(message, now)
+                self.resizes.pulse(message.steps)
                 self.perf.pulse(message)
                 self.stop_plan.pulse(message.rank, message.steps, now)
             case ch.Stopped():
@@ -404,6 +408,7 @@ class Pump:
                 self.observer.status(message.rank, "starting", message.host)
 
     def _metric(self, step: int, metrics: dict, stamp: int) -> None:
+        metrics = self.resizes.metrics(metrics)  # a resume's: the steps its restart lost added
         self.last_step = max(self.last_step, step)
         if self.first_metric_s is None:  # when the worker logged it: the loop may have started later
             self.first_metric_s = stamp / 1000 - self.t0_wall if stamp else time.monotonic() - self.t0
@@ -430,7 +435,7 @@ class Pump:
             step = max(stopped.values())
             ranks = ", ".join(f"rank {rank} after {at}" for rank, at in sorted(stopped.items()))
             raise RunStopped(f"the run was stopped at a step, as asked (step {self.stop_plan.target}): {ranks}", step)
-        world = self.config.num_processes
+        world = self.resizes.world  # the last attempt's ranks (--elastic may have changed them)
         missing = [rank for rank in range(world) if rank not in self.results]
         if missing:
             raise WorkerError(missing[0], "the worker ended without returning a result (see its output above)")

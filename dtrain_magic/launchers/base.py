@@ -79,6 +79,8 @@ class LaunchState:
     # True once, on the poll right after the launcher restarted every worker itself (local --max-restarts):
     # the runner forgets the failed attempt's results and errors.
     restarted: bool = False
+    # With ``restarted``: the new attempt's number of workers (it may differ under ``--elastic``); None: unknown.
+    world_size: int | None = None
     # With ``restarted``: what was restarted and why, in the launcher's words (the MLflow run keeps it as a tag).
     restart_note: str = ""
 

@@ -48,6 +48,7 @@ from .base import (
     import_time_environment,
     loopback_interface,
 )
+from ..worker.preempt import STOP_FILE_ENV
 from .forkserver import ForkedProcess, ForkServer
 
 _GRACE_S = 3.0
@@ -144,6 +145,16 @@ class WorkerPool:
             server.shutdown()
 
 
+def _room(config: RunConfig) -> int:
+    """How many workers this machine takes for ``config``: its GPUs with ``--gpu``, else the processes per core
+    `LocalLauncher.check` allows (the capacity an ``--elastic`` run grows back to)."""
+    if config.use_gpu:
+        import torch
+
+        return torch.cuda.device_count()
+    return _MAX_PROCESSES_PER_CORE * (os.cpu_count() or 1)
+
+
 def _stop(proc: ForkedProcess) -> None:
     for stream in (proc.stdout, proc.stderr):
         try:
@@ -161,7 +172,10 @@ def _stop(proc: ForkedProcess) -> None:
 class LocalJob(RunningJob):
     """The N processes of one run. With ``--max-restarts N``, a failed group is stopped and started
     again up to N times (as torch elastic's agent does: every rank restarts, from the last checkpoint
-    the function saved with ``ctx.save_checkpoint()``)."""
+    the function saved with ``ctx.save_checkpoint()``). With ``--elastic MIN:MAX``, a group that lost
+    workers (killed by a signal) is started again on the survivors, from the same checkpoint, while at least
+    MIN remain (no restart used); a later restart grows it back to MAX (`dtrain_magic.elastic`). A group whose
+    ranks all checkpointed for a preemption notice (`worker.preempt`) is restarted from that checkpoint."""
 
     early_release = True
 
@@ -176,19 +190,29 @@ class LocalJob(RunningJob):
         self._attempt = 0
         if job.checkpoint_root is None:  # a job not from the runner: ctx.save_checkpoint() still has a place
             job = dataclasses.replace(job, checkpoint_root=os.path.join(run_dir, "checkpoints"))
+        self._base_job = self._job = job  # the run as asked, and as the current attempt runs it (--elastic)
+        self.world_sizes: list[int] = [self._num_processes]  # one per attempt: the MLflow run's world size
         self._job_file = os.path.join(run_dir, "job.pkl")
-        fd = os.open(self._job_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as handle:
-            cloudpickle.dump(job, handle)
+        self._write_job(job)
         self.processes: list[ForkedProcess] = []
         self._pumps: list[threading.Thread] = []
         self._launch()
+
+    def _write_job(self, job: WorkerJob) -> None:
+        fd = os.open(self._job_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            cloudpickle.dump(job, handle)
 
     def _launch(self) -> None:
         n = self._num_processes
         store_file = os.path.join(self._run_dir, f"rendezvous_{self._attempt}")
         port = free_port()  # MASTER_PORT for user code that reads it; the rendezvous itself is the file
         envs = [worker_environment(rank, n, port, _threads(n), store_file) for rank in range(n)]
+        stop_file = os.path.join(self._run_dir, "stopping")  # created before the launcher's own SIGTERMs
+        if os.path.exists(stop_file):
+            os.unlink(stop_file)  # a new attempt: a SIGTERM is a preemption notice again
+        for env in envs:
+            env[STOP_FILE_ENV] = stop_file
         server = self._pool.server()
         processes: list[ForkedProcess] = []
         try:
@@ -231,26 +255,79 @@ class LocalJob(RunningJob):
             Failure(rank, proc.error or describe_exit(code))
             for rank, (proc, code) in enumerate(zip(self.processes, codes, strict=True)) if code not in (None, 0)
         ]
-        if failures and self._restarts_left > 0 and not self._cancelled:
-            self._restart(failures[0])
-            return LaunchState(False, [], errors_final=False, restarted=True)
+        if failures and not self._cancelled:
+            world = self._next_world(codes)
+            if world is not None:
+                self._restart(failures[0], codes, world)
+                return LaunchState(False, [], errors_final=False, restarted=True, world_size=world)
         finished = all(code is not None for code in codes)
         if finished:
             for pump in self._pumps:
                 pump.join(2)
             self._cleanup()
-        return LaunchState(finished, failures, errors_final=self._restarts_left == 0)
+        return LaunchState(finished, failures, errors_final=self._restarts_left == 0 and not self._may_shrink())
 
-    def _restart(self, failure: Failure) -> None:
-        self._restarts_left -= 1
+    def _may_shrink(self) -> bool:
+        bounds = self._job.config.elastic_bounds
+        return bounds is not None and self._num_processes > bounds[0]
+
+    def _next_world(self, codes: list[int | None]) -> int | None:
+        """The world of the relaunch these exit codes call for, or None (the run fails): the survivors when
+        workers were lost to a signal under ``--elastic`` (no restart used); else, with a restart left, the same
+        world, or under ``--elastic`` as many as this machine has room for up to MAX (growing back)."""
+        from ..elastic import grown_world, survivors_world
+
+        bounds = self._job.config.elastic_bounds
+        lost = sum(1 for code in codes if code is not None and code < 0)
+        if bounds is not None and lost:
+            survivors = survivors_world(self._num_processes, lost, bounds)
+            if survivors is not None and survivors < self._num_processes:
+                return survivors
+        if self._restarts_left <= 0:
+            return None
+        if bounds is None:
+            return self._num_processes
+        return grown_world(self._num_processes, bounds, _room(self._job.config))
+
+    def _restart(self, failure: Failure, codes: list[int | None], world: int) -> None:
+        from ..worker.preempt import PREEMPTED_EXIT
+
+        preempted = all(code in (None, 0, PREEMPTED_EXIT) for code in codes)
+        shrink = world < self._num_processes
+        if not shrink:
+            self._restarts_left -= 1
         self._attempt += 1
-        self._emit(Output(None, "stderr",
-                          f"dtrain_magic: rank {failure.rank} failed ({failure.reason}); restarting every worker "
-                          f"(restart {self._attempt}, {self._restarts_left} left)\n"))
+        why = ("every rank checkpointed for a preemption notice (SIGTERM)" if preempted
+               else f"rank {failure.rank} failed ({failure.reason})")
+        what = (f"continuing on the {world} survivor(s) (--elastic {self._job.config.elastic})" if shrink
+                else f"restarting every worker (restart {self._attempt}, {self._restarts_left} left)")
+        self._emit(Output(None, "stderr", f"dtrain_magic: {why}; {what}\n"))
         self._stop_all()
+        if world != self._num_processes:
+            self._resize(world)
+        self.world_sizes.append(world)
         self._launch()
 
+    def _resize(self, world: int) -> None:
+        """The next attempt's job on ``world`` ranks: the accumulation that keeps the run's global batch, and the
+        learning-rate factor where it cannot (said in the cell)."""
+        from ..elastic import recompute
+
+        base, current = self._base_job.config, self._job.config
+        resize = recompute(base.num_processes, world, base.grad_accum)
+        resize = dataclasses.replace(resize, old=self._num_processes, old_accum=current.grad_accum)
+        train_batch = None if base.train_batch is None else (base.micro_batch or 0) * resize.accum * world or None
+        config = dataclasses.replace(current, num_processes=world, grad_accum=resize.accum, train_batch=train_batch)
+        self._job = dataclasses.replace(self._base_job, config=config, lr_scale=resize.lr_scale)
+        self._num_processes = world
+        self.last_resize = resize
+        self._emit(Output(None, "stderr", resize.note()))
+        self._job_file = os.path.join(self._run_dir, f"job_{self._attempt}.pkl")
+        self._write_job(self._job)
+
     def _stop_all(self) -> None:
+        if os.path.isdir(self._run_dir):  # this SIGTERM is a stop, not a preemption notice (`worker.preempt`)
+            open(os.path.join(self._run_dir, "stopping"), "w").close()
         alive = [p for p in self.processes if p.poll() is None]
         for proc in alive:
             proc.signal_group(signal.SIGTERM)

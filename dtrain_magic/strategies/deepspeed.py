@@ -263,6 +263,9 @@ class DeepSpeedStrategy(Strategy):
         "DeepSpeed's own tensor/pipeline engines need models written for them. Use --strategy fsdp with it (FSDP "
         "over the data-parallel ranks, ZeRO-3-like) or --strategy ddp"
     )
+    elastic_refusal = ("DeepSpeed's checkpoints load only on the world size that wrote them (its universal "
+                       "checkpoints are not used yet); use --strategy fsdp (resharded by torch.distributed.checkpoint) "
+                       "or ddp with --elastic")
 
     @classmethod
     def validate(cls, config: RunConfig) -> None:

@@ -69,6 +69,10 @@ def shard_loader(loader: DataLoader, rank: int, world_size: int, seed: int = 0) 
     )
 
 
+RUN_STATE_KEY = "dtrain_magic.run"  # the run's own state in a checkpoint's client_state (`TrainContext._run_state`)
+RESUMED_METRIC = "resumed_at_step"  # rank 0's metric on resuming: the run's ctx.step() calls the checkpoint holds
+
+
 def _metric_value(key: Any, value: Any) -> float:
     """A ``ctx.log`` value as a float (a tensor's mean), or a TypeError naming the metric."""
     if isinstance(value, torch.Tensor):
@@ -100,6 +104,8 @@ class TrainContext:
         data: Sequence[Any] = (),
         params: Mapping[str, Any] | None = None,
         outputs_root: str | None = None,
+        lr_scale: float = 1.0,
+        preemption: Any = None,
     ):
         self.config = config
         self.strategy = strategy
@@ -116,6 +122,10 @@ class TrainContext:
         self._data_sources = tuple(data)  # `dtrain_magic.data.blocks.StagedSource`s: what --data gave this run
         self._data_positions: Any = None  # `dtrain_magic.data.reader.DataPositions`, once ctx.data made a reader
         self._params = MappingProxyType(dict(params or {}))
+        self._steps = 0  # ctx.step() calls over the run (restored by load_checkpoint): the preemption checkpoint's step
+        self._last_state: dict[str, Any] = {}  # the client_state of the last save: the preemption checkpoint keeps it
+        self._lr_scale = lr_scale  # --elastic: the learning-rate factor of this world size (`elastic.Resize`)
+        self._preemption = preemption  # `preempt.PreemptionNotice`, or None
         self._outputs_root = outputs_root  # where ctx.write's parts go (`dtrain_magic.data.outputs.outputs_root`)
         self._outputs_base = outputs_root  # the run's; a session's cells each write below it (`begin_outputs`)
         self._writer: Any = None  # `dtrain_magic.data.outputs.OutputWriter`, made by the first ctx.write
@@ -294,6 +304,8 @@ class TrainContext:
                                                                inputs if isinstance(inputs, dict) else {}))
             self._pulse.step()
         loss = self.strategy.train_step(inputs, targets, loss_fn)
+        micro = getattr(self.strategy, "micro_step", None)  # DeepSpeed keeps its own: every call counts
+        self._after_step(micro is None or micro % self.strategy.accumulation == 0)
         if self._pulse is not None:
             self._pulse.check_stop()  # the step the notebook asked every rank to stop after: raises StopAtStep
         return loss
@@ -315,9 +327,21 @@ class TrainContext:
         if self._pulse is not None:
             self._pulse.step()
         stepped = self.strategy.step()
+        self._after_step(stepped)
         if self._pulse is not None:
             self._pulse.check_stop()
         return stepped
+
+    def _after_step(self, stepped: bool) -> None:
+        """Count the step; at an optimizer step boundary, act on a preemption notice every rank agreed on."""
+        self._steps += 1
+        if stepped and self._preemption is not None and self._preemption.agreed():
+            from .preempt import Preempted
+
+            self.save_checkpoint(**{**self._last_state, "step": self._steps - 1})
+            self._preemption.close()
+            raise Preempted(f"preempted (SIGTERM): every rank checkpointed after step {self._steps - 1} "
+                            f"(ctx.step() call {self._steps} of the run); the run continues from it when restarted")
 
     @property
     def grad_norm(self) -> float | None:
@@ -421,11 +445,16 @@ class TrainContext:
     def save_checkpoint(self, directory: str | None = None, **client_state: Any) -> None:
         """Save model, optimizer and ``client_state`` through the strategy (every rank must call it)."""
         self._require_prepared("save_checkpoint")
+        from .checkpoints import save_rng
+
         directory = self._checkpoint_dir(directory)
+        self._last_state = {k: v for k, v in client_state.items() if k != "step"}
         if self._data_positions is not None:  # where each ctx.data loader is, to resume there
             client_state = self._data_positions.client_state(client_state)
+        client_state = {**client_state, RUN_STATE_KEY: self._run_state()}
         self.strategy.save_checkpoint(directory, client_state)
         note_step(directory, client_state, self.is_main)  # the step a restart or --resume names in the cell
+        save_rng(directory, self.rank)  # before the barrier: complete means every rank's generators are in
         self.barrier()
         if self._checkpoints is not None:
             self._checkpoints.saved(directory)
@@ -438,7 +467,13 @@ class TrainContext:
         if directory is None or not os.path.isdir(directory):
             return None
         self._require_prepared("load_checkpoint")
+        from .checkpoints import load_rng
+
         client_state = self.strategy.load_checkpoint(directory)
+        load_rng(directory, self.rank)
+        if client_state and RUN_STATE_KEY in client_state:
+            client_state = dict(client_state)
+            self._restore_run_state(client_state.pop(RUN_STATE_KEY))
         if client_state and "dtrain_magic.data" in client_state:  # ctx.data loaders resume where they were saved
             from ..data.reader import DataPositions
 
@@ -446,6 +481,28 @@ class TrainContext:
                 self._data_positions = DataPositions()
             client_state = self._data_positions.restore(client_state)
         return client_state
+
+    def _run_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the run itself: steps, the world and accumulation, the learning-rate factor."""
+        return {"steps": self._steps, "world": self.data_parallel_size, "grad_accum": self.strategy.accumulation,
+                "micro_step": getattr(self.strategy, "micro_step", 0), "lr_scale": self._lr_scale}
+
+    def _restore_run_state(self, saved: Mapping[str, Any]) -> None:
+        """Resume the step count; on another world size (``--elastic``) keep the optimizer steps' count under the
+        new accumulation and move the learning rate from the saved factor to this world's."""
+        self._steps = int(saved.get("steps", 0))
+        accum, old_accum = self.strategy.accumulation, int(saved.get("grad_accum", 1))
+        if accum != old_accum and hasattr(self.strategy, "micro_step"):
+            self.strategy.micro_step = (int(saved.get("micro_step", 0)) // old_accum) * accum
+        ratio = self._lr_scale / float(saved.get("lr_scale", 1.0))
+        optimizer = getattr(self.strategy, "optimizer", None)
+        if ratio != 1.0 and optimizer is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = group["lr"] * ratio
+        if self.is_main:  # the notebook counts the steps a restart lost from it (`driver.pump`)
+            facts = {RESUMED_METRIC: float(self._steps), "world_size": float(self.data_parallel_size),
+                     "grad_accum": float(accum), "lr_scale": float(self._lr_scale)}
+            self._send(Metric(self.rank, self._log_calls, facts, int(time.time() * 1000)))
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The whole model's full-precision state dict (ZeRO-3/FSDP/tensor-parallel shards gathered, pipeline

@@ -29,6 +29,8 @@ class WorkerJob:
     strategy: bytes | None = None
     # A sweep trial's hyperparameters (`ctx.params`): the same mapping on every rank of the run.
     params: dict[str, Any] = field(default_factory=dict)
+    # --elastic: the learning-rate factor of this world size when a resize could not keep the global batch exactly
+    lr_scale: float = 1.0
 
     def strategy_class(self) -> type:
         if self.strategy is not None:

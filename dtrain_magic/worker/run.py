@@ -129,10 +129,13 @@ def _build_context(rank: _Rank, device: Any, checkpoints: Any) -> Any:
     ctx = TrainContext(
         job.config, rank.strategy, ranks.rank, ranks.local_rank, ranks.world_size, device,
         send=rank.link.send,
-        checkpoint_store=checkpoints if checkpoints is not None else checkpoint_store(job.checkpoint_root),
+        checkpoint_store=checkpoints if checkpoints is not None else checkpoint_store(job.checkpoint_root,
+                                                                                      job.config.keep_checkpoints),
         pulse=rank.pulse,
         data=job.data,
         params=job.params,
+        lr_scale=job.lr_scale,
+        preemption=_preemption_notice(job, ranks.world_size),
         outputs_root=outputs_root(job.checkpoint_root, job.config.data_dir) if job.checkpoint_root else None,
     )
     # Existing code runs unchanged: its own init/destroy_process_group adopt the run's group, and
@@ -140,6 +143,14 @@ def _build_context(rank: _Rank, device: Any, checkpoints: Any) -> Any:
     # names the cell imported (init_process_group, ray.train.report) resolve to the adapted ones.
     integrations.install(job.config, ctx, job.config.backend)
     return ctx
+
+
+def _preemption_notice(job: WorkerJob, world_size: int) -> Any:
+    """This rank's preemption notice (`preempt.PreemptionNotice`) where the backend acts on one."""
+    from ..registry import BACKENDS
+    from .preempt import install
+
+    return install(job.config, world_size, BACKENDS.facts(job.config.backend).preemption_notice)
 
 
 def _call(rank: _Rank, ctx: Any) -> Any:
@@ -271,8 +282,12 @@ def run_job_file(path: str) -> int:
     ``os._exit``: no interpreter teardown that could hang on a peer that is gone)."""
     with open(path, "rb") as handle:
         job: WorkerJob = cloudpickle.load(handle)
+    from .preempt import PREEMPTED_EXIT, Preempted
+
     try:
         run_worker(job)
+    except Preempted:  # every rank checkpointed for a preemption notice: the launcher restarts from there
+        return PREEMPTED_EXIT
     except BaseException as exc:  # already reported over the channel by run_worker; the exit code says it
         log_dropped(__name__, "run_job_file", exc)
         return 1

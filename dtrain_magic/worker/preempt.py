@@ -1,0 +1,88 @@
+"""The preemption notice (``--preempt-grace S``): a SIGTERM to one rank makes every rank checkpoint at the same step.
+
+A cloud announces a preemption with a SIGTERM and kills the machine S seconds later; a SIGTERM by default kills the
+step in progress. Here a rank's SIGTERM only sets a flag (and arms a timer that ends the process after S seconds, the
+grace the notice gives). The ranks agree on the step through a one-integer all-reduce (MAX) of that flag, started
+without waiting at each optimizer step boundary (``ctx.step()`` returning True) and read at the next one, where it
+has long completed: every rank runs the same sequence of these all-reduces, so every rank sees the flag at the same
+boundary, checkpoints there (``ctx.save_checkpoint``) and leaves with `Preempted`; the launcher then restarts the run
+from that checkpoint (``--max-restarts``) or shrinks it (``--elastic``). The all-reduce costs no wait on the training
+thread. With one rank there is nothing to agree on: the flag is read directly. The launcher's own SIGTERMs (a stop,
+an interrupt) are told apart by a file it creates first (``$DTRAIN_MAGIC_STOP_FILE``): they end the worker at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any
+
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL: what a rank that checkpointed for a preemption notice exits with
+# A file the launcher creates before it SIGTERMs its own workers (a stop, an interrupt, a restart's survivors): that
+# SIGTERM is no notice, and ends the worker at once as it always did
+STOP_FILE_ENV = "DTRAIN_MAGIC_STOP_FILE"
+
+
+class Preempted(BaseException):
+    """Raised by ``ctx.step()`` once every rank checkpointed for a preemption notice: the run stops here, to be
+    restarted from that checkpoint. A BaseException, so a loop's ``except Exception`` does not swallow it."""
+
+
+class PreemptionNotice:
+    """This rank's SIGTERM flag and the ranks' agreement on it (see the module docstring)."""
+
+    def __init__(self, grace_s: float, world_size: int):
+        self.grace_s = grace_s
+        self.world_size = world_size
+        self.noticed = False  # this rank got a SIGTERM
+        self._pending: Any = None  # (work, tensor) of the all-reduce started at the last boundary
+        self._timer: threading.Timer | None = None
+        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if os.path.exists(os.environ.get(STOP_FILE_ENV) or "\0"):  # the launcher stopping the run: die as before
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if self.noticed:
+            return
+        self.noticed = True
+        # The notice's grace: a rank that never reaches a step boundary (blocked, or not training) still ends.
+        self._timer = threading.Timer(self.grace_s, os._exit, args=(128 + signal.SIGTERM,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def agreed(self) -> bool:
+        """At an optimizer step boundary, on every rank: did any rank get the notice (as of the last boundary)?"""
+        if self.world_size <= 1:
+            return self.noticed
+        import torch
+        import torch.distributed as dist
+
+        seen = False
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            seen = bool(flag.item())
+        flag = torch.tensor([1 if self.noticed else 0], dtype=torch.int32)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        return seen
+
+    def close(self) -> None:
+        """Put the previous SIGTERM handler back and disarm the timer (the checkpoint is written)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        try:
+            signal.signal(signal.SIGTERM, self._previous)
+        except (ValueError, TypeError):  # not the main thread, or a handler Python did not install: leave ours
+            pass
+
+
+def install(config: Any, world_size: int, backend_notice: bool) -> PreemptionNotice | None:
+    """The rank's notice when the backend acts on one and ``--preempt-grace`` is not 0 (main thread only)."""
+    if not backend_notice or not config.preempt_grace:
+        return None
+    if threading.current_thread() is not threading.main_thread():
+        return None  # signal handlers can only be set there
+    return PreemptionNotice(float(config.preempt_grace), world_size)
