@@ -192,6 +192,7 @@ class LocalJob(RunningJob):
             job = dataclasses.replace(job, checkpoint_root=os.path.join(run_dir, "checkpoints"))
         self._base_job = self._job = job  # the run as asked, and as the current attempt runs it (--elastic)
         self.world_sizes: list[int] = [self._num_processes]  # one per attempt: the MLflow run's world size
+        self.last_resize = None  # the last `elastic.Resize`
         self._job_file = os.path.join(run_dir, "job.pkl")
         self._write_job(job)
         self.processes: list[ForkedProcess] = []
