@@ -22,10 +22,20 @@ import pyarrow as pa
 
 from .blocks import StagedSource, TrainerDataset
 from .columns import row_bytes, to_numpy
-from .split import Split, epoch_rows, global_sequence, plan_epoch, resplit, samples_read, window_permutation
+from .split import (
+    Split,
+    block_order,
+    epoch_rows,
+    global_sequence,
+    plan_epoch,
+    resplit,
+    samples_read,
+    window_permutation,
+)
 
 # Rows of a shuffle window by default: about this many bytes of tensors, and never fewer than 16 batches.
 DEFAULT_WINDOW_BYTES = 64 << 20
+_NATURAL = "\0natural"  # a window's natural row indices while pad=False leaves the padding out (never in a batch)
 CLIENT_STATE_KEY = "dtrain_magic.data"  # where ctx.save_checkpoint keeps the data positions in client_state
 Progress = Callable[[int, int, int], None]  # (epoch, batches done, batches per epoch)
 
@@ -54,10 +64,12 @@ class DataBatches:
     def __init__(self, source: StagedSource, rank: int, ranks: int, batch_size: int, *, shuffle: bool = False,
                  seed: int = 0, drop_last: bool = False, columns: Sequence[str] | None = None,
                  collate_fn: Callable[[dict], Any] | None = None, device: Any = None,
-                 shuffle_window: int | None = None, progress: Progress | None = None, with_ids: bool | str = False):
+                 shuffle_window: int | None = None, progress: Progress | None = None, with_ids: bool | str = False,
+                 pad: bool = True):
         self.source, self.rank, self.ranks = source, rank, ranks
         self.columns = _check_arguments(source, batch_size, columns)
         self.id_key = _id_key(source, with_ids)
+        self.pad = bool(pad)  # False: the even split's padding rows (read twice) are left out of the batches
         self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, bool(shuffle), seed, bool(drop_last)
         self.collate_fn, self.device, self._progress = collate_fn, device, progress
         self.split = Split(source.rows, ranks, self.drop_last)
@@ -172,6 +184,10 @@ class DataBatches:
             if self._progress is not None:
                 self._progress(epoch, done, len(self))
             yield batch
+        while done < len(self):  # pad=False: a rank whose last rows were padding still has len() batches, empty
+            done += 1
+            self.position = (epoch, done)
+            yield self._finish(self._empty())
         self.epoch = epoch + 1
         self.position = (self.epoch, 0)
 
@@ -266,14 +282,44 @@ class DataBatches:
         tables = [blocks.read(piece.block, self.columns).slice(piece.start, piece.rows) for piece in group]
         table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
         arrays = {f.name: to_numpy(table.column(f.name), f) for f in self._fields}
-        if self.id_key is not None:  # each row's natural index: its position in the source
+        unpadded = not self.pad and self._padding(epoch).size
+        if self.id_key is not None or unpadded:  # each row's natural index: its position in the source
             offsets = self.source.blocks.block_offsets
-            arrays[self.id_key] = np.concatenate([np.arange(offsets[p.block] + p.start, offsets[p.block] + p.stop,
-                                                            dtype=np.int64) for p in group])
+            arrays[self.id_key or _NATURAL] = np.concatenate([
+                np.arange(offsets[p.block] + p.start, offsets[p.block] + p.stop, dtype=np.int64) for p in group])
         if self.shuffle:
             order = window_permutation(table.num_rows, self.seed, epoch, self.rank, index)
             arrays = {k: np.take(v, order, axis=0) for k, v in arrays.items()}
-        return {k: v[drop:] for k, v in arrays.items()} if drop else arrays
+        arrays = {k: v[drop:] for k, v in arrays.items()} if drop else arrays
+        if unpadded:  # this rank's share wrapped around: the rows another rank reads too are left out
+            keep = ~np.isin(arrays[self.id_key or _NATURAL], self._padding(epoch))
+            arrays = {k: v[keep] for k, v in arrays.items()}
+        arrays.pop(_NATURAL, None)
+        return arrays
+
+    def _padding(self, epoch: int) -> np.ndarray:
+        """The natural indices of the rows the even split pads this rank's share with in ``epoch`` (read twice: the
+        first rows of the epoch's stream), empty for a rank whose share does not wrap around."""
+        length = self.split.rows_per_rank
+        wrap = 0 if self.drop_last else self.rank * length + length - self.split.rows
+        if wrap <= 0:
+            return np.zeros(0, dtype=np.int64)
+        offsets, rows = self.source.blocks.block_offsets, self.source.blocks.block_rows
+        first: list[np.ndarray] = []  # fewer rows than ranks: only the first block(s) of the epoch's order
+        for block in block_order(len(rows), self.seed, epoch, self.shuffle):
+            first.append(np.arange(offsets[block], offsets[block] + min(rows[block], wrap), dtype=np.int64))
+            wrap -= len(first[-1])
+            if wrap <= 0:
+                break
+        return np.concatenate(first)
+
+    def _empty(self) -> dict[str, np.ndarray]:
+        """A batch of no rows, with every column's type and per-row shape."""
+        table = self.source.blocks.read(0, self.columns).slice(0, 0)
+        arrays = {f.name: to_numpy(table.column(f.name), f) for f in self._fields}
+        if self.id_key is not None:
+            arrays[self.id_key] = np.zeros(0, dtype=np.int64)
+        return arrays
 
     def _finish(self, arrays: dict[str, np.ndarray]) -> Any:
         import torch
@@ -342,7 +388,8 @@ class RayShardBatches:
     def __init__(self, source: StagedSource, rank: int, ranks: int, batch_size: int, *, shuffle: bool = False,
                  seed: int = 0, drop_last: bool = False, columns: Sequence[str] | None = None,
                  collate_fn: Callable[[dict], Any] | None = None, device: Any = None,
-                 shuffle_window: int | None = None, progress: Progress | None = None, with_ids: bool | str = False):
+                 shuffle_window: int | None = None, progress: Progress | None = None, with_ids: bool | str = False,
+                 pad: bool = True):
         import ray.train
 
         if with_ids is not False and with_ids is not None:

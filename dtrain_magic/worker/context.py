@@ -216,7 +216,7 @@ class TrainContext:
 
     def data(self, name: str, batch_size: int, *, shuffle: bool = False, columns: Sequence[str] | None = None,
              collate_fn: Callable[[dict], Any] | None = None, drop_last: bool = False, device: Any = None,
-             shuffle_window: int | None = None, with_ids: bool | str = False) -> Any:
+             shuffle_window: int | None = None, with_ids: bool | str = False, pad: bool = True) -> Any:
         """This rank's batches of the data source ``--data NAME=...`` (docs/data.md): iterate it once per epoch
         (``loader.set_epoch(epoch)`` first: the order, reshuffled per epoch with ``shuffle``, depends only on
         ``--seed`` and the epoch); ``len(loader)`` batches per epoch, the same on every rank. Each batch is a dict of
@@ -227,7 +227,9 @@ class TrainContext:
         ``ranks x batch_size``. ``shuffle_window``: rows shuffled together (default about 64 MB of them).
         ``ctx.save_checkpoint`` records where the loader is; ``ctx.load_checkpoint`` resumes it there.
         ``with_ids=True`` adds each row's id, its position in the source (int64, the same on every run), as
-        ``batch["row_id"]`` (a string: under that key), so what `write` writes of a batch joins back to the input."""
+        ``batch["row_id"]`` (a string: under that key), so what `write` writes of a batch joins back to the input.
+        ``pad=False`` (scoring): the rows ``drop_last=False`` reads twice to even the ranks out are left out, so every
+        row is read exactly once; a rank whose rows ran out gets empty batches (still ``len(loader)`` of them)."""
         from ..data.reader import DataPositions, ProgressSender, open_batches
 
         if self._data_positions is None:
@@ -238,7 +240,7 @@ class TrainContext:
             self._data_sources, name, self.data_parallel_rank, self.data_parallel_size, batch_size=batch_size,
             shuffle=shuffle, seed=self.config.seed or 0, drop_last=drop_last, columns=columns, collate_fn=collate_fn,
             device=self.device if device is None else torch.device(device), shuffle_window=shuffle_window,
-            progress=progress, with_ids=with_ids)
+            progress=progress, with_ids=with_ids, pad=pad)
         return self._data_positions.add(name, reader)
 
     def write(self, name: str, batch: Mapping[str, Any]) -> None:

@@ -203,3 +203,24 @@ def test_a_run_stopped_early_discards_again_what_a_stopping_worker_wrote_meanwhi
     write_rank(root, 1, range(5, 9))  # a worker still being stopped writes once more
     discard_later(str(root), 0.05).join(5)
     assert not (tmp_path / "dtrain_k").exists()
+
+
+@pytest.mark.parametrize("rows, ranks, batch, shuffle", [(50, 3, 8, False), (50, 3, 8, True), (5, 4, 1, False),
+                                                         (50, 2, 8, True)])
+def test_pad_false_reads_every_row_exactly_once_in_the_same_number_of_batches(tmp_path, rows, ranks, batch, shuffle):
+    """Scoring: without the even split's padding every row is read once; a rank whose share ran out gets empty
+    batches, so every rank still has len() batches (a collective in the loop never waits for a missing peer)."""
+    source = staged(tmp_path, rows, 7)
+    seen, counts = [], set()
+    for rank in range(ranks):
+        loader = DataBatches(source, rank, ranks, batch, shuffle=shuffle, shuffle_window=10, with_ids=True, pad=False)
+        batches = list(loader)
+        counts.add((len(batches), len(loader)))
+        for each in batches:
+            assert torch.equal(each["x"], each["row_id"].float() * 2)
+            seen += each["row_id"].tolist()
+    assert sorted(seen) == list(range(rows)) and len(counts) == 1 and len({n for pair in counts for n in pair}) == 1
+    plain = [DataBatches(source, rank, ranks, batch, shuffle=shuffle, shuffle_window=10, pad=False)
+             for rank in range(ranks)]  # without ids: the same rows, and no key of its own in the batches
+    values = sorted(v for loader in plain for each in loader for v in (each["x"] / 2).long().tolist())
+    assert values == list(range(rows)) and all(list(each) == ["x"] for each in plain[-1])
