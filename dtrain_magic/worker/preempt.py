@@ -2,12 +2,12 @@
 
 A cloud announces a preemption with a SIGTERM and kills the machine S seconds later; a SIGTERM by default kills the
 step in progress. Here a rank's SIGTERM only sets a flag (and arms a timer that ends the process after S seconds, the
-grace the notice gives). The ranks agree on the step through a one-integer all-reduce (MAX) of that flag, started
-without waiting at each optimizer step boundary (``ctx.step()`` returning True) and read at the next one, where it
-has long completed: every rank runs the same sequence of these all-reduces, so every rank sees the flag at the same
-boundary, checkpoints there (``ctx.save_checkpoint``) and leaves with `Preempted`; the launcher then restarts the run
-from that checkpoint (``--max-restarts``) or shrinks it (``--elastic``). The all-reduce costs no wait on the training
-thread. With one rank there is nothing to agree on: the flag is read directly. The launcher's own SIGTERMs (a stop,
+grace the notice gives). The ranks agree on the step through a two-integer all-reduce (MAX) of that flag, started
+without waiting at an optimizer step boundary (``ctx.step()`` returning True) about every 50 ms (every boundary of a
+slow step; an interval rank 0 proposes inside the same all-reduce for fast ones) and read at the next such check,
+where it has long completed: every rank runs the same sequence of these all-reduces, so every rank sees the flag at the
+same boundary, checkpoints there (``ctx.save_checkpoint``) and leaves with `Preempted`; the launcher then restarts the run
+from that checkpoint (``--max-restarts``). The all-reduce costs no wait on the training thread. With one rank there is nothing to agree on: the flag is read directly. The launcher's own SIGTERMs (a stop,
 an interrupt) are told apart by a file it creates first (``$DTRAIN_MAGIC_STOP_FILE``): they end the worker at once.
 """
 
@@ -16,8 +16,11 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from typing import Any
 
+CHECK_EVERY_S = 0.05  # how often the ranks check for a notice together (a tiny all-reduce: no cost to speak of)
+MAX_INTERVAL = 1000  # boundaries between two checks at most
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: what a rank that checkpointed for a preemption notice exits with
 # A file the launcher creates before it SIGTERMs its own workers (a stop, an interrupt, a restart's survivors): that
 # SIGTERM is no notice, and ends the worker at once as it always did
@@ -36,7 +39,10 @@ class PreemptionNotice:
         self.grace_s = grace_s
         self.world_size = world_size
         self.noticed = False  # this rank got a SIGTERM
-        self._pending: Any = None  # (work, tensor) of the all-reduce started at the last boundary
+        self._pending: Any = None  # (work, tensor) of the all-reduce started at the last check
+        self._boundary = 0  # optimizer step boundaries so far (the same count on every rank)
+        self._next_check = 1
+        self._checked_at, self._checked_boundary = time.monotonic(), 0
         self._timer: threading.Timer | None = None
         self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -54,20 +60,39 @@ class PreemptionNotice:
         self._timer.start()
 
     def agreed(self) -> bool:
-        """At an optimizer step boundary, on every rank: did any rank get the notice (as of the last boundary)?"""
+        """At an optimizer step boundary, on every rank: did any rank get the notice (as of the last check)?
+
+        The ranks check together every ``interval`` boundaries, about every `CHECK_EVERY_S` seconds: rank 0 proposes
+        the interval from its step time inside the check itself (the all-reduce is a MAX over ``[flag, proposal]``,
+        the others proposing 0), so every rank counts the same boundaries to the next check."""
         if self.world_size <= 1:
             return self.noticed
+        self._boundary += 1
+        if self._boundary < self._next_check:
+            return False
         import torch
         import torch.distributed as dist
 
-        seen = False
+        seen, interval = False, 1
         if self._pending is not None:
-            work, flag = self._pending
+            work, values = self._pending
             work.wait()
-            seen = bool(flag.item())
-        flag = torch.tensor([1 if self.noticed else 0], dtype=torch.int32)
-        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+            seen, interval = bool(values[0].item()), max(1, int(values[1].item()))
+        values = torch.tensor([1 if self.noticed else 0, self._proposal()], dtype=torch.int64)
+        self._pending = (dist.all_reduce(values, op=dist.ReduceOp.MAX, async_op=True), values)
+        self._next_check = self._boundary + interval
         return seen
+
+    def _proposal(self) -> int:
+        """Rank 0's boundaries to the next check: about `CHECK_EVERY_S` of its steps (others: 0, MAX keeps 0's)."""
+        import torch.distributed as dist
+
+        now = time.monotonic()
+        elapsed, boundaries = now - self._checked_at, self._boundary - self._checked_boundary
+        self._checked_at, self._checked_boundary = now, self._boundary
+        if dist.get_rank() != 0 or elapsed <= 0 or boundaries <= 0:
+            return 0
+        return max(1, min(MAX_INTERVAL, int(CHECK_EVERY_S * boundaries / elapsed)))
 
     def close(self) -> None:
         """Put the previous SIGTERM handler back and disarm the timer (the checkpoint is written)."""
