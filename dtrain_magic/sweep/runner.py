@@ -64,6 +64,7 @@ class Sweep:
         self.board = SweepBoard(options.metric, options.mode == "min")  # what the panel draws
         self.panel: Any = None
         self._stopped_from_panel = False
+        self._stopped_by_hand: set[int] = set()  # trials stopped one by one from the panel
         self.check_options()
 
     @property
@@ -151,13 +152,22 @@ class Sweep:
             from ..ui.sweep_panel import SweepPanel
         except ImportError:  # no ipywidgets/plotly (the ui extra): the printed lines are the sweep's record
             return
-        self.panel = SweepPanel(self.board, on_stop=self.stop)
+        self.panel = SweepPanel(self.board, on_stop=self.stop, on_stop_trial=self.stop_trial)
 
     def stop(self) -> None:
         """Stop the sweep from the panel: every running trial stopped, none started; `run` raises
         `RunInterrupted`."""
         self._stopped_from_panel = True
         self._stop_all()
+
+    def stop_trial(self, number: int) -> None:
+        """Stop one running trial from the panel (Optuna's number), as a pruned one stops: every rank after the same
+        step; it is PRUNED (``user_attrs_stopped_from_panel``) and the sweep goes on."""
+        with self._lock:
+            stop = self._running.get(number)
+            if stop is not None:
+                self._stopped_by_hand.add(number)
+                stop.at_a_step("stopped from the panel")
 
     def _total(self, study: Any) -> int:
         """``--trials``; with the grid sampler at most the grid's size, which is also the default."""
@@ -216,6 +226,8 @@ class Sweep:
             self.board.trial_started(trial.number, trial.params)
             try:
                 outcome = self._trial(trial, stop)
+                if trial.number in self._stopped_by_hand and outcome.state in (INTERRUPTED, PRUNED):
+                    outcome.state = PRUNED  # (stopped as Stop stops when the ranks could not agree on a step)
             except Exception as exc:  # not the trial's own failure (that is an Outcome): said, never a silent thread
                 outcome = Outcome(FAILED, error=f"the sweep could not run it: {summary(exc, limit=300)}")
             finally:
@@ -256,6 +268,8 @@ class Sweep:
                            ("steps", outcome.steps)):
             if value is not None:
                 trial.set_user_attr(key, value)
+        if trial.number in self._stopped_by_hand and outcome.state == PRUNED:
+            trial.set_user_attr("stopped_from_panel", True)
         self._tag_child(trial, outcome)
         with self._lock:
             if outcome.state == INTERRUPTED:
@@ -266,7 +280,7 @@ class Sweep:
                 self.results[trial.number] = outcome.result
             if outcome.state == FAILED:
                 self.failures.append(f"trial {trial.number + 1}: {outcome.error}")
-        note = f"at step {outcome.pruned_at}" if outcome.state == PRUNED else (outcome.error or "")
+        note = _pruned(outcome) if outcome.state == PRUNED else (outcome.error or "")
         self.board.trial_ended(trial.number, outcome.state, outcome.value if outcome.state == FINISHED else None,
                                outcome.seconds, note[:200])
         print(self._line(trial, outcome), file=self.out, flush=True)
@@ -286,7 +300,7 @@ class Sweep:
     def _line(self, trial: Any, outcome: Outcome) -> str:
         """``trial 3/12 FINISHED val_loss=0.123 lr=0.01 batch=32 (4.2 s)``; ``trial 4/12 PRUNED at step 7, every rank
         stopped after step 9 ...``."""
-        state = f"PRUNED at step {outcome.pruned_at}" if outcome.state == PRUNED else outcome.state
+        state = f"PRUNED {_pruned(outcome)}" if outcome.state == PRUNED else outcome.state
         if outcome.stopped_at is not None:
             state += f", every rank stopped after step {outcome.stopped_at}"
         value = f" {self.options.metric}={outcome.value:.4g}" if outcome.value is not None else ""
@@ -319,6 +333,11 @@ def tell(study: Any, trial: Any, value: float | None, state: Any) -> None:
     except RuntimeError:
         if not isinstance(study.sampler, optuna.samplers.GridSampler):
             raise
+
+
+def _pruned(outcome: Outcome) -> str:
+    """``at step 7`` (Optuna's pruner), or ``stopped from the panel`` (by hand)."""
+    return f"at step {outcome.pruned_at}" if outcome.pruned_at is not None else "stopped from the panel"
 
 
 def _named(setting: Any) -> str:

@@ -88,15 +88,22 @@ def test_the_panel_draws_the_board_and_its_stop_stops_the_sweep():
     from dtrain_magic.ui.sweep_panel import SweepPanel
 
     board = Board("loss", total=2)
-    stopped = []
-    panel = SweepPanel(board, on_stop=lambda: stopped.append(True), display=False, redraw_s=60)
+    stopped, trials_stopped = [], []
+    panel = SweepPanel(board, on_stop=lambda: stopped.append(True), display=False, redraw_s=60,
+                       on_stop_trial=trials_stopped.append)
     try:
         board.trial_started(0, {"lr": 0.5})
+        board.trial_started(1, {"lr": 0.1})
+        board.trial_ended(1, "PRUNED", None, 0.5, "at step 3")
         board.trial_value(0, 0, 1.0)
         panel.draw()
         (shown,) = panel.curves.outputs
-        assert [t["name"] for t in shown["data"][PLOTLY_MIME]["data"]] == ["trial 1: lr=0.5"]
+        assert [t["name"] for t in shown["data"][PLOTLY_MIME]["data"]] == ["trial 1: lr=0.5", "trial 2: lr=0.1"]
         assert "lr=0.5" in panel.table.value
+        assert list(panel.trial_choice.options) == [("1: lr=0.5", 0)]  # only the running trials can be stopped
+        panel.trial_choice.value = 0
+        panel.stop_trial_button.click()
+        assert trials_stopped == [0] and not stopped
         panel.stop_button.click()
         assert stopped == [True] and panel.stop_button.disabled
         board.trial_ended(0, "FINISHED", 1.0, 1.0)

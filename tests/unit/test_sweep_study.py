@@ -370,3 +370,19 @@ def test_a_trial_whose_memory_estimate_exceeds_the_device_is_skipped_with_the_re
     assert [event for event, _, _ in made["fsdp"].log] == ["start", "end"] and made["ddp"].log == []  # not launched
     assert "SKIPPED" in out.getvalue() and s.failures == []  # no failure: --max-failed-trials 1 did not stop it
     assert sorted(r["status"].split(" (")[0] for r in s.board.rows()) == ["FINISHED", "SKIPPED"]
+
+
+def test_one_trial_stopped_from_the_panel_stops_at_a_step_and_is_pruned_while_the_sweep_goes_on():
+    def train(params, step, config):
+        if params["lr"] == 0.1 and step == 3:
+            s.stop_trial(next(iter(s._running)))  # one trial at a time: the running one is this one
+        return 1.0
+
+    s, base, out = sweep("lr=grid(0.1,0.01)", train, steps=10, parallel_trials=1, pruner="none")
+    result = s.run()
+    frame = result.trials.set_index("params_lr")
+    assert frame.loc[0.1, "state"] == "PRUNED" and frame.loc[0.01, "state"] == "COMPLETE"
+    assert frame.loc[0.1, "user_attrs_stopped_from_panel"] == True  # noqa: E712 (a pandas cell)
+    assert frame.loc[0.1, "user_attrs_stopped_at_step"] == 5  # (the fake run makes one more step)
+    assert "PRUNED stopped from the panel, every rank stopped after step 5" in out.getvalue()
+    assert [r["status"] for r in s.board.rows() if r["params"] == "lr=0.1"] == ["PRUNED (stopped from the panel)"]
