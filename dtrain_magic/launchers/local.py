@@ -301,7 +301,8 @@ class LocalJob(RunningJob):
         why = ("every rank checkpointed for a preemption notice (SIGTERM)" if preempted
                else f"rank {failure.rank} failed ({failure.reason})")
         what = (f"continuing on the {world} survivor(s) (--elastic {self._job.config.elastic})" if shrink
-                else f"restarting every worker (restart {self._attempt}, {self._restarts_left} left)")
+                else f"restarting every worker (restart {self._job.config.max_restarts - self._restarts_left}, "
+                     f"{self._restarts_left} left)")
         self._emit(Output(None, "stderr", f"dtrain_magic: {why}; {what}\n"))
         self._stop_all()
         if world != self._num_processes:

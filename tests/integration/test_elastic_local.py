@@ -87,8 +87,8 @@ def test_a_sigterm_to_one_rank_checkpoints_every_rank_and_loses_no_step(shell, m
 
 
 # -- elastic shrink ---------------------------------------------------------------------------------------------
-ROWS, MICRO, EPOCHS, SAVE_EVERY, KILL_AT = 64, 4, 3, 3, 13
-ELASTIC_CELL = f"""%%distribute --backend local -n 2 --no-ui --elastic 1:2 --data rows=rows
+ROWS, MICRO, EPOCHS, SAVE_EVERY, KILL_AT, FAIL_AT = 64, 4, 3, 3, 13, 19
+ELASTIC_CELL = f"""%%distribute --backend local -n 2 --no-ui --elastic 1:2 --max-restarts 1 --data rows=rows
 import os, signal, time, torch
 def train(ctx):
     torch.manual_seed(0)
@@ -111,6 +111,9 @@ def train(ctx):
                 if done == {KILL_AT} and ctx.rank == 1 and not os.path.exists("killed"):
                     open("killed", "w").write(str(time.time()))
                     os.kill(os.getpid(), signal.SIGKILL)  # a lost worker
+                if done == {FAIL_AT} and ctx.world_size == 1 and not os.path.exists("raised"):
+                    open("raised", "w").close()
+                    raise RuntimeError("a bug, once: the restart grows the run back")
                 if done % {SAVE_EVERY} == 0:
                     ctx.save_checkpoint(done=done)
     return {{"world": ctx.world_size, "weights": {{k: v.detach().clone() for k, v in model.module.state_dict().items()}}
@@ -124,20 +127,20 @@ def _rows():
     return {"id": np.arange(ROWS, dtype=np.int64), "x": x.numpy(), "y": x.sum(1, keepdim=True).sin().numpy()}
 
 
-def _committed_reads(resumed_at: int) -> dict[int, list[int]]:
-    """Per epoch, the row ids read into optimizer steps that count: the first attempt's up to the checkpoint the
-    second resumed from (its later ones were redone), the second attempt's all."""
+def _committed_reads() -> dict[int, list[int]]:
+    """Per epoch, the row ids read into optimizer steps that count: each attempt's up to the checkpoint the next one
+    resumed from (its later ones were redone), the last attempt's all."""
+    lines = [list(map(int, line.split())) for path in glob.glob("read_*.txt") for line in open(path)]
+    starts = sorted({line[0] for line in lines})
     per_epoch: dict[int, list[int]] = collections.defaultdict(list)
-    for path in glob.glob("read_*.txt"):
-        for line in open(path):
-            start, step, epoch, *ids = map(int, line.split())
-            if start == 0 and step > resumed_at:
-                continue
+    for start, step, epoch, *ids in lines:
+        later = [s for s in starts if s > start]
+        if not later or step <= later[0]:
             per_epoch[epoch] += ids
     return per_epoch
 
 
-def test_elastic_continues_on_the_survivor_with_the_same_batches_and_weights(shell, mlflow, capsys):
+def test_elastic_continues_on_the_survivor_and_grows_back_with_the_same_batches_and_weights(shell, mlflow, capsys):
     rows = _rows()
     shell.user_ns["rows"] = rows
     result = shell.run(ELASTIC_CELL)
@@ -145,14 +148,15 @@ def test_elastic_continues_on_the_survivor_with_the_same_batches_and_weights(she
     out = capsys.readouterr()
     assert "continuing on the 1 survivor(s) (--elastic 1:2)" in out.err, out.err
     assert "world size 2 -> 1: gradient accumulation 1 -> 2 (global batch kept)" in out.err
+    # the survivor's function raised once at step 19: the restart (--max-restarts 1) grows the run back to MAX
+    assert "restarting every worker (restart 1, 0 left)" in out.err, out.err
+    assert "world size 1 -> 2: gradient accumulation 2 -> 1 (global batch kept)" in out.err
     value = result.result.value
-    assert value["world"] == 1 and len(result.result.values) == 1
+    assert value["world"] == 2 and len(result.result.values) == 2
     # the last save before the kill was after step 12: one step (13) redone on the survivor
-    assert _metric(mlflow, "resumed_at_step")[-1] > 0 and _metric(mlflow, "world_size") == [1.0]
-    assert _metric(mlflow, "grad_accum") == [2.0] and _metric(mlflow, "lr_scale") == [1.0]
-    assert _metric(mlflow, "steps_lost") == [1.0]
-    resumed_at = 12
-    for epoch, ids in _committed_reads(resumed_at).items():  # every row exactly once in each epoch, the resize's too
+    assert _metric(mlflow, "world_size") == [1.0, 2.0] and _metric(mlflow, "grad_accum") == [2.0, 1.0]
+    assert _metric(mlflow, "lr_scale") == [1.0, 1.0] and _metric(mlflow, "steps_lost")[0] == 1.0
+    for epoch, ids in _committed_reads().items():  # every row exactly once in each epoch, across both resizes
         assert sorted(ids) == list(range(ROWS)), epoch
     # continued within 30 s of the kill (the issue asks 10; this machine is shared): the first read of the survivor
     killed_at = float(open("killed").read())
