@@ -285,4 +285,5 @@ def test_an_imported_function_is_never_called_in_the_notebook(tmp_path, monkeypa
 
 
 def test_where_flags_apply_is_declared_per_row():
-    assert {row.name for row in FLAGS if row.entry_points == (MAGIC,)} == {"--fn", "--result", "--configure"}
+    magic_only = {"--fn", "--result", "--configure", "--output"}  # --output binds a notebook variable
+    assert {row.name for row in FLAGS if row.entry_points == (MAGIC,)} == magic_only
