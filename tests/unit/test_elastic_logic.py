@@ -219,3 +219,48 @@ def test_the_steps_a_restart_lost_are_counted_from_the_pulses_and_the_resume():
     log.pulse(5)  # the new attempt's own count, from the step it resumed at
     assert log.metrics({"resumed_at_step": 9.0, "world_size": 1.0})["steps_lost"] == 0.0
     assert log.metrics({"loss": 1.0}) == {"loss": 1.0}
+
+
+# -- the context's side: a resize's state, and acting on an agreed notice ---------------------------------------
+def _context(strategy, lr_scale=1.0, preemption=None, sent=None):
+    from dtrain_magic.worker.context import TrainContext
+
+    return TrainContext(RunConfig(backend="local", use_gpu=False), strategy, 0, 0, strategy.data_parallel_size,
+                        torch.device("cpu"), send=(sent if sent is not None else []).append, lr_scale=lr_scale,
+                        preemption=preemption)
+
+
+def test_a_resumed_context_keeps_the_optimizer_steps_and_moves_the_learning_rate():
+    weight = torch.nn.Parameter(torch.zeros(1))
+    strategy = SimpleNamespace(accumulation=2, micro_step=12, data_parallel_size=2, model=object(),
+                               optimizer=torch.optim.SGD([weight], lr=0.1))
+    sent = []
+    ctx = _context(strategy, lr_scale=4 / 3, sent=sent)  # 3 ranks x 1 -> 2 ranks x 2: 4/3 of the global batch
+    ctx._restore_run_state({"steps": 12, "world": 3, "grad_accum": 1, "micro_step": 12, "lr_scale": 1.0})
+    assert strategy.micro_step == 24 and ctx._steps == 12  # 12 optimizer steps, now 2 micro-batches each
+    assert strategy.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 4 / 3)
+    assert sent[0].metrics == {"resumed_at_step": 12.0, "world_size": 2.0, "grad_accum": 2.0,
+                               "lr_scale": pytest.approx(4 / 3)}
+    back = SimpleNamespace(accumulation=1, micro_step=24, data_parallel_size=3, model=object(),
+                           optimizer=strategy.optimizer)
+    _context(back, lr_scale=1.0)._restore_run_state({"steps": 30, "world": 2, "grad_accum": 2, "micro_step": 24,
+                                                     "lr_scale": 4 / 3})
+    assert back.micro_step == 12 and back.optimizer.param_groups[0]["lr"] == pytest.approx(0.1)  # put back
+
+
+def test_an_agreed_notice_checkpoints_with_the_last_state_and_the_step_then_stops():
+    from dtrain_magic.worker.preempt import Preempted
+
+    closed = []
+    notice = SimpleNamespace(agreed=lambda: True, close=lambda: closed.append(True))
+    strategy = SimpleNamespace(data_parallel_size=1, model=object(), step=lambda: True)
+    ctx = _context(strategy, preemption=notice)
+    saved = []
+    ctx.save_checkpoint = lambda **state: saved.append(state)
+    ctx._last_state = {"epoch": 3}
+    ctx._steps = 41
+    with pytest.raises(Preempted, match="after step 41"):
+        ctx.step()
+    assert saved == [{"epoch": 3, "step": 41}] and closed == [True]
+    ctx._preemption = SimpleNamespace(agreed=lambda: False)
+    assert ctx.step() is True and ctx._steps == 43  # no notice: a step as any other
