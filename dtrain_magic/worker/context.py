@@ -323,6 +323,10 @@ class TrainContext:
         """Optimizer step and zero_grad at each ``--grad-accum`` boundary. True if the optimizer stepped. Not under
         ``--pp`` (`train_step` steps).
 
+        On the local backend, after a SIGTERM to any rank (a preemption notice, ``--preempt-grace``), the step boundary
+        the ranks agree on writes a checkpoint (the last ``save_checkpoint``'s ``client_state``, ``step`` set to this
+        call's index over the run) and raises `dtrain_magic.worker.preempt.Preempted`: the run restarts from there.
+
         When the notebook asked every rank to stop after this step (a pruned sweep trial, docs/sweeps.md), it
         raises `dtrain_magic.errors.StopAtStep` after the optimizer step: the run ends cleanly on every rank at the
         same step (``finally`` blocks run; ``except Exception`` does not catch it)."""
@@ -445,7 +449,9 @@ class TrainContext:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, directory: str | None = None, **client_state: Any) -> None:
-        """Save model, optimizer and ``client_state`` through the strategy (every rank must call it)."""
+        """Save model, optimizer and ``client_state`` through the strategy (every rank must call it), with each rank's
+        random generators, each ``ctx.data`` loader's position and the run's step count; without ``directory`` into
+        the run's next numbered checkpoint, complete only once every rank wrote its part (docs/reliability.md)."""
         self._require_prepared("save_checkpoint")
         from .checkpoints import save_rng
 
@@ -463,7 +469,9 @@ class TrainContext:
 
     def load_checkpoint(self, directory: str | None = None) -> dict | None:
         """Restore the latest checkpoint into the prepared model/optimizer; returns its ``client_state``
-        (None when there is no checkpoint yet, so a fresh run starts from scratch)."""
+        (None when there is no checkpoint yet, so a fresh run starts from scratch). Restores this rank's random
+        generators and the ``ctx.data`` positions too; on another world size (``--elastic``) the loaders re-split from
+        the saved sample position and the learning rate follows the resize's factor."""
         if directory is None and self._checkpoints is not None:
             directory = self._checkpoints.latest()
         if directory is None or not os.path.isdir(directory):
