@@ -60,33 +60,27 @@ def assert_scored_once(table, x: np.ndarray) -> None:
     np.testing.assert_allclose(got, expected, atol=1e-6, rtol=0)
 
 
-def test_two_ranks_score_every_row_once_as_one_process_would(shell, val, tmp_path):
-    result = shell.run(SCORE_CELL.format(flags="--result run", die="False"))
-    assert result.error_in_exec is None, result.error_in_exec
-    run = shell.user_ns["run"]
-    output = run.outputs["preds"]
-    assert output.rows == ROWS and output.columns == (("id", "int64"), ("pred", "fixed_size_list<item: float>[2]"))
-    assert isinstance(shell.user_ns["preds"], ds.Dataset)  # --output preds=preds off Spark and Ray
-    assert_scored_once(shell.user_ns["preds"].to_table(), val)
-    assert output.path == os.path.join(run.checkpoint_root, "outputs", "preds")
-    names = sorted(os.listdir(output.path))  # one part per rank, and the marker
-    assert names[0] == "_SUCCESS" and [n[:12] for n in names[1:]] == ["part-r00000-", "part-r00001-"], names
-    assert os.listdir(os.path.dirname(output.path)) == ["preds"]  # the staging folder is gone
-    assert len(output.to_pandas()) == ROWS
-
-
-def test_a_rank_killed_half_way_leaves_no_output_and_a_restart_no_row_twice(shell, val, tmp_path):
+def test_a_rank_killed_half_way_leaves_no_output_and_file(shell, val, tmp_path):
     # rank 0 may return before rank 1 dies (no collective between them): then the run fails as hung (its peer gone)
     result = shell.run(SCORE_CELL.format(flags="--hang-timeout 5", die="True"))
     assert isinstance(result.error_in_exec, (WorkerError, RunHung)), result.error_in_exec
     assert "preds" not in shell.user_ns
     assert files_under(tmp_path / "dtrain_runs") == []  # no output, no partial file
 
-    # --max-restarts 1: rank 1 dies once, after writing; the second attempt's rows only are committed
+
+def test_two_ranks_score_every_row_once_as_one_process_would_through_a_restart(shell, val, tmp_path):
+    """--max-restarts 1: rank 1 dies once, after writing; only the second attempt's rows are committed."""
     die = "not os.path.exists('died') and not open('died', 'w').close()"
     result = shell.run(SCORE_CELL.format(flags="--max-restarts 1 --result run", die=die))
     assert result.error_in_exec is None, result.error_in_exec
     assert (tmp_path / "died").exists()
+    run = shell.user_ns["run"]
+    output = run.outputs["preds"]
+    assert output.rows == ROWS and output.columns == (("id", "int64"), ("pred", "fixed_size_list<item: float>[2]"))
+    assert isinstance(shell.user_ns["preds"], ds.Dataset)  # --output preds=preds off Spark and Ray
     assert_scored_once(shell.user_ns["preds"].to_table(), val)
-    output = shell.user_ns["run"].outputs["preds"]
-    assert len([f for f in os.listdir(output.path) if f.endswith(".parquet")]) == 2
+    assert output.path == os.path.join(run.checkpoint_root, "outputs", "preds")
+    names = sorted(os.listdir(output.path))  # one part per rank (of the last attempt), and the marker
+    assert names[0] == "_SUCCESS" and [n[:12] for n in names[1:]] == ["part-r00000-", "part-r00001-"], names
+    assert os.listdir(os.path.dirname(output.path)) == ["preds"]  # the staging folder is gone
+    assert len(output.to_pandas()) == ROWS
