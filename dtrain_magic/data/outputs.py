@@ -215,7 +215,8 @@ class OutputWriter:
 @dataclass(frozen=True)
 class Output:
     """A committed output: ``path`` (a folder of Parquet files, or a URI), ``rows``, ``columns`` ((name, type)
-    pairs). `dataset` is a pyarrow Dataset over it; `to_pandas` reads it whole (only when asked)."""
+    pairs). `dataset` is a pyarrow Dataset over it, `to_spark` a Spark DataFrame and `to_ray` a Ray Dataset read from
+    it where they run; `to_pandas` reads it whole into this process (only when asked)."""
 
     name: str
     path: str
@@ -235,6 +236,24 @@ class Output:
     def to_pandas(self) -> Any:
         """Every row, in the notebook's memory, as a pandas DataFrame."""
         return self.to_table().to_pandas()
+
+    def to_spark(self, spark: Any = None) -> Any:
+        """A Spark DataFrame Spark reads from the parts (``spark.read.parquet``: nothing comes to the notebook);
+        ``spark``: the SparkSession (default: the active one)."""
+        if spark is None:
+            from .._compat.spark import default_session
+
+            spark = default_session()
+            if spark is None:
+                raise RuntimeError(f"output {self.name!r}: no active SparkSession to read it with; give one: "
+                                   "to_spark(spark)")
+        return spark.read.parquet(self.path)
+
+    def to_ray(self) -> Any:
+        """A Ray Dataset over the parts (``ray.data.read_parquet``), read by Ray Data where it runs."""
+        import ray.data
+
+        return ray.data.read_parquet(self.path)
 
     def __repr__(self) -> str:
         columns = ", ".join(f"{name} {kind}" for name, kind in self.columns)

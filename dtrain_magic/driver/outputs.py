@@ -75,16 +75,9 @@ def bind(namespace: MutableMapping[str, Any], backend: str, pairs: Sequence[tupl
 def readable(backend: str, output: Output, spark_session: Callable[[], Any] | None = None) -> Any:
     """``output`` as the backend's own table: a Spark DataFrame, a Ray Dataset, else a pyarrow Dataset."""
     if backend == "spark":
-        session = spark_session() if spark_session is not None else None
-        if session is None:
-            from .._compat.spark import default_session
-
-            session = default_session()
-        return session.read.parquet(output.path)
+        return output.to_spark(spark_session() if spark_session is not None else None)
     if backend == "ray":
-        import ray.data
-
-        return ray.data.read_parquet(output.path)
+        return output.to_ray()
     return output.dataset()
 
 

@@ -224,3 +224,20 @@ def test_pad_false_reads_every_row_exactly_once_in_the_same_number_of_batches(tm
              for rank in range(ranks)]  # without ids: the same rows, and no key of its own in the batches
     values = sorted(v for loader in plain for each in loader for v in (each["x"] / 2).long().tolist())
     assert values == list(range(rows)) and all(list(each) == ["x"] for each in plain[-1])
+
+
+def test_an_output_reads_as_a_spark_dataframe_with_the_session_given_or_active(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import dtrain_magic._compat.spark as spark_compat
+    from dtrain_magic.data.outputs import Output
+
+    output = Output("preds", str(tmp_path / "preds"), 3, (("id", "int64"),))
+    read = []
+    spark = SimpleNamespace(read=SimpleNamespace(parquet=lambda path: read.append(path) or "DataFrame"))
+    assert output.to_spark(spark) == "DataFrame" and read == [output.path]
+    monkeypatch.setattr(spark_compat, "default_session", lambda: None)
+    with pytest.raises(RuntimeError, match="output 'preds': no active SparkSession"):
+        output.to_spark()
+    monkeypatch.setattr(spark_compat, "default_session", lambda: spark)
+    assert output.to_spark() == "DataFrame" and read == [output.path] * 2
