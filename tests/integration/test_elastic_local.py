@@ -2,8 +2,9 @@
 store): a SIGTERM to a rank (the preemption notice) makes every rank checkpoint at the same step and the run restarts
 from it with no step lost; ``--elastic 1:2`` continues a run that lost a worker (SIGKILL) on the survivor from the last
 checkpoint, the global batch kept by gradient accumulation and ``ctx.data`` re-split from the checkpoint's sample
-position. Both end with the weights of an uninterrupted run (fp32 DDP on CPU, 1e-5), computed here in one plain
-process; the MLflow run records the restart, the world size and the steps lost."""
+position, and a later restart grows it back (DDP and FSDP, 2 -> 1 -> 2 ranks). All end with the weights of an
+uninterrupted run (fp32 on CPU, 1e-5), computed here in one plain process; the MLflow run records the restart, the
+world size and the steps lost."""
 
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def test_a_sigterm_to_one_rank_checkpoints_every_rank_and_loses_no_step(shell, m
 
 # -- elastic shrink ---------------------------------------------------------------------------------------------
 ROWS, MICRO, EPOCHS, SAVE_EVERY, KILL_AT, FAIL_AT = 64, 4, 3, 3, 13, 19
-ELASTIC_CELL = f"""%%distribute --backend local -n 2 --no-ui --elastic 1:2 --max-restarts 1 --data rows=rows
+ELASTIC_CELL = f"""%%distribute --backend local -n 2 --no-ui --elastic 1:2 --max-restarts 1 --data rows=rows --strategy {{strategy}}
 import os, signal, time, torch
 def train(ctx):
     torch.manual_seed(0)
@@ -116,8 +117,7 @@ def train(ctx):
                     raise RuntimeError("a bug, once: the restart grows the run back")
                 if done % {SAVE_EVERY} == 0:
                     ctx.save_checkpoint(done=done)
-    return {{"world": ctx.world_size, "weights": {{k: v.detach().clone() for k, v in model.module.state_dict().items()}}
-             if hasattr(model, "module") else {{k: v.detach().clone() for k, v in model.state_dict().items()}}}}
+    return {{"world": ctx.world_size, "weights": ctx.full_state_dict()}}  # FSDP's shards gathered
 """
 
 
@@ -140,10 +140,14 @@ def _committed_reads() -> dict[int, list[int]]:
     return per_epoch
 
 
-def test_elastic_continues_on_the_survivor_and_grows_back_with_the_same_batches_and_weights(shell, mlflow, capsys):
+# DDP (the whole state on every rank) and FSDP (each rank's shards: torch.distributed.checkpoint reads them back for 1
+# rank, then for 2 again)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_elastic_continues_on_the_survivor_and_grows_back_with_the_same_batches_and_weights(strategy, shell, mlflow,
+                                                                                               capsys):
     rows = _rows()
     shell.user_ns["rows"] = rows
-    result = shell.run(ELASTIC_CELL)
+    result = shell.run(ELASTIC_CELL.replace("{strategy}", strategy))
     assert result.error_in_exec is None, result.error_in_exec
     out = capsys.readouterr()
     assert "continuing on the 1 survivor(s) (--elastic 1:2)" in out.err, out.err
