@@ -19,6 +19,7 @@ the notebook, the backend's own guards stop them (the fork server, the rank watc
 from __future__ import annotations
 
 import ast
+import dataclasses
 import logging
 import threading
 import time
@@ -89,6 +90,8 @@ class Session:
         else:
             check_session_config(config)
             idle = idle_timeout_s(idle_timeout)
+        if config.preempt_grace:  # a rank's state is its memory: a SIGTERM ends it at once, no checkpoint could keep it
+            config = dataclasses.replace(config, preempt_grace=0.0)
         self.config = config
         self.idle_timeout_s = idle
         self.world_size = config.num_processes

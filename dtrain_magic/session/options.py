@@ -17,13 +17,15 @@ from ..config import RunConfig, resolve_config
 from ..errors import ConfigError
 from ..flagtable import FLAGS, PYTHON, SWEEP, Flag
 
-NOT_FOR_SESSIONS = ("fn", "result", "keep_warm", "max_restarts", "resume", "outputs")
+NOT_FOR_SESSIONS = ("fn", "result", "keep_warm", "max_restarts", "resume", "outputs", "elastic", "preempt_grace")
 WHY_NOT = {
     "max_restarts": "a session's ranks keep their state in their processes, which a restart would lose; "
                     "%distribute_session restart starts every rank afresh when you want that",
     "keep_warm": "nothing waits after a session: its ranks are held until it stops or is idle for --idle-timeout",
     "fn": "a session runs cells (%%ranks), not a function",
     "resume": "a session's state is its ranks' memory, not a checkpoint: there is no run to resume",
+    "elastic": "a session's state is its ranks' memory: ranks relaunched on fewer workers would have lost it",
+    "preempt_grace": "a session's state is its ranks' memory, not a checkpoint: a preemption notice cannot keep it",
     "result": "a session runs cells (%%ranks), not a function; a cell's value comes back by rank",
     "outputs": "each cell's ctx.write outputs are committed at the cell's end: bind one with %%ranks --output "
                "NAME=VARIABLE",
@@ -57,7 +59,7 @@ def idle_timeout_s(value: Any = None, environ: Mapping[str, str] | None = None) 
 
 def check_session_config(config: RunConfig) -> None:
     """What a run may have but a session may not: a `ConfigError` naming the flag and why; nothing was started."""
-    for name in ("max_restarts", "keep_warm"):
+    for name in ("max_restarts", "keep_warm", "elastic"):
         if getattr(config, name) not in (None, 0):
             flag = "--" + name.replace("_", "-")
             raise ConfigError(flag, f"does not apply to a session: {WHY_NOT[name]}; nothing was started")

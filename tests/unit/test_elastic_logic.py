@@ -264,3 +264,14 @@ def test_an_agreed_notice_checkpoints_with_the_last_state_and_the_step_then_stop
     assert saved == [{"epoch": 3, "step": 41}] and closed == [True]
     ctx._preemption = SimpleNamespace(agreed=lambda: False)
     assert ctx.step() is True and ctx._steps == 43  # no notice: a step as any other
+
+
+def test_a_session_refuses_elastic_and_takes_no_preemption_notice():
+    from dtrain_magic.session import options
+
+    with pytest.raises(ConfigError, match="--elastic.*relaunched on fewer workers"):
+        options.refuse_run_only_flags("--backend local -n 2 --elastic 1:2")
+    with pytest.raises(ConfigError, match="--preempt-grace"):
+        options.refuse_run_only_flags("--preempt-grace 5")
+    with pytest.raises(ConfigError, match="--elastic"):
+        options.check_session_config(RunConfig(backend="local", elastic="1:2", use_gpu=False))
