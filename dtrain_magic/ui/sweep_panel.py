@@ -80,7 +80,10 @@ class SweepPanel:
         options = [(f"{r['trial']}: {r['params']}", r["trial"] - 1) for r in self.board.rows()
                    if r["status"] == "RUNNING"]
         if options != list(self.trial_choice.options):
+            chosen = self.trial_choice.value
             self.trial_choice.options = options
+            if options and chosen not in [number for _, number in options]:
+                self.trial_choice.index = 0  # (new options leave no choice: the first running trial is chosen)
         self.stop_trial_button.disabled = not options
 
     def _loop(self) -> None:

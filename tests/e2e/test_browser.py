@@ -5,8 +5,8 @@
    test creates once it has seen them: no race with the training's length), the per-rank output tabs and
    the Stacks button (one stack per rank with the cell's line, within 2 s) meanwhile, and after it
    finished; then Stop on a second, long run; then, in the same kernel, a sweep (``--sweep``) of 2 trials: its
-   panel overlays both trials' curves in one chart and lists them in its table while the second one runs, and ends
-   with the parameters' parallel coordinates.
+   panel overlays both trials' curves in one chart and lists them in its table while the second one runs, its Stop
+   trial stops that one at a step (PRUNED), and it ends with the parameters' parallel coordinates.
 2. ``%%distribute --configure``: the panel shows the estimate for the cell's own model; deepspeed,
    ZeRO-2 and bf16 are picked, Run shows the monitor and both charts under the panel with points added
    over time, Stop makes the run KILLED in MLflow and ends its worker processes, "Write cell" creates
@@ -141,7 +141,7 @@ x = torch.linspace(-1, 1, 64).unsqueeze(1)
 def train(ctx):
     model = torch.nn.Linear(1, 1)
     model, opt = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=ctx.params["lr"]))
-    for step in range(30):
+    for step in range(60):  # long enough to go on past the step a Stop trial at step 15 picks (its rate on)
         loss = torch.nn.functional.mse_loss(model(x), 3 * x - 1)
         ctx.backward(loss)
         ctx.step()
@@ -162,8 +162,9 @@ def _sweep_cell(root: Path) -> str:
 
 def _check_sweep_panel(page, root: Path, cell: int, shot: Path) -> float:
     """Run the sweep cell (number ``cell``): while its second trial waits, the sweep's panel shows both trials'
-    curves in one chart and both trials in the table, the best highlighted; at the end the parameters' parallel
-    coordinates. Returns the seconds it took."""
+    curves in one chart and both trials in the table, the best highlighted; Stop trial (clicked while the cell
+    keeps the kernel busy) stops the second one at a step, PRUNED; at the end the parameters' parallel coordinates.
+    Returns the seconds it took."""
     from playwright.sync_api import expect
 
     started = time.monotonic()
@@ -181,10 +182,12 @@ def _check_sweep_panel(page, root: Path, cell: int, shot: Path) -> float:
     assert not release.exists()  # seen while the sweep runs
     panel.scroll_into_view_if_needed()
     page.screenshot(path=str(shot), full_page=True)
-    release.touch()
+    panel.locator("button", has_text="Stop trial").click()  # the running trial: the dropdown's only choice
+    release.touch()  # its loop goes on to the step it is asked to stop after
+    expect(table).to_contain_text("PRUNED (stopped from the panel)", timeout=30_000)
     expect(plots).to_have_count(2, timeout=60_000)  # the end: parameters against the metric
     expect(plots.nth(1)).to_contain_text("parameters against loss")
-    expect(table.locator("tbody tr", has_text="FINISHED")).to_have_count(2)
+    expect(table.locator("tbody tr", has_text="FINISHED")).to_have_count(1)
     return time.monotonic() - started
 
 
