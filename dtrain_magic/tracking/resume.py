@@ -48,12 +48,13 @@ class ResumeTarget:
                 f"({self.point.directory}); its metrics go on in the same run")
 
 
-def find_resume_target(config: RunConfig, function_key: str) -> tuple[ResumeTarget | None, str]:
+def find_resume_target(config: RunConfig, function_key: str, client: Any = None) -> tuple[ResumeTarget | None, str]:
     """(the run to continue, or None for a fresh run; what to say in the cell). A ``--resume RUN_ID`` that cannot be
-    continued is a `ConfigError`."""
-    from mlflow import MlflowClient
+    continued is a `ConfigError`. ``client``: an ``MlflowClient`` (default: one on the run's tracking URI)."""
+    if client is None:
+        from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri=resolve_tracking_uri(config))
+        client = MlflowClient(tracking_uri=resolve_tracking_uri(config))
     if config.resume != RESUME_LATEST:
         return _named_run(client, config.resume), ""
     name = function_key.split(":", 1)[0]

@@ -1,10 +1,12 @@
 """``--resume`` (issue #37), the logic: the flag in every entry point, the function's identity across kernels, and
-which MLflow run a cell continues (a real SQLite MLflow store; runs made with MlflowClient as the runner makes them).
+which MLflow run a cell continues (on a fake store: the real one is the integration test's).
 tests/integration/test_resume.py kills a real notebook process and resumes in a new one."""
 
 from __future__ import annotations
 
 import os
+import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -45,63 +47,71 @@ def test_the_function_key_is_its_name_and_its_texts_digest():
     assert other.startswith("train:") and other == function_key(namespace["train"]) != key
 
 
-@pytest.fixture(scope="module")
-def store_uri(tmp_path_factory):
-    """One SQLite store for the module (making one runs MLflow's migrations: seconds)."""
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+class FakeStore:
+    """MlflowClient's calls the finder makes, on runs kept here (the real store, its filter syntax and a run's
+    reopening are tests/integration/test_resume.py's: the finder there finds the killed kernel's run by its tag)."""
 
+    tracking_uri = "sqlite:///fake/mlflow.db"
 
-@pytest.fixture
-def store(store_uri, tmp_path, request):
-    """(tracking URI, experiment, run(status, key, step) -> run id): each test its own experiment."""
-    from mlflow import MlflowClient
+    def __init__(self, tmp_path) -> None:
+        self.tmp_path, self.runs = tmp_path, []
 
-    uri = store_uri
-    client = MlflowClient(tracking_uri=uri)
-    name = request.node.name[:60]
-    experiment = client.create_experiment(name)
+    def get_experiment_by_name(self, name: str):
+        return SimpleNamespace(experiment_id="1") if name == "dtrain_magic" else None
 
-    def run(status: str, key: str = "train:0123456789abcdef", step: int | None = 3) -> str:
-        root = str(tmp_path / f"dtrain_{len(client.search_runs([experiment]))}")
+    def search_runs(self, experiment_ids, filter_string, order_by, max_results):
+        assert experiment_ids == ["1"] and order_by == ["attributes.start_time DESC"]
+        key = re.fullmatch(r"tags\.`dtrain_magic\.function` = '(.*)'", filter_string).group(1)
+        found = [run for run in reversed(self.runs) if run.data.tags[FUNCTION_TAG] == key]
+        return found[:max_results]
+
+    def get_run(self, run_id: str):
+        for run in self.runs:
+            if run.info.run_id == run_id:
+                return run
+        raise LookupError(f"Run '{run_id}' not found")
+
+    def run(self, status: str, key: str = "train:0123456789abcdef", step: int | None = 3) -> str:
+        """A run of ``key``'s function, newer than every other, with a complete checkpoint at ``step`` (None: none)."""
+        root = str(self.tmp_path / f"dtrain_{len(self.runs)}")
         if step is not None:
             done = os.path.join(root, "checkpoint_000000")
             os.makedirs(done)
             note_step(done, {"step": step}, is_main=True)
             open(os.path.join(done, ".complete"), "w").close()
-        made = client.create_run(experiment, tags={FUNCTION_TAG: key, ROOT_TAG: root})
-        if status != "RUNNING":
-            client.set_terminated(made.info.run_id, status)
-        return made.info.run_id
-
-    return uri, name, run
+        run_id = f"{len(self.runs):032x}"
+        self.runs.append(SimpleNamespace(info=SimpleNamespace(run_id=run_id, status=status),
+                                         data=SimpleNamespace(tags={FUNCTION_TAG: key, ROOT_TAG: root})))
+        return run_id
 
 
-def test_the_newest_unfinished_run_of_this_function_with_a_checkpoint_is_continued(store):
-    uri, experiment, run = store
-    config = RunConfig(backend="local", resume=True, tracking_uri=uri, experiment=experiment)
-    assert find_resume_target(config, "train:0123456789abcdef")[0] is None  # no run yet: a fresh one
+def test_the_newest_unfinished_run_of_this_function_with_a_checkpoint_is_continued(tmp_path):
+    store = FakeStore(tmp_path)
+    run, config = store.run, RunConfig(backend="local", resume=True)
+    find = lambda: find_resume_target(config, "train:0123456789abcdef", store)  # noqa: E731
+    assert find()[0] is None  # no run yet: a fresh one
     run("KILLED", step=7)
     newest = run("RUNNING")
     run("KILLED", key="other:fedcba9876543210")  # another function's: never this cell's
-    target, words = find_resume_target(config, "train:0123456789abcdef")
+    target, words = find()
     assert target.run_id == newest and target.status == "RUNNING" and target.point.step == 3
     assert words.startswith(f"--resume: continuing MLflow run {newest} (RUNNING before) from step 3 (")
     run("FINISHED")
-    target, words = find_resume_target(config, "train:0123456789abcdef")
+    target, words = find()
     assert target is None and "finished: a fresh run" in words
     run("FAILED", step=None)
-    target, words = find_resume_target(config, "train:0123456789abcdef")
+    target, words = find()
     assert target is None and "saved no complete checkpoint under" in words and words.endswith("a fresh run")
 
 
-def test_a_named_run_is_continued_or_refused_before_anything_launches(store):
-    uri, _, run = store
-    killed, finished, empty = run("KILLED", step=11), run("FINISHED"), run("FAILED", step=None)
-    named = lambda run_id: find_resume_target(RunConfig(resume=run_id, tracking_uri=uri), "any:0")  # noqa: E731
+def test_a_named_run_is_continued_or_refused_before_anything_launches(tmp_path):
+    store = FakeStore(tmp_path)
+    killed, finished, empty = store.run("KILLED", step=11), store.run("FINISHED"), store.run("FAILED", step=None)
+    named = lambda run_id: find_resume_target(RunConfig(resume=run_id), "any:0", store)  # noqa: E731
     assert named(killed)[0].point.step == 11
     with pytest.raises(ConfigError, match=f"--resume: MLflow run {finished} finished: nothing to resume"):
         named(finished)
     with pytest.raises(ConfigError, match=f"--resume: MLflow run {empty} has no complete checkpoint"):
         named(empty)
-    with pytest.raises(ConfigError, match="--resume: no MLflow run 0000 in sqlite:///"):
+    with pytest.raises(ConfigError, match="--resume: no MLflow run 0000 in sqlite:///fake/mlflow.db: Run '0000' not"):
         named("0000")
