@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from .errors import ConfigError
 
@@ -38,26 +38,31 @@ def _unquote(text: str) -> str:
     return text
 
 
+def _pairs(value: Any, flag: str, parse: Callable[[str], tuple[str, str]], form: str) -> Iterator[tuple[Any, Any]]:
+    """The ``(name, value)`` pairs of a ``NAME=VALUE`` flag's value as `RunConfig` takes it: None, a mapping,
+    ``"NAME=VALUE"`` strings (read by ``parse``) or pairs; anything else is a `ConfigError` naming ``flag``."""
+    if value is None:
+        return
+    if isinstance(value, str):
+        value = [value]
+    for item in value.items() if isinstance(value, Mapping) else value:
+        if isinstance(item, str):
+            try:
+                item = parse(item)
+            except argparse.ArgumentTypeError as exc:
+                raise ConfigError(flag, str(exc)) from None
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise ConfigError(flag, f"got {item!r}; give {form}")
+        yield item[0], item[1]
+
+
 def normalize(value: Any) -> DataSpecs:
     """What `RunConfig` keeps of ``data``: ``((name, source), ...)`` in the order given.
 
     Takes None, a mapping ``{name: source}``, ``"NAME=SOURCE"`` strings or ``(name, source)`` pairs; a name
     given twice, a name that is not an identifier or an empty source is a `ConfigError` naming ``--data``."""
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        value = [value]
-    items: Iterable[Any] = value.items() if isinstance(value, Mapping) else value
     specs: list[tuple[str, str]] = []
-    for item in items:
-        if isinstance(item, str):
-            try:
-                item = parse_item(item)
-            except argparse.ArgumentTypeError as exc:
-                raise ConfigError(FLAG, str(exc)) from None
-        if not (isinstance(item, (tuple, list)) and len(item) == 2):
-            raise ConfigError(FLAG, f"got {item!r}; give NAME=SOURCE (a name and a notebook variable, path or URI)")
-        name, source = item
+    for name, source in _pairs(value, FLAG, parse_item, "NAME=SOURCE (a name and a notebook variable, path or URI)"):
         if not isinstance(name, str) or not _NAME.match(name):
             raise ConfigError(FLAG, f"got the name {name!r}; a data name must be a Python identifier "
                                     "(letters, digits, _), as ctx.data(NAME) reads it")
@@ -112,22 +117,9 @@ def normalize_outputs(value: Any) -> DataSpecs:
     """What `RunConfig` keeps of ``outputs`` (``--output NAME=VARIABLE``): ``((name, variable), ...)``. Takes None, a
     mapping, ``"NAME=VARIABLE"`` strings or pairs; both must be Python identifiers, each output and each variable
     once: a `ConfigError` naming ``--output`` otherwise."""
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        value = [value]
-    items: Iterable[Any] = value.items() if isinstance(value, Mapping) else value
     specs: list[tuple[str, str]] = []
-    for item in items:
-        if isinstance(item, str):
-            try:
-                item = parse_output(item)
-            except argparse.ArgumentTypeError as exc:
-                raise ConfigError(OUTPUT_FLAG, str(exc)) from None
-        if not (isinstance(item, (tuple, list)) and len(item) == 2):
-            raise ConfigError(OUTPUT_FLAG, f"got {item!r}; give NAME=VARIABLE (the name ctx.write(NAME, ...) writes, "
-                                           "the notebook variable it is bound to)")
-        name, variable = item
+    for name, variable in _pairs(value, OUTPUT_FLAG, parse_output, "NAME=VARIABLE (the name ctx.write(NAME, ...) "
+                                 "writes, the notebook variable it is bound to)"):
         for what, text in (("output name", name), ("variable", variable)):
             if not isinstance(text, str) or not _NAME.match(text):
                 raise ConfigError(OUTPUT_FLAG, f"got the {what} {text!r} in {name}={variable}; it must be a Python "
