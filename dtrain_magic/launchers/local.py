@@ -193,6 +193,7 @@ class LocalJob(RunningJob):
         self._base_job = self._job = job  # the run as asked, and as the current attempt runs it (--elastic)
         self.world_sizes: list[int] = [self._num_processes]  # one per attempt: the MLflow run's world size
         self.last_resize = None  # the last `elastic.Resize`
+        self._note = ""  # the last relaunch's line
         self._job_file = os.path.join(run_dir, "job.pkl")
         self._write_job(job)
         self.processes: list[ForkedProcess] = []
@@ -260,7 +261,8 @@ class LocalJob(RunningJob):
             world = self._next_world(codes)
             if world is not None:
                 self._restart(failures[0], codes, world)
-                return LaunchState(False, [], errors_final=False, restarted=True, world_size=world)
+                return LaunchState(False, [], errors_final=False, restarted=True, world_size=world,
+                                   restart_note=self._note)
         finished = all(code is not None for code in codes)
         if finished:
             for pump in self._pumps:
@@ -304,6 +306,7 @@ class LocalJob(RunningJob):
                 else f"restarting every worker (restart {self._job.config.max_restarts - self._restarts_left}, "
                      f"{self._restarts_left} left)")
         self._emit(Output(None, "stderr", f"dtrain_magic: {why}; {what}\n"))
+        self._note = f"{why}; {what}"  # the MLflow run's tag for this relaunch (`LaunchState.restart_note`)
         self._stop_all()
         if world != self._num_processes:
             self._resize(world)
@@ -324,6 +327,7 @@ class LocalJob(RunningJob):
         self._num_processes = world
         self.last_resize = resize
         self._emit(Output(None, "stderr", resize.note()))
+        self._note += "; " + resize.note().removeprefix("dtrain_magic: ").strip()
         self._job_file = os.path.join(self._run_dir, f"job_{self._attempt}.pkl")
         self._write_job(self._job)
 

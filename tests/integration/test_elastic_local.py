@@ -160,6 +160,10 @@ def test_elastic_continues_on_the_survivor_and_grows_back_with_the_same_batches_
     # the last save before the kill was after step 12: one step (13) redone on the survivor
     assert _metric(mlflow, "world_size") == [1.0, 2.0] and _metric(mlflow, "grad_accum") == [2.0, 1.0]
     assert _metric(mlflow, "lr_scale") == [1.0, 1.0] and _metric(mlflow, "steps_lost")[0] == 1.0
+    run = mlflow.search_runs(mlflow.get_experiment_by_name("dtrain_magic").experiment_id)[0]
+    assert run.data.tags["dtrain_magic.restarts"] == "2"  # each relaunch a tag: the shrink, then the restart
+    assert "continuing on the 1 survivor(s)" in run.data.tags["dtrain_magic.restart_1"]
+    assert "world size 1 -> 2" in run.data.tags["dtrain_magic.restart_2"]
     for epoch, ids in _committed_reads().items():  # every row exactly once in each epoch, across both resizes
         assert sorted(ids) == list(range(ROWS)), epoch
     # continued within 30 s of the kill (the issue asks 10; this machine is shared): the first read of the survivor
