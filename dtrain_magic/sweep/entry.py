@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, MutableMapping
 
 from ..config import RunConfig, resolve_config
 from ..driver import runner
+from ..errors import ConfigError
 from ..flagtable import FLAGS
 from ..payload import Payload
 from .options import KEYWORDS, SweepOptions, options_from
@@ -79,6 +80,9 @@ def _run(config: RunConfig, make_config: Callable[[Mapping[str, Any]], RunConfig
          make_payload: Callable[[], Payload], namespace: MutableMapping[str, Any] | None,
          sources: Mapping[str, Any] | None, model: Callable[[str], Any] | None = None) -> SweepResult | None:
     space = parse_space(settings.space)  # before the capture: a bad space runs nothing
+    if config.resume is not None:  # every trial would continue the same run
+        raise ConfigError("--resume", "continues one run, not a sweep's trials; a sweep resumes by --sweep-name (its "
+                                      "finished trials are not run again)")
     base = runner.prepare(config, make_payload, None, sources)
     cell_model = (lambda: model(base.payload.name)) if model is not None else None
     sweep_run = Sweep(base, make_config, space, settings, sources, cell_model=cell_model)

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import dtrain_magic
 from dtrain_magic import api, cli
 from dtrain_magic.config import RunConfig
 from dtrain_magic.errors import ConfigError
@@ -36,6 +37,8 @@ def test_the_flag_alone_is_this_cells_last_run_and_a_value_is_a_run_id():
     with pytest.raises(ConfigError, match="--resume: --backend ray cannot resume a run in a new kernel yet"):
         RunConfig(backend="ray", resume=True)
     assert cli.parser().parse_args(["run", "m:f", "--resume"]).resume == "latest"
+    with pytest.raises(ConfigError, match="--resume: continues one run, not a sweep's trials"):
+        dtrain_magic.sweep(train, "lr=uniform(0.1,1)", trials=1, metric="loss", backend="local", resume=True)
 
 
 def test_the_function_key_is_its_name_and_its_texts_digest():
