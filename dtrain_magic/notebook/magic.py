@@ -37,7 +37,7 @@ class DistributeMagics(Magics):
         namespace = self.shell.user_ns
         if args.sweep is not None:  # a run per trial of the space (docs/sweeps.md); the cell is captured once
             from ..sweep.entry import sweep_from_args
-            from .model_of_cell import model_of_cell
+            from ..strategies.model_of_cell import model_of_cell
 
             return sweep_from_args(args, lambda: capture(cell, namespace, args.fn, self.shell)[0], namespace,
                                    cell_model=lambda name: model_of_cell(cell, namespace, name),
@@ -46,7 +46,7 @@ class DistributeMagics(Magics):
         prepared = runner.prepare(config, lambda: capture(cell, namespace, config.fn, self.shell)[0], namespace)
 
         def dry_run_text() -> str:
-            from .model_of_cell import model_of_cell  # the cell ran: its helpers and globals are in the namespace
+            from ..strategies.model_of_cell import model_of_cell  # the cell ran: its helpers and globals are in the namespace
 
             return prepared.dry_run_text(model=model_of_cell(cell, namespace, prepared.payload.name))
 
@@ -56,7 +56,7 @@ class DistributeMagics(Magics):
         """``--configure``: the panel, opened even when the line's choice is invalid here (the problem shown in it)."""
         config, held = flags.config_for_panel(args, in_frontend=_in_frontend(self.shell))
         show_panel = panel_shower()
-        from .model_of_cell import model_of_cell
+        from ..strategies.model_of_cell import model_of_cell
 
         model = model_of_cell(cell, self.shell.user_ns, config.fn)
         return show_panel(config, cell, self.shell, model=model, make_payload=payload_maker(cell, self.shell),

@@ -58,7 +58,7 @@ def sweep_from_args(args: Any, make_payload: Callable[[], Payload],
     """A parsed ``%%distribute --sweep`` line (or ``python -m dtrain_magic sweep``'s arguments) → the sweep's result;
     ``make_payload``: the capture (run once); ``namespace``: the notebook's (``--data`` sources, ``--result NAME``
     bound to the `SweepResult`, ``_distribute_result`` to the best trial's `RunResult`); ``cell_model(name)``: the
-    cell's model counted without training (`notebook.model_of_cell`), for the trials' memory check (`fits`)."""
+    cell's model counted without training (`strategies.model_of_cell`), for the trials' memory check (`fits`)."""
     given = {row.field: getattr(args, row.field, row.default) for row in FLAGS if row.field is not None}
     settings = options_from({key: getattr(args, key, None) for key in KEYWORDS})
     config = resolve_config(given, **environment)
@@ -96,13 +96,13 @@ def _run(config: RunConfig, make_config: Callable[[Mapping[str, Any]], RunConfig
 
 
 def model_of_function(fn: Callable[..., Any]) -> Any:
-    """The model ``fn`` prepares, counted without training as a cell's is (`notebook.model_of_cell` on its source,
+    """The model ``fn`` prepares, counted without training as a cell's is (`strategies.model_of_cell` on its source,
     with the names it refers to); None when its source cannot be read."""
     try:
         source = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError):  # a builtin, or defined where no source is kept
         return None
-    from ..notebook.model_of_cell import model_of_cell
+    from ..strategies.model_of_cell import model_of_cell
 
     try:
         names = {**getattr(fn, "__globals__", {}), **inspect.getclosurevars(fn).nonlocals}  # what it refers to

@@ -1,5 +1,5 @@
 """Before a trial launches: does its configuration fit the device? The cell's model (`memory.CellModel`, counted
-without training by `notebook.model_of_cell`) under the trial's run options (strategy, ``--zero``, precision,
+without training by `strategies.model_of_cell`) under the trial's run options (strategy, ``--zero``, precision,
 processes, ``--tp``/``--pp``) gives the per-process estimate of `strategies.memory` (parameters, gradients, optimizer
 states and the strategy's buffers; activations aside); a trial whose estimate exceeds the memory one process of it
 may use is SKIPPED with the reason, not launched to fail.

@@ -264,7 +264,7 @@ class ConfigurePanel:
                  model: CellModel | None = None, make_payload: Callable[[RunConfig], Payload] | None = None,
                  start_session: Callable[[RunConfig, Any], Any] | None = None,
                  held: Mapping[str, Any] | None = None, session_line: Callable[[RunConfig], str] | None = None):
-        """``model``: the cell's model as the magic found it (`notebook.model_of_cell`), for the estimate;
+        """``model``: the cell's model as the magic found it (`strategies.model_of_cell`), for the estimate;
         ``make_payload``: what Run calls on the kernel's thread to capture the cell for the chosen config (the
         magic gives `notebook.capture.payload_maker`); without it Run is off. ``start_session(config, monitor)``:
         what Start session calls (the magic gives `notebook.session_magic.session_starter`): an interactive session

@@ -21,7 +21,6 @@ from typing import Any, Callable
 
 import ipywidgets as w
 
-from ..sweep.board import SweepBoard
 from . import _kernel
 from .charts import PLOTLY_MIME
 
@@ -34,9 +33,10 @@ def bundle(figure: dict[str, Any], text: str) -> dict[str, Any]:
 
 
 class SweepPanel:
-    """The sweep's panel, shown at once (``display``), redrawn from ``board`` until `close`."""
+    """The sweep's panel, shown at once (``display``), redrawn from ``board`` (a `sweep.board.SweepBoard`, handed in by
+    the sweep that opens the panel: the UI does not import the sweep above it) until `close`."""
 
-    def __init__(self, board: SweepBoard, on_stop: Callable[[], None] | None = None, display: bool = True,
+    def __init__(self, board: Any, on_stop: Callable[[], None] | None = None, display: bool = True,
                  redraw_s: float = 0.5, on_stop_trial: Callable[[int], None] | None = None):
         self.board, self.on_stop, self.on_stop_trial = board, on_stop, on_stop_trial
         self.title = w.HTML(f"<b>sweep</b>: {board.total} trial(s), --metric {board.metric}")

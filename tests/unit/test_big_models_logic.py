@@ -361,7 +361,7 @@ def test_the_estimate_adds_each_strategys_buffers_given_the_models_facts():
 
 
 def test_the_cells_factory_is_followed_for_the_dry_run_estimate():
-    from dtrain_magic.notebook.model_of_cell import model_of_cell
+    from dtrain_magic.strategies.model_of_cell import model_of_cell
 
     cell = ("import torch\n"
             "def build():\n    return torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 10))\n"

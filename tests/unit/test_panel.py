@@ -168,7 +168,7 @@ def test_panel_counts_the_cells_model():
     cell = ("import torch\ndef train(ctx):\n    model = torch.nn.Linear(10, 5)\n"
             "    model, opt = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))\n")
     config = flags.config_from_line("--backend local", gpu_available=lambda: False)
-    from dtrain_magic.notebook.model_of_cell import model_of_cell
+    from dtrain_magic.strategies.model_of_cell import model_of_cell
 
     # what %%distribute --configure gives the panel: the cell's model, counted on the meta device
     panel = ConfigurePanel(config, cell, shell=None, checker=lambda c: None, model=model_of_cell(cell, {}, config.fn))
