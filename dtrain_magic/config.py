@@ -255,7 +255,8 @@ class RunConfig:
                 )
 
     def _check_big_model_knobs(self) -> None:
-        """``--clip-grad``: a positive, finite norm."""
+        """``--clip-grad``: a positive, finite norm; ``--ac-module`` needs ``--ac`` or ``--compile``; the knobs
+        that the installed torch cannot combine with pipeline parallelism are refused, naming both flags."""
         value = self.clip_grad
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not 0 < value < float("inf")):
