@@ -22,8 +22,15 @@ from .dataspec import normalize as normalize_data
 from .dataspec import normalize_outputs
 from .elastic import parse_elastic
 from .errors import ConfigError, log_dropped
-from .flagtable import (BY_FIELD, DEFAULT_EXPERIMENT, DEFAULT_HANG_TIMEOUT_S, DEFAULT_PREEMPT_GRACE_S,
-                        DEFAULT_STALL_TIMEOUT_S, FLAGS, SWITCH)
+from .flagtable import (
+    BY_FIELD,
+    DEFAULT_EXPERIMENT,
+    DEFAULT_HANG_TIMEOUT_S,
+    DEFAULT_PREEMPT_GRACE_S,
+    DEFAULT_STALL_TIMEOUT_S,
+    FLAGS,
+    SWITCH,
+)
 from .registry import BACKENDS, STRATEGIES
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -4,7 +4,8 @@ A run that loses workers continues on the survivors from its last checkpoint whe
 the same launcher. The global batch (micro-batch x data-parallel ranks x gradient accumulation) is kept by
 recomputing the accumulation: ``A' = A x D / D'`` (the micro-batch cancels out). Where that does not divide, the
 nearest whole value is used and the learning rate is scaled by the ratio of the new global batch to the old one
-(the linear scaling rule), and both are said in the cell and logged to MLflow (`Resize.note`; rank 0 logs ``world_size``, ``grad_accum`` and ``lr_scale`` as it resumes).
+(the linear scaling rule), and both are said in the cell and logged to MLflow (`Resize.note`; rank 0 logs
+``world_size``, ``grad_accum`` and ``lr_scale`` as it resumes).
 
 Growing back (the policy, docs/reliability.md): the size of every later relaunch of the run (a restart after a
 failure or a preemption notice) is the largest world up to MAX the backend has room for; on the local backend the

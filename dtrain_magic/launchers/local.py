@@ -38,6 +38,7 @@ from ..config import RunConfig
 from ..errors import ConfigError, LaunchError
 from ..state import kernel_state
 from ..worker import WorkerJob
+from ..worker.preempt import STOP_FILE_ENV
 from .base import (
     Emit,
     Failure,
@@ -48,7 +49,6 @@ from .base import (
     import_time_environment,
     loopback_interface,
 )
-from ..worker.preempt import STOP_FILE_ENV
 from .forkserver import ForkedProcess, ForkServer
 
 _GRACE_S = 3.0

@@ -36,8 +36,8 @@ class DistributeMagics(Magics):
             return self._configure(args, cell)
         namespace = self.shell.user_ns
         if args.sweep is not None:  # a run per trial of the space (docs/sweeps.md); the cell is captured once
-            from ..sweep.entry import sweep_from_args
             from ..strategies.model_of_cell import model_of_cell
+            from ..sweep.entry import sweep_from_args
 
             return sweep_from_args(args, lambda: capture(cell, namespace, args.fn, self.shell)[0], namespace,
                                    cell_model=lambda name: model_of_cell(cell, namespace, name),
@@ -46,7 +46,8 @@ class DistributeMagics(Magics):
         prepared = runner.prepare(config, lambda: capture(cell, namespace, config.fn, self.shell)[0], namespace)
 
         def dry_run_text() -> str:
-            from ..strategies.model_of_cell import model_of_cell  # the cell ran: its helpers and globals are in the namespace
+            # the cell ran: its helpers and globals are in the namespace
+            from ..strategies.model_of_cell import model_of_cell
 
             return prepared.dry_run_text(model=model_of_cell(cell, namespace, prepared.payload.name))
 

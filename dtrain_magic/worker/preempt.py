@@ -6,8 +6,9 @@ grace the notice gives). The ranks agree on the step through a two-integer all-r
 without waiting at an optimizer step boundary (``ctx.step()`` returning True) about every 50 ms (every boundary of a
 slow step; an interval rank 0 proposes inside the same all-reduce for fast ones) and read at the next such check,
 where it has long completed: every rank runs the same sequence of these all-reduces, so every rank sees the flag at the
-same boundary, checkpoints there (``ctx.save_checkpoint``) and leaves with `Preempted`; the launcher then restarts the run
-from that checkpoint (``--max-restarts``). The all-reduce costs no wait on the training thread. With one rank there is nothing to agree on: the flag is read directly. The launcher's own SIGTERMs (a stop,
+same boundary, checkpoints there (``ctx.save_checkpoint``) and leaves with `Preempted`; the launcher then restarts
+the run from that checkpoint (``--max-restarts``). The all-reduce costs no wait on the training thread. With one rank
+there is nothing to agree on: the flag is read directly. The launcher's own SIGTERMs (a stop,
 an interrupt) are told apart by a file it creates first (``$DTRAIN_MAGIC_STOP_FILE``): they end the worker at once.
 """
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import glob
 import os
-import time
 
 import numpy as np
 import pytest
@@ -89,7 +88,8 @@ def test_a_sigterm_to_one_rank_checkpoints_every_rank_and_loses_no_step(shell, m
 
 # -- elastic shrink ---------------------------------------------------------------------------------------------
 ROWS, MICRO, EPOCHS, SAVE_EVERY, KILL_AT, FAIL_AT = 64, 4, 3, 3, 13, 19
-ELASTIC_CELL = f"""%%distribute --backend local -n 2 --no-ui --elastic 1:2 --max-restarts 1 --data rows=rows --strategy {{strategy}}
+ELASTIC_CELL = "%%distribute --backend local -n 2 --no-ui --elastic 1:2 --max-restarts 1 --data rows=rows " + f"""\
+--strategy {{strategy}}
 import os, signal, time, torch
 def train(ctx):
     torch.manual_seed(0)

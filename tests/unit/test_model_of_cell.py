@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from dtrain_magic.strategies.model_of_cell import model_of_cell
 from dtrain_magic.strategies.memory import count_parameters, estimate
+from dtrain_magic.strategies.model_of_cell import model_of_cell
 
 MLP = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
 
