@@ -450,6 +450,12 @@ class DeepSpeedStrategy(Strategy):
         return engine, ds_optimizer
 
     # -- training --------------------------------------------------------------------------------
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per optimizer step, as the engine accumulates them (its ``gradient_accumulation_steps``):
+        what a checkpoint keeps of the run (`TrainContext._run_state`)."""
+        return int((self.ds_config or {}).get("gradient_accumulation_steps", self.config.grad_accum))
+
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps itself
 
