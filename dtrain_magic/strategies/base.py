@@ -106,6 +106,12 @@ class Strategy(ABC):
         #: (``ctx.grad_norm``); None before the first such step, or without ``--clip-grad``
         self.grad_norm: float | None = None
 
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per optimizer step (``--grad-accum``; a strategy whose engine decides says its own): what a
+        checkpoint keeps of the run (`TrainContext._run_state`)."""
+        return self.config.grad_accum
+
     @classmethod
     def check(cls, config: RunConfig) -> None:
         """Validate ``config`` for this strategy in the notebook, before launch (raise ConfigError)."""
@@ -364,10 +370,6 @@ class TorchStrategy(Strategy):
             from ..parallel.pipeline import USE_TRAIN_STEP
 
             raise UnsupportedCodeError(USE_TRAIN_STEP.format(what=call))
-
-    @property
-    def accumulation(self) -> int:
-        return self.config.grad_accum
 
     def _at_boundary(self) -> bool:
         return (self.micro_step + 1) % self.accumulation == 0
