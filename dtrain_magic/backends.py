@@ -69,7 +69,8 @@ class Backend:
             raise ConfigError("--elastic", f"--backend {cls.name} cannot continue a run on fewer workers yet; use "
                                            f"--backend {backends_that('elastic')}, or --max-restarts N (restarts "
                                            "with the same number of workers)")
-        if config.preempt_grace != DEFAULT_PREEMPT_GRACE_S and not cls.preemption_notice:
+        # 0 (no notice) is what every backend does already; a session turns the notice off so
+        if config.preempt_grace not in (0, DEFAULT_PREEMPT_GRACE_S) and not cls.preemption_notice:
             raise ConfigError("--preempt-grace", f"--backend {cls.name} does not act on a preemption notice yet "
                                                  f"(a SIGTERM stops its workers); --backend "
                                                  f"{backends_that('preemption_notice')} does")

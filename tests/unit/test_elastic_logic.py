@@ -108,6 +108,12 @@ def test_bad_reliability_flags_name_the_flag_and_what_is_allowed(kwargs, flag, w
     assert info.value.flag == flag and words in str(info.value)
 
 
+@pytest.mark.parametrize("backend", ["spark", "ray"])
+def test_no_notice_is_every_backends_own_behaviour(backend):
+    """``--preempt-grace 0`` (what a session sets for its ranks) asks nothing of a backend: accepted everywhere."""
+    assert RunConfig(backend=backend, use_gpu=False, preempt_grace=0.0).preempt_grace == 0.0
+
+
 # -- the data position re-split ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("old, new", [(2, 1), (1, 2), (3, 2), (2, 3)])
 @pytest.mark.parametrize("shuffle", [False, True])
