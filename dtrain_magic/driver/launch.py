@@ -78,7 +78,8 @@ class Launch:
         after the MLflow run unless they may start before it; the observer hears `launched`."""
         channel = self.channel or self.listen()
         job = WorkerJob(payload, self.config, channel.address, checkpoint_root=self.checkpoint_root,
-                        strategy=dumps_by_value(self.plan.strategy), data=data, params=self.params)
+                        strategy=dumps_by_value(self.plan.strategy), data=data, params=self.params,
+                        preemption_notice=self.launcher.preemption_notice)
         self.tracker = None if self.early else self.opening.wait()
         if self.tracker is not None:
             job = dataclasses.replace(job, run_id=self.tracker.run_id)

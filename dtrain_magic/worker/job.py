@@ -31,6 +31,9 @@ class WorkerJob:
     params: dict[str, Any] = field(default_factory=dict)
     # --elastic: the learning-rate factor of this world size when a resize could not keep the global batch exactly
     lr_scale: float = 1.0
+    # Whether the backend acts on a preemption notice (`Backend.preemption_notice`): decided in the notebook, whose
+    # registry knows every backend (a worker's may not: one registered from the user's own code)
+    preemption_notice: bool = False
 
     def strategy_class(self) -> type:
         if self.strategy is not None:

@@ -146,11 +146,11 @@ def _build_context(rank: _Rank, device: Any, checkpoints: Any) -> Any:
 
 
 def _preemption_notice(job: WorkerJob, world_size: int) -> Any:
-    """This rank's preemption notice (`preempt.PreemptionNotice`) where the backend acts on one."""
-    from ..registry import BACKENDS
+    """This rank's preemption notice (`preempt.PreemptionNotice`) where the backend acts on one (the job says: the
+    worker's registry may not know a backend registered in the notebook)."""
     from .preempt import install
 
-    return install(job.config, world_size, BACKENDS.facts(job.config.backend).preemption_notice)
+    return install(job.config, world_size, job.preemption_notice)
 
 
 def _call(rank: _Rank, ctx: Any) -> Any:
