@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 import threading
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..data.blocks import StagedSource
@@ -79,7 +79,8 @@ class StagingArea:
         return path
 
     def reuse(self, name: str, identity: str | None, where: str | None) -> tuple[StagedSource, float] | None:
-        """The copy of the same data an earlier run staged at ``where``, now held by ``name`` too; or None."""
+        """The copy of the same data an earlier run staged at ``where``, now held by ``name`` too, as ``name`` (what
+        ``ctx.data(name)`` looks for: the earlier run may have called it otherwise); or None."""
         if identity is None:
             return None
         key = (identity, where or "")
@@ -89,7 +90,7 @@ class StagingArea:
                 return None
             gone = self._hold(name, key)
         _remove_all(gone)
-        return copy.staged, copy.staged_s
+        return replace(copy.staged, name=name), copy.staged_s
 
     def keep(self, name: str, identity: str | None, where: str | None, staged: StagedSource, location: str | None,
              staged_s: float, holds: Any = None) -> None:

@@ -4,6 +4,7 @@ data line and the observers' data progress. Pure: no backend starts (Spark and R
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import threading
 
@@ -266,9 +267,10 @@ def test_each_data_name_holds_one_staged_copy_reused_by_the_same_data(tmp_path):
     area.keep("train", "id-a", None, staged_a, dir_a, 1.0)
     staged_b, dir_b = copy("b")
     area.keep("small", "id-b", None, staged_b, dir_b, 2.0)  # another name: both kept
-    assert area.reuse("train", "id-a", None) == (staged_a, 1.0)
+    assert area.reuse("train", "id-a", None) == (dataclasses.replace(staged_a, name="train"), 1.0)
     assert area.reuse("train", "id-a", "/elsewhere") is None  # a copy elsewhere is another copy
-    assert area.reuse("val", "id-a", None) == (staged_a, 1.0)  # the same data under a second name
+    # the same data under a second name: the copy as that name (what ctx.data("val") looks for)
+    assert area.reuse("val", "id-a", None) == (dataclasses.replace(staged_a, name="val"), 1.0)
     staged_c, dir_c = copy("c")
     area.keep("train", "id-c", None, staged_c, dir_c, 3.0)  # train's new data: a is still val's
     assert (tmp_path / "a").exists()
