@@ -115,18 +115,41 @@ def output_lines(stream: str, result: str | None, error: tuple[str, str] | None)
     return lines
 
 
+_RANK_LINE = re.compile(r"^\[rank (\d+)\] ")
+
+
 def missing_lines(shown: str, actual: list[str]) -> list[str]:
-    """The shown lines not found, in order, among the actual ones (masked; progress lines left out)."""
+    """The shown lines not found, in order, among the actual ones (masked; progress lines left out). Consecutive
+    lines of several ranks (``[rank 0] ...``, ``[rank 1] ...``) are printed live by separate processes, so they may
+    interleave either way: each rank's lines must come in order, the block after what came before it."""
     wanted = [masked(line) for line in shown.splitlines() if line.strip() and not line.startswith("step ")]
     have = [masked(line) for line in actual]
     missing, at = [], 0
-    for line in wanted:
-        found = next((k for k in range(at, len(have)) if have[k] == line), None)
-        if found is None:
-            missing.append(line)
-        else:
-            at = found + 1
+    for block in _rank_blocks(wanted):
+        used, after = set(), {}  # rank (or None) -> the index its last line was found at
+        for line in block:
+            rank = _RANK_LINE.match(line)
+            key = rank.group(1) if rank else None
+            start = max(at, after.get(key, at - 1) + 1)
+            found = next((k for k in range(start, len(have)) if k not in used and have[k] == line), None)
+            if found is None:
+                missing.append(line)
+            else:
+                used.add(found)
+                after[key] = found
+        at = max(used, default=at - 1) + 1
     return missing
+
+
+def _rank_blocks(lines: list[str]) -> list[list[str]]:
+    """``lines`` in blocks: each run of consecutive rank lines one block, every other line a block of its own."""
+    blocks: list[list[str]] = []
+    for line in lines:
+        if _RANK_LINE.match(line) and blocks and _RANK_LINE.match(blocks[-1][-1]):
+            blocks[-1].append(line)
+        else:
+            blocks.append([line])
+    return blocks
 
 
 def usage_error(text: str) -> tuple[str, str] | None:
@@ -158,6 +181,10 @@ def test_the_marks_and_substitutions_are_where_they_say():
     assert missing_lines("[rank 0] loss 0.0029\nstep 1 (0.4 steps/s)\nOut[3]: 2", ["[rank 0] loss 0.0031", "x",
                                                                                   "Out[N]: 7"]) == []
     assert missing_lines("[rank 1] loss 0.0029", ["[rank 0] loss 0.0029"]) == ["[rank 1] loss N"]
+    # ranks print live: their lines may interleave either way, each rank's own in order, the block in its place
+    assert missing_lines("[rank 0] a 1\n[rank 1] a 1\nOut[3]: 2", ["[rank 1] a 1", "[rank 0] a 1", "Out[N]: 2"]) == []
+    assert missing_lines("[rank 0] a\n[rank 0] b", ["[rank 0] b", "[rank 0] a"]) == ["[rank 0] b"]
+    assert missing_lines("Out[3]: 2\n[rank 0] a", ["[rank 0] a", "Out[N]: 2"]) == ["[rank 0] a"]
 
 
 RUNNABLE = [page for page in PAGES if any(e.skip is None for e in examples(page))]
