@@ -211,8 +211,7 @@ class DataBatches:
 
     def _read_rows(self, indices: np.ndarray, cache: dict[int, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """The rows at natural ``indices``, in that order (blocks read once each, the last 4 kept)."""
-        block_rows = self.source.blocks.block_rows
-        offsets = np.concatenate([[0], np.cumsum(block_rows)]).astype(np.int64)
+        offsets = np.asarray(self.source.blocks.block_offsets, dtype=np.int64)  # each block's first natural index
         owners = np.searchsorted(offsets, indices, side="right") - 1
         parts: dict[str, list] = {f.name: [] for f in self._fields}
         order = []
