@@ -308,8 +308,6 @@ class TrainContext:
         loss = self.strategy.train_step(inputs, targets, loss_fn)
         micro = getattr(self.strategy, "micro_step", None)  # DeepSpeed keeps its own: every call counts
         self._after_step(micro is None or micro % self.strategy.accumulation == 0)
-        if self._pulse is not None:
-            self._pulse.check_stop()  # the step the notebook asked every rank to stop after: raises StopAtStep
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -334,12 +332,11 @@ class TrainContext:
             self._pulse.step()
         stepped = self.strategy.step()
         self._after_step(stepped)
-        if self._pulse is not None:
-            self._pulse.check_stop()
         return stepped
 
     def _after_step(self, stepped: bool) -> None:
-        """Count the step; at an optimizer step boundary, act on a preemption notice every rank agreed on."""
+        """Count the step; at an optimizer step boundary, act on a preemption notice every rank agreed on; then stop
+        if this is the step the notebook asked every rank to stop after (raises `StopAtStep`)."""
         self._steps += 1
         if stepped and self._preemption is not None and self._preemption.agreed():
             from .preempt import Preempted
@@ -348,6 +345,8 @@ class TrainContext:
             self._preemption.close()
             raise Preempted(f"preempted (SIGTERM): every rank checkpointed after step {self._steps - 1} "
                             f"(ctx.step() call {self._steps} of the run); the run continues from it when restarted")
+        if self._pulse is not None:
+            self._pulse.check_stop()
 
     @property
     def grad_norm(self) -> float | None:
