@@ -50,6 +50,9 @@ class Backend:
     #: the workers are in the notebook's Ray job: an in-memory source reaches them through Ray's object store
     #: (``ray.put`` once), not as a file written on this machine
     object_store: ClassVar[bool] = False
+    #: what ``--output NAME=VARIABLE`` binds a committed output as: ``"spark"`` (a Spark DataFrame read from its
+    #: parts), ``"ray"`` (a Ray Dataset) or ``"pyarrow"`` (a pyarrow Dataset)
+    output_table: ClassVar[str] = "pyarrow"
 
     @classmethod
     def validate(cls, config: RunConfig) -> None:
@@ -109,6 +112,7 @@ class Spark(Backend):
     restarts_workers = True
     resumes_runs = True  # --resume: as on local (the checkpoint root is a path every worker reads)
     keeps_workers_warm = True
+    output_table = "spark"  # spark.read.parquet of the committed parts: never collected
 
     @classmethod
     def in_use(cls, modules: Mapping[str, Any]) -> bool:
@@ -134,6 +138,7 @@ class Ray(Backend):
     storage_urls = True  # Ray Train's run storage: s3://, gs://
     ray_train = True
     object_store = True
+    output_table = "ray"  # ray.data.read_parquet of the committed parts
 
     @classmethod
     def in_use(cls, modules: Mapping[str, Any]) -> bool:

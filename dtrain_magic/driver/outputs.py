@@ -2,9 +2,10 @@
 ``--output NAME=VARIABLE`` bound as what fits where the run went.
 
 `finish` commits what the last attempt's ranks sealed (`dtrain_magic.data.outputs.commit`); `discard` removes the
-staging folder of a run that did not finish. `bind` gives a notebook variable: on ``--backend spark`` a Spark
-DataFrame Spark reads from the committed parts (``spark.read.parquet(path)``: never collected), on ``--backend ray``
-a Ray Dataset (``ray.data.read_parquet(path)``), elsewhere a pyarrow Dataset.
+staging folder of a run that did not finish. `bind` gives a notebook variable as the backend's
+`Backend.output_table` says: on ``--backend spark`` a Spark DataFrame Spark reads from the committed parts
+(``spark.read.parquet(path)``: never collected), on ``--backend ray`` a Ray Dataset (``ray.data.read_parquet(path)``),
+elsewhere a pyarrow Dataset.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Callable, Mapping, MutableMapping, Sequence
 from ..config import RunConfig
 from ..data.outputs import Output, abort, commit, outputs_root
 from ..errors import log_dropped
+from ..registry import BACKENDS
 
 
 def root_of(config: RunConfig, checkpoint_root: str | None) -> str | None:
@@ -73,10 +75,12 @@ def bind(namespace: MutableMapping[str, Any], backend: str, pairs: Sequence[tupl
 
 
 def readable(backend: str, output: Output, spark_session: Callable[[], Any] | None = None) -> Any:
-    """``output`` as the backend's own table: a Spark DataFrame, a Ray Dataset, else a pyarrow Dataset."""
-    if backend == "spark":
+    """``output`` as the backend's own table (its `Backend.output_table`): a Spark DataFrame, a Ray Dataset, else a
+    pyarrow Dataset."""
+    table = BACKENDS.facts(backend).output_table
+    if table == "spark":
         return output.to_spark(spark_session() if spark_session is not None else None)
-    if backend == "ray":
+    if table == "ray":
         return output.to_ray()
     return output.dataset()
 
