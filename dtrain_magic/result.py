@@ -21,6 +21,8 @@ class RunResult:
     name (`dtrain_magic.data.outputs.Output`: ``.path``, ``.rows``, ``.dataset()``, ``.to_pandas()``), committed
     once every rank returned. ``printed``: each rank's output (stdout and stderr as they came, the last 4 M
     characters), by rank: `output` gives one rank's; the MLflow run has each as ``logs/rank_N.txt``.
+    ``world_size``: the ranks of the run's last attempt, those ``values`` come from (``--elastic`` may have shrunk or
+    grown the run from ``config.num_processes``; None given: ``config.num_processes``).
     """
 
     value: Any
@@ -34,11 +36,17 @@ class RunResult:
     checkpoint_root: str | None = None
     printed: dict[int, str] = field(default_factory=dict, repr=False)
     outputs: dict[str, Any] = field(default_factory=dict, repr=False)
+    world_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.world_size is None:
+            object.__setattr__(self, "world_size", self.config.num_processes)
 
     def output(self, rank: int = 0) -> str:
         """What ``rank`` printed during the run (its stdout and stderr, in order), without the ``[rank N]`` prefix."""
-        if not 0 <= rank < self.config.num_processes:
-            raise ValueError(f"rank {rank}: this run had ranks 0 to {self.config.num_processes - 1}")
+        ranks = max(self.config.num_processes, self.world_size or 0)  # a grown run had more than it started with
+        if not 0 <= rank < ranks:
+            raise ValueError(f"rank {rank}: this run had ranks 0 to {ranks - 1}")
         return self.printed.get(rank, "")
 
     def __repr__(self) -> str:
@@ -48,7 +56,7 @@ class RunResult:
         outputs = ", ".join(f"{name}={getattr(out, 'rows', '?'):,} rows" for name, out in self.outputs.items())
         return (
             f"RunResult(backend={self.config.backend}, strategy={self.config.strategy}, "
-            f"world_size={self.config.num_processes}, wall_time_s={self.wall_time_s:.2f}, "
+            f"world_size={self.world_size}, wall_time_s={self.wall_time_s:.2f}, "
             f"run_id={self.run_id!r}, metrics={{{metrics}}}, value={short.repr(self.value)}"
             + (f", outputs={{{outputs}}})" if outputs else ")")
         )

@@ -90,7 +90,8 @@ class Pump:
         self.perf = Throughput(config.num_processes, config.tp * config.pp)
         self.collector = StackCollector(self.labels)
         self.outputs = RankOutputs()
-        self.resizes = ResizeLog(config.num_processes)  # world size and steps lost over restarts (--elastic)
+        # world size, restarts and steps lost over the run's relaunches (--max-restarts, --elastic)
+        self.resizes = ResizeLog(config.num_processes, config.grad_accum, int(self.t0_wall * 1000))
         self.data_read: set[str] = set()  # the --data names rank 0 read batches of (ctx.data), to name the unread
         self.artifacts: dict[str, str] = {}  # MLflow artifacts waiting for the run (stacks), path → text
         self.thinned = 0  # metric values the workers left out (a loop logging faster than MLflow takes)
@@ -98,7 +99,7 @@ class Pump:
         self.stop_plan = StopPlan(config.num_processes)  # fed every pulse: a `StepStop` picks its step from them
         self._stop_asked_at: float | None = None
         self.restart_notes: list[str] = []  # one per restart the launcher made (`LaunchState.restart_note`)
-        self._restart_metrics: list[tuple[int, dict]] = []  # restarts before the MLflow run was open
+        self._restart_metrics: list[tuple[int, dict, int | None]] = []  # relaunches before the MLflow run was open
         self._running: Any = None
         self._perf_at = self._perf_metrics_at = 0.0
 
@@ -152,8 +153,8 @@ class Pump:
         waiting, self.waiting_metrics = self.waiting_metrics, []
         for step, metrics, stamp in waiting:
             tracker.log_metrics(step, metrics, stamp)
-        for step, metrics in self._restart_metrics:
-            tracker.log_metrics(step, metrics, logged=False)
+        for step, metrics, stamp in self._restart_metrics:
+            tracker.log_metrics(step, metrics, stamp, logged=False)
         self._restart_metrics = []
 
     def _check_stop(self, stop: threading.Event | None) -> None:
@@ -192,7 +193,6 @@ class Pump:
                 self.handle(message)
                 message = self.channel.get(timeout=0) if self.channel.pending() else None
             state = running.poll()
-            self.resizes.launched(state.world_size)  # --elastic: the results to wait for
             if state.restarted:
                 self._restarted(state)
                 first_error_at = None
@@ -216,15 +216,16 @@ class Pump:
             self._tick(now)
 
     def _restarted(self, state: Any) -> None:
-        """The launcher restarted every worker (`LaunchState.restarted`): forget the failed attempt; the MLflow run
-        gets a ``restarts`` metric at the step reached and, at its end, a tag per restart (`restart_notes`)."""
+        """The launcher relaunched every worker (`LaunchState.restarted`; under ``--elastic`` maybe on another number
+        of ranks, the results to wait for): forget the failed attempt; the MLflow run gets what `ResizeLog.relaunched`
+        says (the world size, the ``restarts`` counter) and, at its end, a tag per relaunch (`restart_notes`)."""
         self._forget_attempt(keep_last=False)
         self.restart_notes.append(state.restart_note or "every worker restarted")
-        entry = (self.last_step, {"restarts": float(len(self.restart_notes))})
-        if self.tracker is not None:
-            self.tracker.log_metrics(*entry, logged=False)
-        else:
-            self._restart_metrics.append(entry)
+        for step, metrics, stamp in self.resizes.relaunched(state.world_size):
+            if self.tracker is not None:
+                self.tracker.log_metrics(step, metrics, stamp, logged=False)
+            else:
+                self._restart_metrics.append((step, metrics, stamp))
 
     def _forget_attempt(self, keep_last: bool) -> None:
         """The workers were restarted: the earlier attempt's results and errors no longer count."""

@@ -231,6 +231,7 @@ class _Run:
             wall_time_s=time.monotonic() - self.started, metrics=dict(tracker.last_metrics),
             time_to_first_step_s=self.pump.first_metric_s, tracking_uri=tracker.tracking_uri,
             checkpoint_root=self.launch.checkpoint_root, printed=self.pump.outputs.by_rank(), outputs=written,
+            world_size=self.pump.resizes.world,
         )
         tracker.log_result(result.value)
         return result
@@ -260,8 +261,8 @@ class _Run:
                                                         "$DTRAIN_MAGIC_METRIC_RATE a second after a burst)")
             if pump.perf.flagged:
                 tags["dtrain_magic.stragglers"] = "; ".join(pump.perf.flagged.values())
-            if pump.restart_notes:  # --max-restarts: how many, and each one's reason in the launcher's words
-                tags["dtrain_magic.restarts"] = str(len(pump.restart_notes))
+            if pump.restart_notes:  # each relaunch's reason in the launcher's words; the restarts among them
+                tags["dtrain_magic.restarts"] = str(pump.resizes.restarts)
                 tags.update({f"dtrain_magic.restart_{n}": note for n, note in enumerate(pump.restart_notes, 1)})
             pump.collector.cleanup()
         inputs: list = []

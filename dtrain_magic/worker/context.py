@@ -70,7 +70,7 @@ def shard_loader(loader: DataLoader, rank: int, world_size: int, seed: int = 0) 
 
 
 RUN_STATE_KEY = "dtrain_magic.run"  # the run's own state in a checkpoint's client_state (`TrainContext._run_state`)
-RESUMED_METRIC = "resumed_at_step"  # rank 0's metric on resuming: the run's ctx.step() calls the checkpoint holds
+RESUMED_METRIC = "resumed_at_step"  # rank 0's metric on resuming: the optimizer steps the checkpoint holds
 
 
 def _metric_value(key: Any, value: Any) -> float:
@@ -123,6 +123,7 @@ class TrainContext:
         self._data_positions: Any = None  # `dtrain_magic.data.reader.DataPositions`, once ctx.data made a reader
         self._params = MappingProxyType(dict(params or {}))
         self._steps = 0  # ctx.step() calls over the run (restored by load_checkpoint): the preemption checkpoint's step
+        self._optimizer_steps = 0  # optimizer steps over the run, whatever the accumulation of each attempt (--elastic)
         self._last_state: dict[str, Any] = {}  # the client_state of the last save: the preemption checkpoint keeps it
         self._lr_scale = lr_scale  # --elastic: the learning-rate factor of this world size (`elastic.Resize`)
         self._preemption = preemption  # `preempt.PreemptionNotice`, or None
@@ -338,6 +339,7 @@ class TrainContext:
         """Count the step; at an optimizer step boundary, act on a preemption notice every rank agreed on; then stop
         if this is the step the notebook asked every rank to stop after (raises `StopAtStep`)."""
         self._steps += 1
+        self._optimizer_steps += int(stepped)
         if stepped and self._preemption is not None and self._preemption.agreed():
             from .preempt import Preempted
 
@@ -494,13 +496,15 @@ class TrainContext:
     def _run_state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the run itself: steps, the world and accumulation, the learning-rate factor."""
         return {"steps": self._steps, "world": self.data_parallel_size, "grad_accum": self.strategy.accumulation,
-                "micro_step": getattr(self.strategy, "micro_step", 0), "lr_scale": self._lr_scale}
+                "micro_step": getattr(self.strategy, "micro_step", 0), "lr_scale": self._lr_scale,
+                "optimizer_steps": self._optimizer_steps}
 
     def _restore_run_state(self, saved: Mapping[str, Any]) -> None:
         """Resume the step count; on another world size (``--elastic``) keep the optimizer steps' count under the
         new accumulation and move the learning rate from the saved factor to this world's."""
         self._steps = int(saved.get("steps", 0))
         accum, old_accum = self.strategy.accumulation, int(saved.get("grad_accum", 1))
+        self._optimizer_steps = int(saved.get("optimizer_steps", self._steps // old_accum))  # older checkpoints
         if accum != old_accum and hasattr(self.strategy, "micro_step"):
             self.strategy.micro_step = (int(saved.get("micro_step", 0)) // old_accum) * accum
         ratio = self._lr_scale / float(saved.get("lr_scale", 1.0))
@@ -508,10 +512,10 @@ class TrainContext:
         if ratio != 1.0 and optimizer is not None:
             for group in optimizer.param_groups:
                 group["lr"] = group["lr"] * ratio
-        if self.is_main:  # the notebook counts the steps a restart lost from it (`driver.pump`)
-            facts = {RESUMED_METRIC: float(self._steps), "world_size": float(self.data_parallel_size),
+        if self.is_main:  # at the optimizer step resumed from; the notebook counts the steps a restart lost from it
+            facts = {RESUMED_METRIC: float(self._optimizer_steps), "world_size": float(self.data_parallel_size),
                      "grad_accum": float(accum), "lr_scale": float(self._lr_scale)}
-            self._send(Metric(self.rank, self._log_calls, facts, int(time.time() * 1000)))
+            self._send(Metric(self.rank, self._optimizer_steps, facts, int(time.time() * 1000)))
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The whole model's full-precision state dict (ZeRO-3/FSDP/tensor-parallel shards gathered, pipeline

@@ -227,6 +227,24 @@ def test_the_steps_a_restart_lost_are_counted_from_the_pulses_and_the_resume():
     assert log.metrics({"loss": 1.0}) == {"loss": 1.0}
 
 
+def test_relaunches_log_the_world_from_step_0_count_restarts_not_shrinks_and_lose_optimizer_steps():
+    """2 ranks (accumulation 1) reach step 13 and lose one: the shrink (no restart) resumes on 1 rank at 12, with
+    accumulation 2; that attempt's 14 ctx.step() calls reach step 19, a restart grows it back from 18."""
+    log = ResizeLog(2, accum=1, start_ms=1_000)
+    log.pulse(13)
+    assert log.relaunched(1) == [(0, {"world_size": 2.0}, 1_000)]  # a shrink: the run's own world, no restart
+    resumed = log.metrics({"resumed_at_step": 12.0, "world_size": 1.0, "grad_accum": 2.0})
+    assert (resumed["steps_lost"], resumed["steps_lost_total"]) == (1.0, 1.0)
+    log.pulse(14)  # micro-steps: 7 optimizer steps at accumulation 2
+    assert log.reached == 19
+    assert log.relaunched(2) == [(19, {"restarts": 1.0}, None)]  # the grow used a restart, counted where it failed
+    resumed = log.metrics({"resumed_at_step": 18.0, "world_size": 2.0, "grad_accum": 1.0})
+    assert (resumed["steps_lost"], resumed["steps_lost_total"]) == (1.0, 2.0)
+    assert log.world_sizes == [2, 1, 2] and log.restarts == 1 and log.world == 2
+    same = ResizeLog(2)
+    assert same.relaunched(None)[1] == (0, {"restarts": 1.0}, None)  # a restart on the same world (Spark)
+
+
 # -- the context's side: a resize's state, and acting on an agreed notice ---------------------------------------
 def _context(strategy, lr_scale=1.0, preemption=None, sent=None):
     from dtrain_magic.worker.context import TrainContext
