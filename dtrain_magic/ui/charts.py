@@ -14,6 +14,10 @@ read, synchronously: ``%distribute_show RUN_ID`` uses it for a finished run.
   ``system/gpu_N_memory_usage_percentage``, nvidia-ml-py) when the run has them, else CPU and RAM
   (``system/cpu_utilization_percentage``, ``system/system_memory_usage_percentage``), in percent,
   x = seconds since the run started. Node-prefixed keys (``system/<node>/...``) get one trace per node.
+- World size chart, only for a run that was relaunched or resumed (`WORLD_KEYS`, logged by `driver.resizes`): the
+  world size against the optimizer step (a step line), each restart a dotted vertical line, the optimizer steps each
+  relaunch lost beside the point it resumed from and in the title (`draw_world`). A run without one has no such
+  metric, and the chart stays hidden.
 
 How they reach the front-end: each figure is shown as plotly's MIME bundle (``application/vnd.plotly.v1+json``,
 the figure's data and layout) in an ``ipywidgets.Output``, replaced when the figure changed (at most every
@@ -93,6 +97,11 @@ def wait_for_plotly(timeout: float | None = None) -> bool:
     return True
 
 
+# The magic's own record of a run's relaunches (`driver.resizes`): drawn in the world size chart, not with the
+# function's metrics. (``grad_accum`` and ``lr_scale`` stay there: a function may log those names itself.)
+WORLD_KEYS = ("world_size", "restarts", "steps_lost", "steps_lost_total", "resumed_at_step")
+
+
 def is_system(key: str) -> bool:
     return key.startswith("system/")
 
@@ -157,6 +166,36 @@ def figure_bundle(figure: Any) -> dict[str, Any]:
             "data": {PLOTLY_MIME: json.loads(pio.to_json(figure, validate=False)), "text/plain": "\n".join(lines)}}
 
 
+def _world_at(world: Series, stamp: int) -> float:
+    """The world size the run had at ``stamp`` (ms): the last ``world`` point logged by then."""
+    earlier = [y for y, t in zip(world.y, world.timestamps, strict=True) if t <= stamp]
+    return earlier[-1] if earlier else world.y[0]
+
+
+def draw_world(figure: Any, series: dict[str, Series]) -> bool:
+    """Draw the world size chart of a run's `WORLD_KEYS` series into ``figure`` (its traces, shapes and annotations
+    replaced); False, and nothing drawn, when the run has no world size or restart (it was never relaunched)."""
+    if "world_size" not in series and "restarts" not in series:
+        return False
+    world = series.get("world_size") or Series([0], [float("nan")], [0])  # restarts alone: an unknown world
+    restarts, lost = series.get("restarts", Series()), series.get("steps_lost", Series())
+    last = max([*world.x, *restarts.x, *lost.x])
+    shapes = [dict(type="line", x0=step, x1=step, y0=0, y1=1, xref="x", yref="paper",
+                   line=dict(dash="dot", color="firebrick")) for step in restarts.x]
+    notes = [dict(x=step, y=1, xref="x", yref="paper", text=f"restart {count:g}", showarrow=False, xanchor="left",
+                  yanchor="top", font=dict(color="firebrick"))
+             for step, count in zip(restarts.x, restarts.y, strict=True)]
+    notes += [dict(x=step, y=_world_at(world, stamp), text=f"{value:g} lost", showarrow=True, arrowhead=2, ay=-30)
+              for step, value, stamp in zip(lost.x, lost.y, lost.timestamps, strict=True) if value]
+    total, count = sum(lost.y), int(restarts.y[-1]) if restarts.y else 0
+    figure.data = ()
+    figure.add_scatter(x=[*world.x, last], y=[*world.y, world.y[-1]], name="world size", mode="lines+markers",
+                       line=dict(shape="hv"), marker=dict(size=6))
+    figure.layout.update(shapes=shapes, annotations=notes, title=dict(
+        text=f"World size: {count} restart{'s' * (count != 1)}, {total:g} optimizer step{'s' * (total != 1)} lost"))
+    return True
+
+
 class RunCharts:
     """The two charts of one run and the poller that keeps them current.
 
@@ -194,6 +233,10 @@ class RunCharts:
         self.system_figure = factory(layout=dict(
             title=dict(text="System"), xaxis=dict(title=dict(text="seconds")),
             yaxis=dict(title=dict(text="%"), range=[0, 100]), **common))
+        self.world_figure = factory(layout=dict(
+            title=dict(text="World size"), xaxis=dict(title=dict(text="optimizer step")),
+            yaxis=dict(title=dict(text="ranks"), rangemode="tozero", dtick=1), showlegend=False, **common))
+        self.world_shown = False  # the run was relaunched or resumed: the world size chart has something to show
         self.metrics: dict[str, Series] = {}
         self.system: dict[str, Series] = {}
         self.status: str | None = None
@@ -234,7 +277,9 @@ class RunCharts:
 
         # The minimum size keeps the chart's place while an Output is emptied and refilled: no jump.
         size = w.Layout(min_width="480px", min_height="320px")
-        self._outputs = {"metrics": w.Output(layout=size), "system": w.Output(layout=size)}
+        self._outputs = {"metrics": w.Output(layout=size), "system": w.Output(layout=size),
+                         "world": w.Output(layout=w.Layout(min_width="480px", min_height="320px",
+                                                           display=None if self.world_shown else "none"))}
         for name, output in self._outputs.items():
             output.add_class(f"dtm-chart-{name}")
         self._scale_control = w.ToggleButtons(
@@ -260,7 +305,7 @@ class RunCharts:
         control = self._metric_control
         if control is None:
             return
-        options, value = tuple(sorted(self.metrics)), self.shown_metric()
+        options, value = tuple(self.training_keys()), self.shown_metric()
         if control.options != options or control.value != value:
             self._syncing = threading.get_ident()  # observers run in the thread that sets the value
             try:
@@ -273,12 +318,16 @@ class RunCharts:
         if self._syncing != threading.get_ident() and change["new"]:
             self.show_metric(change["new"])
 
+    def training_keys(self) -> list[str]:
+        """The function's metrics (those of the training metrics chart), in name order."""
+        return sorted(key for key in self.metrics if key not in WORLD_KEYS)
+
     def shown_metric(self) -> str | None:
         """The training metric drawn (the others are in the legend, hidden): the one chosen in the menu, else
         `default_metric`."""
         if self._chosen_metric in self.metrics:
             return self._chosen_metric
-        return default_metric(list(self.metrics))
+        return default_metric(self.training_keys())
 
     def show_metric(self, name: str) -> None:
         """Draw ``name`` in the training metrics chart, hide the others (the metric menu's choice)."""
@@ -305,10 +354,10 @@ class RunCharts:
         if not self._outputs or not self._stale:
             return
         now = time.monotonic()
-        figures = {"metrics": self.metrics_figure, "system": self.system_figure}
+        figures = {"metrics": self.metrics_figure, "system": self.system_figure, "world": self.world_figure}
         # Each redraw is a new plot in the browser (plotly's renderer also makes a PNG of it): the system
         # chart, sampled once a second, is redrawn half as often as the training metrics.
-        every = {"metrics": self.redraw_s, "system": 2 * self.redraw_s}
+        every = {"metrics": self.redraw_s, "system": 2 * self.redraw_s, "world": self.redraw_s}
         for name in sorted(self._stale):
             if force or now - self._shown_at.get(name, float("-inf")) >= every[name]:
                 self._outputs[name].outputs = (figure_bundle(figures[name]),)
@@ -410,12 +459,23 @@ class RunCharts:
         return changed
 
     def _draw_metrics(self, changed: list[str]) -> None:
-        if changed:
-            self._draw(self.metrics_figure, self.metrics, changed, visible_default=self.shown_metric())
+        training = [key for key in changed if key not in WORLD_KEYS]
+        if training:
+            self._draw(self.metrics_figure, self.metrics, training, visible_default=self.shown_metric())
             self._stale.add("metrics")
             self._apply_visibility()
             self._apply_y_scale()
             self._sync_metric_control()
+        if len(training) < len(changed):
+            self._draw_world()
+
+    def _draw_world(self) -> None:
+        """The world size chart from the run's `WORLD_KEYS` series, shown from its first point on."""
+        if draw_world(self.world_figure, {key: self.metrics[key] for key in WORLD_KEYS if key in self.metrics}):
+            self.world_shown = True
+            self._stale.add("world")
+            if "world" in self._outputs:
+                self._outputs["world"].layout.display = None
 
     def _update_system(self, key: str, history: list) -> bool:
         old = self.system.get(key)

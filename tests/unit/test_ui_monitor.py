@@ -255,3 +255,65 @@ def test_charts_show_plotly_bundles_redrawn_at_most_every_redraw_s_and_the_chose
     charts.show_now()  # what the run's end does before the cell returns
     assert shown() == {"loss": ([0, 1, 2], "legendonly"), "lr": ([0, 1, 2], True)}
     assert charts._metric_control.options == ("loss", "lr") and charts._metric_control.value == "lr"
+
+
+# -- the world size chart: a relaunched run's record in a real MLflow store -------------------------------------
+
+def _mlflow_run(tmp_path, monkeypatch, entries):
+    """A real MLflow file store in ``tmp_path`` holding one FINISHED run with ``entries`` (step, metrics, stamp) logged
+    through MlflowClient, as the tracker writes them; (client, run id)."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    run_id = client.create_run(client.create_experiment("world")).info.run_id
+    client.log_batch(run_id, metrics=[Metric(key, value, stamp, step) for step, metrics, stamp in entries
+                                      for key, value in metrics.items()])
+    client.set_terminated(run_id, "FINISHED")
+    return client, run_id
+
+
+def _shrunk_and_grown() -> list:
+    """What the pump logs for `test_elastic_local`'s run, from the real `ResizeLog`: 2 ranks reach step 13, one is
+    lost, the survivor resumes at 12 (accumulation 2), reaches 19 and fails, a restart grows it back from 18."""
+    from dtrain_magic.driver.resizes import ResizeLog
+
+    log = ResizeLog(2, accum=1, start_ms=1_000)
+    entries = [(step, {"loss": 1.0 / (step + 1)}, 1_000 + step) for step in range(24)]
+    log.pulse(13)
+    entries += [(s, m, t or 2_000) for s, m, t in log.relaunched(1)]
+    entries.append((12, dict(log.metrics({"resumed_at_step": 12.0, "world_size": 1.0, "grad_accum": 2.0})), 2_100))
+    log.pulse(14)
+    entries += [(s, m, t or 3_000) for s, m, t in log.relaunched(2)]
+    entries.append((18, dict(log.metrics({"resumed_at_step": 18.0, "world_size": 2.0, "grad_accum": 1.0})), 3_100))
+    return entries
+
+
+def test_a_relaunched_run_gets_a_world_size_chart_with_its_restart_and_the_steps_lost(tmp_path, monkeypatch):
+    client, run_id = _mlflow_run(tmp_path, monkeypatch, _shrunk_and_grown())
+    charts = _charts()
+    charts.attach(client, run_id)
+    assert charts.poll_once() and charts.world_shown
+    figure = charts.world_figure
+    assert figure.layout.title.text == "World size: 1 restart, 2 optimizer steps lost"
+    (line,) = figure.data  # a step line: 2 ranks from step 0, 1 from the shrink's resume at 12, 2 again from 18
+    assert (line.name, line.line.shape, list(line.x), list(line.y)) == ("world size", "hv", [0, 12, 18, 19],
+                                                                        [2.0, 1.0, 2.0, 2.0])
+    assert [(shape.x0, shape.line.dash) for shape in figure.layout.shapes] == [(19, "dot")]  # not the shrink
+    assert [(note.x, note.y, note.text) for note in figure.layout.annotations] == [
+        (19, 1, "restart 1"), (12, 1.0, "1 lost"), (18, 2.0, "1 lost")]
+    assert charts.training_keys() == ["grad_accum", "loss"] and charts.shown_metric() == "loss"
+    assert "world size" not in {trace.name for trace in charts.metrics_figure.data}
+    assert charts.widget.children[1].children[2].layout.display is None  # the third chart is shown
+
+
+def test_a_run_never_relaunched_shows_no_world_size_chart(tmp_path, monkeypatch):
+    client, run_id = _mlflow_run(tmp_path, monkeypatch, [(step, {"loss": 1.0 - step / 10}, 1_000 + step)
+                                                         for step in range(5)])
+    charts = _charts()
+    charts.attach(client, run_id)
+    assert charts.poll_once() and not charts.world_shown
+    assert not charts.world_figure.data and charts.world_figure.layout.title.text == "World size"
+    assert charts.widget.children[1].children[2].layout.display == "none"
+    assert charts.trace_data(charts.metrics_figure, "loss")[0] == [0, 1, 2, 3, 4]
