@@ -1,6 +1,7 @@
-"""Live charts of a run, read from MLflow: training metrics against step, system metrics over time.
+"""Live charts of a run, read from MLflow: training metrics against step, system metrics over time, and the world size
+of a run that was relaunched.
 
-`RunCharts` owns two plotly figures and a background poller (`start`) that reads the run with
+`RunCharts` owns three plotly figures and a background poller (`start`) that reads the run with
 ``MlflowClient.get_run`` (which keys exist, the run's status) and ``get_metric_history`` per key, every
 ``interval_s`` (0.25 s by default; one history of a few hundred points costs 1-2 ms on SQLite). The
 poller stops after the run is terminal in MLflow (the tracker flushes every queued metric before it
@@ -197,7 +198,8 @@ def draw_world(figure: Any, series: dict[str, Series]) -> bool:
 
 
 class RunCharts:
-    """The two charts of one run and the poller that keeps them current.
+    """The charts of one run (training metrics, system, a relaunched run's world size) and the poller that keeps
+    them current.
 
     Training metrics come from two places. MLflow's history is the record: what the chart holds once the
     run is terminal is exactly that history. While the run goes, `feed` adds each value as the notebook
@@ -207,8 +209,8 @@ class RunCharts:
     (step, worker timestamp), the same pair MLflow stores, so it is shown once: it leaves the fed list
     when the poll finds it in MLflow's history. System metrics are MLflow's only.
 
-    ``metrics_figure`` and ``system_figure`` are plain plotly figures (the Python side's copy); the widget
-    shows them as plotly MIME bundles (see the module's docstring), redrawn at most every ``redraw_s``.
+    ``metrics_figure``, ``system_figure`` and ``world_figure`` are plain plotly figures (the Python side's copy); the
+    widget shows them as plotly MIME bundles (see the module's docstring), redrawn at most every ``redraw_s``.
     """
 
     def __init__(

@@ -6,8 +6,8 @@ ETA once the function calls ``ctx.set_total(steps)``, where each ``ctx.data`` lo
 epoch (batches read of the epoch's), throughput (samples/s, tokens/s, model FLOP/s, MFU), the latest
 metrics, a tail of the workers' output (all ranks, or one rank: the tabs above it), a Stop button, a Stacks
 button (every rank's Python stack now, within 2 s, shown under the log; a stall shows there too), and the
-two live charts
-(`charts.RunCharts`: fed each metric as it arrives, merged with the MLflow run's history by a
+live charts (training metrics, system, and the world size of a run that was relaunched:
+`charts.RunCharts`: fed each metric as it arrives, merged with the MLflow run's history by a
 background poller once the run is open; made at the first metric, in a background thread, after
 plotly's first import).
 
