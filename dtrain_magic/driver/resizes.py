@@ -36,8 +36,9 @@ class ResizeLog:
         self._start_ms = start_ms
         self._relaunched = False
         self._attempt_start = 0  # the optimizer step the current attempt resumed from
-        self._attempt_steps = 0  # the furthest rank's ctx.step() calls in the current attempt
-        self._reached_before: int | None = None  # the optimizer step the attempt before a relaunch reached
+        # the furthest rank's ctx.step() calls in the current attempt, until the next one resumes: the stopped ranks'
+        # last reports come after the launcher relaunched
+        self._attempt_steps = 0
 
     @property
     def reached(self) -> int:
@@ -57,11 +58,9 @@ class ResizeLog:
         if not self._relaunched:
             entries.append((0, {"world_size": float(self.world_sizes[0])}, self._start_ms))
             self._relaunched = True
-        self._reached_before = self.reached
         if world is None or world >= self.world:
             self.restarts += 1
-            entries.append((self._reached_before, {"restarts": float(self.restarts)}, None))
-        self._attempt_start, self._attempt_steps = 0, 0  # unless it resumes (`metrics`), from scratch
+            entries.append((self.reached, {"restarts": float(self.restarts)}, None))
         self.launched(world)
         return entries
 
@@ -74,10 +73,9 @@ class ResizeLog:
         if RESUMED not in metrics:
             return metrics
         resumed = int(metrics[RESUMED])
-        reached = self.reached if self._reached_before is None else self._reached_before  # a silent restart: Ray's
-        lost = max(0, reached - resumed)
+        lost = max(0, self.reached - resumed)
         self.steps_lost_total += lost
-        self._attempt_start, self._attempt_steps, self._reached_before = resumed, 0, None
+        self._attempt_start, self._attempt_steps = resumed, 0
         self._accum = max(1, int(metrics.get("grad_accum", self._accum)))
         self.launched(int(metrics.get("world_size", self.world)))
         return {**metrics, "steps_lost": float(lost), "steps_lost_total": float(self.steps_lost_total)}

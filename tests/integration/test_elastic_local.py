@@ -37,9 +37,15 @@ def _train(batches) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _metric(mlflow, key: str) -> list[float]:
+def _history(mlflow, key: str) -> list[tuple[int, float]]:
+    """(step, value) of each ``key`` the run logged, in the order logged."""
     run = mlflow.search_runs(mlflow.get_experiment_by_name("dtrain_magic").experiment_id)[0]
-    return [m.value for m in sorted(mlflow.get_metric_history(run.info.run_id, key), key=lambda m: m.timestamp)]
+    history = sorted(mlflow.get_metric_history(run.info.run_id, key), key=lambda m: m.timestamp)
+    return [(m.step, m.value) for m in history]
+
+
+def _metric(mlflow, key: str) -> list[float]:
+    return [value for _, value in _history(mlflow, key)]
 
 
 # -- the preemption notice --------------------------------------------------------------------------------------
@@ -80,6 +86,7 @@ def test_a_sigterm_to_one_rank_checkpoints_every_rank_and_loses_no_step(shell, m
     resumed = [int(line.rsplit(" ", 1)[1]) for line in out.out.splitlines() if "resumed at step" in line]
     assert len(set(resumed)) == 1 and TERM_AT < resumed[0] < STEPS, out.out
     assert _metric(mlflow, "steps_lost") == [0.0] and _metric(mlflow, "restarts") == [1.0]
+    assert _history(mlflow, "world_size") == [(0, 2.0), (resumed[0], 2.0)]  # from step 0, then at the optimizer step
     data = torch.randn(STEPS, 2, 4, 8, generator=torch.Generator().manual_seed(1)).reshape(STEPS, 8, 8)
     expected = _train((x, x.sum(-1, keepdim=True)) for x in data)
     for name, value in expected.items():
@@ -156,14 +163,25 @@ def test_elastic_continues_on_the_survivor_and_grows_back_with_the_same_batches_
     assert "restarting every worker (restart 1, 0 left)" in out.err, out.err
     assert "world size 1 -> 2: gradient accumulation 2 -> 1 (global batch kept)" in out.err
     value = result.result.value
-    assert value["world"] == 2 and len(result.result.values) == 2
-    # the last save before the kill was after step 12: one step (13) redone on the survivor
-    assert _metric(mlflow, "world_size") == [1.0, 2.0] and _metric(mlflow, "grad_accum") == [2.0, 1.0]
-    assert _metric(mlflow, "lr_scale") == [1.0, 1.0] and _metric(mlflow, "steps_lost")[0] == 1.0
+    assert value["world"] == 2 and len(result.result.values) == 2 and result.result.world_size == 2
+    # MLflow has the world size at the optimizer step each attempt began (2 ranks from 0, 1 from the shrink's resume
+    # at 12, 2 from the restart's at 18); the shrink used no restart: one restart, logged where the survivor failed
+    # (19). The last save before the kill was after step 12, before the failure after 18: one optimizer step redone
+    # at each relaunch (the survivor's 14 ctx.step() calls at accumulation 2 are 7 steps)
+    assert _history(mlflow, "world_size") == [(0, 2.0), (12, 1.0), (18, 2.0)]
+    assert _history(mlflow, "restarts") == [(FAIL_AT, 1.0)]
+    assert _history(mlflow, "steps_lost") == [(12, 1.0), (18, 1.0)] and _metric(mlflow, "steps_lost_total") == [1, 2]
+    assert _metric(mlflow, "grad_accum") == [2.0, 1.0] and _metric(mlflow, "lr_scale") == [1.0, 1.0]
     run = mlflow.search_runs(mlflow.get_experiment_by_name("dtrain_magic").experiment_id)[0]
-    assert run.data.tags["dtrain_magic.restarts"] == "2"  # each relaunch a tag: the shrink, then the restart
+    assert run.data.tags["dtrain_magic.restarts"] == "1"  # restarts only; a restart_<n> tag per relaunch (both)
     assert "continuing on the 1 survivor(s)" in run.data.tags["dtrain_magic.restart_1"]
     assert "world size 1 -> 2" in run.data.tags["dtrain_magic.restart_2"]
+    from dtrain_magic.ui.charts import RunCharts
+
+    charts = RunCharts(mlflow, run.info.run_id)  # the panel's world size chart of this run, from MLflow
+    charts.poll_once()
+    assert charts.world_figure.layout.title.text == "World size: 1 restart, 2 optimizer steps lost"
+    assert list(charts.world_figure.data[0].y) == [2.0, 1.0, 2.0, 2.0]
     for epoch, ids in _committed_reads().items():  # every row exactly once in each epoch, across both resizes
         assert sorted(ids) == list(range(ROWS)), epoch
     # continued within 30 s of the kill (the issue asks 10; this machine is shared): the first read of the survivor

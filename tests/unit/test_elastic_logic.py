@@ -231,8 +231,9 @@ def test_relaunches_log_the_world_from_step_0_count_restarts_not_shrinks_and_los
     """2 ranks (accumulation 1) reach step 13 and lose one: the shrink (no restart) resumes on 1 rank at 12, with
     accumulation 2; that attempt's 14 ctx.step() calls reach step 19, a restart grows it back from 18."""
     log = ResizeLog(2, accum=1, start_ms=1_000)
-    log.pulse(13)
+    log.pulse(12)
     assert log.relaunched(1) == [(0, {"world_size": 2.0}, 1_000)]  # a shrink: the run's own world, no restart
+    log.pulse(13)  # a stopped rank's last report comes after the relaunch: still the old attempt's
     resumed = log.metrics({"resumed_at_step": 12.0, "world_size": 1.0, "grad_accum": 2.0})
     assert (resumed["steps_lost"], resumed["steps_lost_total"]) == (1.0, 1.0)
     log.pulse(14)  # micro-steps: 7 optimizer steps at accumulation 2
