@@ -220,8 +220,11 @@ class Pump:
         of ranks, the results to wait for): forget the failed attempt; the MLflow run gets what `ResizeLog.relaunched`
         says (the world size, the ``restarts`` counter) and, at its end, a tag per relaunch (`restart_notes`)."""
         self._forget_attempt(keep_last=False)
-        self.restart_notes.append(state.restart_note or "every worker restarted")
-        for step, metrics, stamp in self.resizes.relaunched(state.world_size):
+        self._relaunched(state.world_size, state.restart_note or "every worker restarted")
+
+    def _relaunched(self, world: int | None, note: str) -> None:
+        self.restart_notes.append(note)
+        for step, metrics, stamp in self.resizes.relaunched(world):
             if self.tracker is not None:
                 self.tracker.log_metrics(step, metrics, stamp, logged=False)
             else:
@@ -403,6 +406,7 @@ class Pump:
             case ch.Hello():
                 if message.rank in self.hellos:  # a second Hello from a rank: the backend restarted the workers
                     self._forget_attempt(keep_last=True)
+                    self._relaunched(None, "the backend restarted every worker (--max-restarts)")  # Ray Train's
                 self.hellos.add(message.rank)
                 self.collector.saw(message)
                 self.watch.hello(message.rank, now)

@@ -300,3 +300,19 @@ def test_a_session_refuses_elastic_and_takes_no_preemption_notice():
         options.refuse_run_only_flags("--preempt-grace 5")
     with pytest.raises(ConfigError, match="--elastic"):
         options.check_session_config(RunConfig(backend="local", elastic="1:2", use_gpu=False))
+
+
+def test_a_backend_that_restarts_its_workers_itself_is_counted_as_a_restart():
+    """Ray Train restarts the group under --max-restarts without the launcher: a second Hello from a rank says so."""
+    from dtrain_magic import channel as ch
+    from dtrain_magic.driver.pump import Pump
+
+    retired = []
+    channel = SimpleNamespace(retire_earlier_connections=lambda keep_last: retired.append(keep_last))
+    pump = Pump(RunConfig(backend="local", num_processes=2, max_restarts=1, use_gpu=False), channel,
+                SimpleNamespace(status=lambda *args: None), 0.0)
+    for rank in (0, 1, 0, 1):  # the first attempt's ranks, then the restarted group's
+        pump.handle(ch.Hello(rank, 100 + rank, "host"))
+    assert retired == [True] and pump.restart_notes == ["the backend restarted every worker (--max-restarts)"]
+    assert [metrics for _, metrics, _ in pump._restart_metrics] == [{"world_size": 2.0}, {"restarts": 1.0}]
+    assert pump.resizes.restarts == 1
