@@ -316,3 +316,16 @@ def test_a_backend_that_restarts_its_workers_itself_is_counted_as_a_restart():
     assert retired == [True] and pump.restart_notes == ["the backend restarted every worker (--max-restarts)"]
     assert [metrics for _, metrics, _ in pump._restart_metrics] == [{"world_size": 2.0}, {"restarts": 1.0}]
     assert pump.resizes.restarts == 1
+
+
+def test_a_run_results_world_size_is_its_last_attempts():
+    from dtrain_magic.result import RunResult
+
+    shrunk = RunResult(value=1, values=[1], run_id="r", config=RunConfig(num_processes=2), wall_time_s=1.0,
+                       world_size=1)
+    assert shrunk.world_size == 1 and "world_size=1," in repr(shrunk)
+    plain = RunResult(value=1, values=[1, 1], run_id="r", config=RunConfig(num_processes=2), wall_time_s=1.0)
+    assert plain.world_size == 2
+    grown = RunResult(value=1, values=[1, 1], run_id="r", config=RunConfig(num_processes=1), wall_time_s=1.0,
+                      world_size=2, printed={1: "hi"})
+    assert grown.output(1) == "hi"  # rank 1 ran (after the run grew), though the run started on 1
