@@ -31,8 +31,8 @@ RESULTS = os.path.join(HERE, "results")
 sys.path.insert(0, HERE)
 from workload import PART_LABELS, SUB_PARTS  # noqa: E402
 
-ORDER = ("local_n2", "local_n1", "spark", "ray", "chart_lag", "strategies", "ctx_log", "interrupt", "data", "big_mlp",
-         "big_large")
+ORDER = ("local_n2", "local_n1", "spark", "ray", "chart_lag", "strategies", "ctx_log", "interrupt", "data", "outputs",
+         "big_mlp", "big_large")
 LOG_COST_LIMIT, LOG_COST_RATE = 0.02, 1500.0  # issue 25: ctx.log every step costs <= 2 % at >= 1500 steps/s
 
 
@@ -43,14 +43,15 @@ def benchmarks(args: argparse.Namespace) -> dict[str, tuple[str, list[str], floa
     spark_cold, ray_cold = args.spark_cold_runs, args.ray_cold_runs
     # -n 1 runs about 3500 steps/s on a core: 3000 steps give it as long a steady-state window as -n 2's 1000.
     local_steps = {n: [], 1: ["--steps", "3000"]}
-    small = {"local": [], "backend": [], "chart": [], "strategies": [], "log": [], "data": [], "big_mlp": [],
-             "big_large": []}
+    small = {"local": [], "backend": [], "chart": [], "strategies": [], "log": [], "data": [], "outputs": [],
+             "big_mlp": [], "big_large": []}
     if args.quick:  # does everything run? (the numbers mean nothing)
         local_steps = {n: ["--steps", "200"], 1: ["--steps", "200"]}
         small = {"local": [], "backend": ["--steps", "50"], "chart": ["--steps", "40"],
                  "strategies": ["--only", "ddp,zero3", "--width", "256", "--steps", "4"],
                  "log": ["--seconds", "1", "--blocks", "4"],
                  "data": ["--gb", "0.05", "--ray-gb", "0.02", "--spark-rows", "300000", "--repeats", "1"],
+                 "outputs": ["--gb", "0.02"],
                  "big_mlp": ["--width", "512", "--steps", "2"], "big_large": ["--width", "512", "--steps", "2"]}
     return {
         # setup (tracking DB, imports alone) + cold pairs (two fresh interpreters) + 3 kinds of warm calls
@@ -77,6 +78,8 @@ def benchmarks(args: argparse.Namespace) -> dict[str, tuple[str, list[str], floa
         "interrupt": ("bench_interrupt.py", ["--count", "2" if args.quick else "5"], 60 + 5 * (5 + 15 + 25)),
         # ≥ 1 GB of Parquet generated, read three ways; a Ray comparison; a ≥ 1 GB Spark DataFrame on every backend
         "data": ("bench_data.py", ["--repeats", str(r), *small["data"]], 120 if args.quick else 420),
+        # issue 39: 1 GiB of Parquet scored 4 ways (one process, ctx.write -n 2, Spark, Ray), each after a warm-up
+        "outputs": ("bench_outputs.py", small["outputs"], 120 if args.quick else 300),
         # issue 26: per-rank peak memory, CPU (8 runs of a 134 M-parameter MLP; 4 of a 0.5 B one, 8.5 GiB at -n 1)
         "big_mlp": ("bench_big_models.py", ["--part", "mlp", *small["big_mlp"]], 120 if args.quick else 600),
         "big_large": ("bench_big_models.py", ["--part", "large", *small["big_large"]], 120 if args.quick else 600),
@@ -380,6 +383,7 @@ def targets(results: dict, n: int) -> list[dict]:
             rows[-1].update(met=False, measured_text=f"{len(backs)} of {stat['count']} passed",
                             missed_by="a failed cycle", reason=failure)
     data_targets(results, add)
+    output_targets(results, add)
     big_model_targets(results, add)
     lags = _data(results, "chart_lag") or {}
     for key, which in (("chart_lag", "a kernel's first run"), ("chart_lag_later", "later runs")):
@@ -414,6 +418,26 @@ def data_targets(results: dict, add: callable) -> None:
     restaged = rss.get("restaged")
     add("data: later runs of the same DataFrame (any backend) that wrote it again", "0", len(restaged)
         if restaged is not None else None, 0, False, "", lambda: f"written again by {restaged}", "{:.0f}")
+
+
+def output_targets(results: dict, add: callable) -> None:
+    """Issue 39's targets, from bench_outputs.py: rows/s scoring Parquet with ctx.write on 2 ranks against one process
+    and against the faster of Spark's predict_batch_udf and Ray Data's map_batches."""
+    data = _data(results, "outputs") or {}
+    ratios, methods = data.get("ratios") or {}, data.get("methods") or {}
+    limits = ratios.get("targets") or {}  # bench_outputs.py's TARGETS
+    size = (data.get("dataset") or {}).get("tensor_bytes", 0) / 2**30
+
+    def rates() -> str:
+        return ", ".join(f"{name} {m['median_rows_per_s']:,.0f}" if m.get("median_rows_per_s") else f"{name} WRONG"
+                         for name, m in methods.items()) + " rows/s (medians)"
+
+    for key, what in (("vs_one_process", "one process"),
+                      ("vs_faster_rival", "the faster of Spark predict_batch_udf and Ray Data map_batches "
+                                          f"({ratios.get('faster_rival') or '?'})")):
+        limit = limits.get(key)
+        add(f"outputs: rows/s scoring {size:.2f} GiB of Parquet, ctx.write -n 2 / {what}",
+            f"≥ {limit}" if limit else "≥ target", ratios.get(key), limit, True, "", rates, "{:.2f}")
 
 
 def data_section(data: dict) -> list[str]:
