@@ -151,8 +151,11 @@ class RayScorer:
 def ray_data(source: str, out: str, batch_size: int) -> str:
     import ray.data
 
+    # Half a CPU per actor: with a whole one each, the 2 actors hold both of the 2-core machine's CPUs and Ray Data's
+    # read tasks never start (seen here: a hang); torch uses one thread per actor either way.
     (ray.data.read_parquet(source)
-     .map_batches(RayScorer, concurrency=RANKS, batch_size=batch_size, batch_format="numpy")
+     .map_batches(RayScorer, concurrency=RANKS, num_cpus=os.cpu_count() / (2 * RANKS), batch_size=batch_size,
+                  batch_format="numpy")
      .write_parquet(out))
     return out
 
