@@ -300,6 +300,7 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="write the dataset again even when cached")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
+    args.json = args.json and os.path.abspath(args.json)  # the run changes directory
     wanted = [m for m in METHODS if m in args.only.split(",")]
     began = time.monotonic()
     uptime = [subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()]

@@ -429,14 +429,15 @@ def output_targets(results: dict, add: callable) -> None:
     size = (data.get("dataset") or {}).get("tensor_bytes", 0) / 2**30
 
     def rates() -> str:
-        return ", ".join(f"{name} {m['median_rows_per_s']:,.0f}" if m.get("median_rows_per_s") else f"{name} WRONG"
+        return ", ".join((f"{name} {m['median_rows_per_s']:,.0f}" if m.get("median_rows_per_s") else f"{name} WRONG")
+                         + " (load average {:.1f} → {:.1f})".format(*m["load_average"])
                          for name, m in methods.items()) + " rows/s (medians)"
 
     for key, what in (("vs_one_process", "one process"),
                       ("vs_faster_rival", "the faster of Spark predict_batch_udf and Ray Data map_batches "
                                           f"({ratios.get('faster_rival') or '?'})")):
         limit = limits.get(key)
-        add(f"outputs: rows/s scoring {size:.2f} GiB of Parquet, ctx.write -n 2 / {what}",
+        add(f"outputs: rows/s scoring {size:.2f} GiB (as tensors) of Parquet, ctx.write -n 2 / {what}",
             f"≥ {limit}" if limit else "≥ target", ratios.get(key), limit, True, "", rates, "{:.2f}")
 
 
