@@ -17,7 +17,7 @@ Data's ``map_batches``, the same small MLP on the same Parquet rows, on the same
   equals one process's (relative 1e-4): a method that loses or repeats rows cannot look fast.
 * **Target**: ``ctx.write -n 2`` ≥ 1.6 × one process and ≥ the faster of Spark and Ray (rows/s, medians).
 
-    .venv/bin/python benchmarks/bench_outputs.py                  # 1 GiB, about 5 min on 2 cores
+    .venv/bin/python benchmarks/bench_outputs.py                  # 1 GiB: about 6 min on a busy 2-core machine
     .venv/bin/python benchmarks/bench_outputs.py --gb 0.25 --repeats 2 --only one_process,magic
 """
 

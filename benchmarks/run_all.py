@@ -79,7 +79,7 @@ def benchmarks(args: argparse.Namespace) -> dict[str, tuple[str, list[str], floa
         # ≥ 1 GB of Parquet generated, read three ways; a Ray comparison; a ≥ 1 GB Spark DataFrame on every backend
         "data": ("bench_data.py", ["--repeats", str(r), *small["data"]], 120 if args.quick else 420),
         # issue 39: 1 GiB of Parquet scored 4 ways (one process, ctx.write -n 2, Spark, Ray), each after a warm-up
-        "outputs": ("bench_outputs.py", small["outputs"], 120 if args.quick else 300),
+        "outputs": ("bench_outputs.py", small["outputs"], 120 if args.quick else 360),
         # issue 26: per-rank peak memory, CPU (8 runs of a 134 M-parameter MLP; 4 of a 0.5 B one, 8.5 GiB at -n 1)
         "big_mlp": ("bench_big_models.py", ["--part", "mlp", *small["big_mlp"]], 120 if args.quick else 600),
         "big_large": ("bench_big_models.py", ["--part", "large", *small["big_large"]], 120 if args.quick else 600),
