@@ -102,6 +102,10 @@ class Strategy(ABC):
         self.loaders: tuple = ()
         self.tp_plan: Mapping[str, Any] | None = None
         self.pp_split: Sequence[str | int] | None = None
+        #: one micro-batch's activations per --ac mode (`memory.Activations`), measured by ``ctx.prepare`` from its
+        #: ``sample=`` before `wrap`; `report_memory` adds them to the estimate it keeps in ``memory_estimate`` (rank 0)
+        self.activations: Any = None
+        self.memory_estimate: Any = None
         #: the global gradient norm (every shard's, before clipping) of the last optimizer step with ``--clip-grad``
         #: (``ctx.grad_norm``); None before the first such step, or without ``--clip-grad``
         self.grad_norm: float | None = None
@@ -139,7 +143,8 @@ class Strategy(ABC):
 
     def report_memory(self, model: torch.nn.Module, settings: Mapping[str, Any] | None = None) -> None:
         """Print (rank 0) the per-process memory estimate for ``model`` under this run's settings (``settings``: the
-        strategy's own sizes, for its buffers)."""
+        strategy's own sizes, for its buffers), with the activations of ``self.activations`` when measured, and keep
+        it in ``self.memory_estimate``."""
         if self.rank != 0:
             return
         try:
@@ -149,9 +154,11 @@ class Strategy(ABC):
                 per_device = 1
             else:
                 per_device = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world_size)))
-            print(report(model, type(self), self.config.zero, self.config.precision, self.world_size,
-                         self.device, per_device, tp=self.config.tp, pp=self.config.pp, settings=settings),
-                  flush=True)
+            self.memory_estimate, line = report(
+                model, type(self), self.config.zero, self.config.precision, self.world_size, self.device, per_device,
+                tp=self.config.tp, pp=self.config.pp, settings=settings, activations=self.activations,
+                ac=self.config.ac)
+            print(line, flush=True)
         except Exception as exc:  # an estimate must never break a run
             print(f"memory estimate unavailable: {exc}", flush=True)
 

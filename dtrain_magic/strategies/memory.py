@@ -30,7 +30,14 @@ prefetched, and the unsharded gradient), DeepSpeed's reduce and all-gather bucke
 and Adam's step temporaries (about two copies of the largest tensor it steps at once: a parameter, or ZeRO-1/2's
 whole flat partition). Given the model's `ModelFacts` (its largest parameter and block, its hidden size), `estimate`
 adds each strategy's `Strategy.memory_buffers` to the states; without them (a size typed in the panel) it gives the
-states alone. Activations are not counted.
+states alone.
+
+Activations, given a sample batch (``ctx.prepare(..., sample=batch)``): `Activations` holds the bytes one
+micro-batch keeps from the forward for the backward under each ``--ac`` mode, measured on the meta device by
+`dtrain_magic.worker.activations.measure`; `estimate` adds the run's mode, whole on every process (data parallelism
+splits the batch, not a sample's activations; with ``--tp``/``--pp`` the whole model's, an upper bound). When the
+total exceeds the device, `fit_options` gives what each knob (``--ac``, ``--zero 3``, ``--offload params``, a smaller
+micro-batch) would make it, and `check_fits` names those that fit.
 
 Everything here is pure arithmetic except :func:`device_memory_bytes`, :func:`optimizer_state_bytes`,
 :func:`model_facts` and :func:`blocks` (which look at a model, real or on the meta device).
@@ -38,8 +45,8 @@ Everything here is pure arithmetic except :func:`device_memory_bytes`, :func:`op
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
 
 from .._compat import deepspeed as deepspeed_compat
 from ..errors import ConfigError, log_dropped
@@ -48,6 +55,32 @@ from ..registry import STRATEGIES
 
 ADAM_MIXED_K = 12  # fp32 master weights + momentum + variance, bytes per parameter
 ADAM_MOMENTS_FP32 = 8  # momentum + variance in fp32
+AC_MODES = ("none", "selective", "full")  # --ac, from the least saved to the most
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes of activations one micro-batch of ``micro_batch`` rows holds, per ``--ac`` mode (``none``, ``selective``,
+    ``full``): ``kept``, what the forward keeps for the backward (with checkpointing, a checkpointed block's input
+    instead of its activations); ``recomputed``, the largest checkpointed block's activations, rebuilt in the
+    backward while the rest is still kept (0 without checkpointing). Measured from a sample batch
+    (`dtrain_magic.worker.activations.measure`); ``blocks``: the checkpointable blocks found (0: none, so every mode
+    keeps the same)."""
+
+    micro_batch: int
+    kept: Mapping[str, float]
+    recomputed: Mapping[str, float]
+    blocks: int = 0
+
+    def bytes(self, ac: str = "none") -> float:
+        """The peak of activations under ``--ac ac``: what is kept plus one recomputed block."""
+        return self.kept[ac] + self.recomputed[ac]
+
+    def at(self, micro_batch: int) -> "Activations":
+        """The same model at another micro-batch size: activations scale with the rows."""
+        scale = micro_batch / self.micro_batch
+        return replace(self, micro_batch=micro_batch, kept={m: v * scale for m, v in self.kept.items()},
+                       recomputed={m: v * scale for m, v in self.recomputed.items()})
 
 
 @dataclass(frozen=True)
@@ -108,6 +141,9 @@ class MemoryEstimate:
     pp: int = 1
     strategy_label: str = ""  # as the strategy names itself (``deepspeed ZeRO-2``)
     buffer_parts: tuple[tuple[str, float], ...] = field(default=())  # (what, bytes): the strategy's own buffers
+    activations: float = 0.0  # one micro-batch's, under ``ac`` (`Activations.bytes`); 0 without a sample batch
+    ac: str = "none"
+    sample: Activations | None = None  # what ``activations`` came from (every --ac mode), when measured
 
     @property
     def buffers(self) -> float:
@@ -120,8 +156,9 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        """The expected peak per process: the model states and the strategy's buffers (activations aside)."""
-        return self.states + self.buffers
+        """The expected peak per process: the model states, the strategy's buffers and, when measured, the
+        activations of one micro-batch."""
+        return self.states + self.buffers + self.activations
 
     @property
     def label(self) -> str:
@@ -137,11 +174,17 @@ class MemoryEstimate:
             f"params {format_bytes(self.params)} + grads {format_bytes(self.grads)} + optimizer "
             f"{format_bytes(self.optimizer)}"
             + (f" + buffers {format_bytes(self.buffers)}" if self.buffer_parts else "")
+            + (f" + activations {format_bytes(self.activations)}" if self.sample is not None else "")
             + f" = {format_bytes(self.total)} per process"
         )
+        if self.sample is not None:
+            others = ", ".join(f"{mode} {format_bytes(self.sample.bytes(mode))}"
+                               for mode in AC_MODES if mode != self.ac)
+            text += f" (activations: micro-batch {self.sample.micro_batch}, --ac {self.ac}; --ac {others})"
         if self.tp > 1 or self.pp > 1:
-            text += (" (an even 1/" + str(self.tp * self.pp) + " of the model each; not counted: activations, "
-                     "replicated layers" + (", the pipeline's in-flight micro-batches" if self.pp > 1 else "") + ")")
+            text += (" (an even 1/" + str(self.tp * self.pp) + " of the model each; not counted: "
+                     + ("activations, " if self.sample is None else "")
+                     + "replicated layers" + (", the pipeline's in-flight micro-batches" if self.pp > 1 else "") + ")")
         return text
 
 
@@ -164,11 +207,15 @@ def memory_model(strategy: str | type, zero: int | None, precision: str) -> Memo
 
 def estimate(num_params: int, strategy: str | type | None = None, zero: int | None = None, precision: str = "fp32",
              world_size: int = 1, k: int | None = None, tp: int = 1, pp: int = 1, facts: ModelFacts | None = None,
-             settings: Mapping[str, Any] | None = None) -> MemoryEstimate:
+             settings: Mapping[str, Any] | None = None, activations: Activations | None = None,
+             ac: str = "none") -> MemoryEstimate:
     """Per-process bytes for parameters, gradients and optimizer states; ``k`` overrides K. With ``tp``/``pp``
     each process holds an even 1/(tp x pp) of the model, sharded further over the world/(tp x pp) replicas. With
     ``facts`` (the model's, `model_facts`), the strategy's own buffers too (`Strategy.memory_buffers`; ``settings``:
-    the strategy's sizes, DeepSpeed's ``zero_optimization`` section). ``strategy`` None: the default one."""
+    the strategy's sizes, DeepSpeed's ``zero_optimization`` section). With ``activations`` (measured from a sample
+    batch), one micro-batch's under ``--ac ac``, whole on every process. ``strategy`` None: the default one."""
+    if ac not in AC_MODES:
+        raise ValueError(f"unknown --ac mode {ac!r}; one of {', '.join(AC_MODES)}")
     strategy = STRATEGIES.default if strategy is None else strategy
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
@@ -192,7 +239,8 @@ def estimate(num_params: int, strategy: str | type | None = None, zero: int | No
         parts = tuple((what, float(size)) for what, size in cls.memory_buffers(
             facts, zero, precision, world_size, tp=tp, pp=pp, settings=settings or {}) if size > 0)
     return MemoryEstimate(cls.name, zero, precision, world_size, int(num_params), params, grads, optimizer,
-                          optimizer_moments, tp, pp, cls.label(zero), parts)
+                          optimizer_moments, tp, pp, cls.label(zero), parts,
+                          activations.bytes(ac) if activations is not None else 0.0, ac, activations)
 
 
 def table(num_params: int, precision: str = "fp32", world_size: int = 2, tp: int = 1, pp: int = 1) -> str:
@@ -239,15 +287,49 @@ def device_memory_bytes(device: Any = None, processes_per_device: int = 1) -> in
         return None
 
 
-def check_fits(est: MemoryEstimate, available: int | None) -> str | None:
-    """A warning line when the estimate exceeds ``available`` bytes, else None."""
+def check_fits(est: MemoryEstimate, available: int | None, options: Sequence[tuple[str, float]] = ()) -> str | None:
+    """A warning line when the estimate exceeds ``available`` bytes, else None. ``options`` (`fit_options`): each
+    knob and the estimate it gives; those that fit are named with their numbers, else the closest."""
     if available is None or est.total <= available:
         return None
-    return (
-        f"warning: the estimate ({format_bytes(est.total)} per process for parameters, gradients and optimizer "
-        f"states alone) exceeds the device's memory ({format_bytes(available)}); consider a higher --zero stage, "
-        f"--strategy fsdp, --precision bf16, more processes, or --tp/--pp"
-    )
+    what = ("parameters, gradients, optimizer states, buffers and activations" if est.sample is not None
+            else "parameters, gradients and optimizer states alone")
+    text = (f"warning: the estimate ({format_bytes(est.total)} per process for {what}) exceeds the device's memory "
+            f"({format_bytes(available)}); ")
+    fitting = [f"{knob} ({format_bytes(size)})" for knob, size in options if size <= available]
+    if fitting:
+        return text + "it fits with " + ", or ".join(fitting)
+    if options:
+        knob, size = min(options, key=lambda option: option[1])
+        text += f"no knob alone makes it fit (the closest: {knob}, {format_bytes(size)}); "
+    return text + "consider a higher --zero stage, --strategy fsdp, --precision bf16, more processes, or --tp/--pp"
+
+
+def fit_options(est: MemoryEstimate, facts: ModelFacts | None = None, on_gpu: bool = False,
+                available: float | None = None) -> list[tuple[str, float]]:
+    """What each knob alone would make ``est``'s total, as (knob, bytes per process): a stronger ``--ac`` (with a
+    measured sample), ``--zero 3`` (where the strategy does not shard parameters already), ``--offload params`` on a
+    GPU (the states move to the CPU: the device keeps the buffers and activations), and the largest smaller
+    micro-batch (halving) that fits ``available``, else a micro-batch of 1."""
+    options: list[tuple[str, float]] = []
+    sample, rest = est.sample, est.total - est.activations
+    if sample is not None and est.pp == 1:  # --ac is refused with --pp
+        options += [(f"--ac {mode}", rest + sample.bytes(mode)) for mode in AC_MODES[AC_MODES.index(est.ac) + 1:]]
+    sharded = memory_model(est.strategy, est.zero, est.precision).stage >= 3
+    if not sharded and est.tp * est.pp == 1 and est.world_size > 1:
+        zero3 = estimate(est.num_params, "deepspeed", 3, est.precision, est.world_size, facts=facts,
+                         activations=sample, ac=est.ac)
+        options.append(("--zero 3", zero3.total))
+    if on_gpu:
+        options.append(("--offload params" if sharded else "--strategy fsdp --offload params",
+                        est.buffers + est.activations))
+    if sample is not None and sample.micro_batch > 1:
+        rows = sample.micro_batch // 2
+        while rows > 1 and available is not None and rest + sample.at(rows).bytes(est.ac) > available:
+            rows //= 2
+        options.append((f"a micro-batch of {rows} row{'s' if rows > 1 else ''} (the sample has {sample.micro_batch})",
+                        rest + sample.at(rows).bytes(est.ac)))
+    return options
 
 
 def count_parameters(model: Any) -> int:
@@ -258,13 +340,17 @@ def count_parameters(model: Any) -> int:
 
 def report(model: Any, strategy: str | type, zero: int | None, precision: str, world_size: int,
            device: Any = None, processes_per_device: int = 1, tp: int = 1, pp: int = 1,
-           settings: Mapping[str, Any] | None = None) -> str:
-    """The estimate line for ``model`` (and the warning when it does not fit), as printed by wrap()."""
+           settings: Mapping[str, Any] | None = None, activations: Activations | None = None,
+           ac: str = "none") -> tuple[MemoryEstimate, str]:
+    """The estimate for ``model`` and its line (with the warning, naming the knobs that would fit, when it does
+    not fit), as printed by wrap(). ``activations``: measured from ``ctx.prepare``'s sample, under ``--ac ac``."""
     facts = model_facts(model)
     est = estimate(facts.num_params, strategy, zero, precision, world_size, tp=tp, pp=pp, facts=facts,
-                   settings=settings)
-    warning = check_fits(est, device_memory_bytes(device, processes_per_device))
-    return est.line() + (f"\n{warning}" if warning else "")
+                   settings=settings, activations=activations, ac=ac)
+    available = device_memory_bytes(device, processes_per_device)
+    on_gpu = getattr(device, "type", str(device)) == "cuda"
+    warning = check_fits(est, available, fit_options(est, facts, on_gpu, available))
+    return est, est.line() + (f"\n{warning}" if warning else "")
 
 
 def _numel(tensor: Any) -> int:

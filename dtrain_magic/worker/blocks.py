@@ -65,12 +65,17 @@ def find_blocks(model: nn.Module, class_name: str | None = None) -> list[nn.Modu
 def checkpoint_blocks(blocks: list[nn.Module], mode: str) -> list[nn.Module]:
     """``--ac full``: every block's forward recomputed in the backward (non-reentrant checkpoint); ``selective``:
     every `SELECTIVE_EVERY`-th block; ``none``: none. Returns the blocks checkpointed."""
-    if mode == "none":
-        return []
-    chosen = blocks if mode == "full" else blocks[::SELECTIVE_EVERY]
+    chosen = checkpointed(blocks, mode)
     for block in chosen:
         block.forward = _checkpointed(block.forward)
     return chosen
+
+
+def checkpointed(blocks: list[Any], mode: str) -> list[Any]:
+    """The blocks ``--ac mode`` checkpoints (`checkpoint_blocks`, and the estimate's `worker.activations`)."""
+    if mode == "none":
+        return []
+    return list(blocks) if mode == "full" else list(blocks[::SELECTIVE_EVERY])
 
 
 def compile_blocks(blocks: list[nn.Module]) -> None:

@@ -167,7 +167,8 @@ class TrainContext:
 
     def prepare(self, model: torch.nn.Module | Callable[[], torch.nn.Module], optimizer: Any = None,
                 *loaders: DataLoader, tp_plan: Mapping[str, Any] | None = None,
-                pp_split: Sequence[str | int] | None = None, weights: str | os.PathLike | None = None):
+                pp_split: Sequence[str | int] | None = None, weights: str | os.PathLike | None = None,
+                sample: Any = None):
         """Wrap model and optimizer for the strategy, move them to ``device``, shard each loader.
 
         Returns ``(model, optimizer, *loaders)``, or ``(model, optimizer)`` without loaders. Loaders are sharded
@@ -185,6 +186,10 @@ class TrainContext:
 
         ``--ac`` and ``--compile`` are applied here, to each block, before the strategy shards the model
         (`dtrain_magic.worker.blocks`: activation checkpointing, then torch.compile, then sharding).
+
+        ``sample``: one micro-batch as the model takes it (a tensor, a tuple or a dict, as `train_step`'s ``inputs``):
+        its activations, measured on the meta device under every ``--ac`` mode (`dtrain_magic.worker.activations`),
+        join the memory estimate rank 0 prints, with the knobs that would make it fit when it does not.
         """
         if is_factory(model):
             if isinstance(optimizer, torch.optim.Optimizer):
@@ -204,6 +209,10 @@ class TrainContext:
         self.strategy.set_loaders(loaders)
         self.strategy.set_model_parallel_options(tp_plan=tp_plan, pp_split=pp_split)
         self._parameters = flops.count_parameters(model)
+        if sample is not None and self.is_main:  # before --ac changes the blocks' forward; only rank 0 prints it
+            from .activations import measure
+
+            self.strategy.activations = measure(model, sample, self.config.ac_module)
         # --ac, then --compile, on each block, then the strategy shards (wrap): the one order that works (blocks.py)
         prepare_blocks(model, self.config.ac, self.config.ac_module, self.config.compile, announce=self._announce)
         # Without weights= the two-argument call: a strategy written before weights= (wrap(model, optimizer)) works.
