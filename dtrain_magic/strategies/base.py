@@ -207,14 +207,16 @@ class Strategy(ABC):
         if weights is not None:
             loading.load(model, weights)
 
-    def stream_full_state(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+    def stream_full_state(self, include: Callable[[str], bool] | None = None
+                          ) -> Iterator[tuple[str, torch.Tensor | None]]:
         """The whole model's fp32 state, ``(name, tensor)`` per state-dict key of the plain model, the tensor on rank
         0 only (None elsewhere); every rank must iterate it all (each item may be a collective). A tensor tied to
-        another is the same object under both names. Default: the model is whole on every rank."""
+        another is the same object under both names. ``include``: only the names it accepts (a peft model's
+        adapters), the others not gathered; the same on every rank. Default: the model is whole on every rank."""
         from ..weights.saving import stream
 
         module = getattr(self.model, "module", self.model)
-        yield from stream(module.state_dict(keep_vars=True), lambda value: value, self.rank == 0)
+        yield from stream(module.state_dict(keep_vars=True), lambda value: value, self.rank == 0, include)
 
     @abstractmethod
     def wrap(self, model: torch.nn.Module, optimizer: Any, weights: Any = None) -> tuple[Any, Any]:
@@ -525,15 +527,17 @@ class TorchStrategy(Strategy):
             return gather_full_state(self.model)
         return super().full_state_dict()
 
-    def stream_full_state(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+    def stream_full_state(self, include: Callable[[str], bool] | None = None
+                          ) -> Iterator[tuple[str, torch.Tensor | None]]:
         """As `Strategy.stream_full_state`: shards gathered one tensor at a time (every rank holds that one tensor
-        for the moment, rank 0 keeps it), pipeline stages sent to rank 0."""
+        for the moment, rank 0 keeps it), pipeline stages sent to rank 0 (whole, then ``include`` picks)."""
         if self.parallel is not None:
-            yield from self.parallel.stream_full_state()
+            yield from ((name, tensor) for name, tensor in self.parallel.stream_full_state()
+                        if include is None or include(name))
         elif self.sharded_checkpoints:
             from ..weights.saving import stream
 
-            yield from stream(self.model.state_dict(keep_vars=True), _whole, self.rank == 0)
+            yield from stream(self.model.state_dict(keep_vars=True), _whole, self.rank == 0, include)
         else:
-            yield from super().stream_full_state()
+            yield from super().stream_full_state(include)
 

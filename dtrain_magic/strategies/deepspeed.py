@@ -44,7 +44,7 @@ import re
 import sys
 import warnings
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from .._compat import deepspeed as deepspeed_compat
 from ..batch_arithmetic import check_batch_arithmetic
@@ -508,7 +508,8 @@ class DeepSpeedStrategy(Strategy):
             out[name] = (self._full_fp32(param) if param is not None else value.detach()).cpu().clone()
         return out
 
-    def stream_full_state(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+    def stream_full_state(self, include: Callable[[str], bool] | None = None
+                          ) -> Iterator[tuple[str, torch.Tensor | None]]:
         """As `Strategy.stream_full_state`: one parameter's fp32 master gathered at a time, kept by rank 0."""
         from ..weights.saving import stream
 
@@ -517,7 +518,7 @@ class DeepSpeedStrategy(Strategy):
         state = {name: params.get(name, value) for name, value in module.state_dict(keep_vars=True).items()}
         is_param = {id(p) for p in params.values()}
         yield from stream(state, lambda value: self._full_fp32(value) if id(value) in is_param else value.detach(),
-                          self.rank == 0)
+                          self.rank == 0, include)
 
     @staticmethod
     def _full_fp32(param: torch.nn.Parameter) -> torch.Tensor:

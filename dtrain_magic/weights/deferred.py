@@ -215,10 +215,11 @@ def copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
 def optimizer_for(optimizer: Any, params: Any) -> Any:
     """``optimizer`` as given to ``ctx.prepare``: an optimizer (returned as is), None, or a factory called with the
     prepared model's parameters (``lambda params: torch.optim.Adam(params, lr=1e-3)``,
-    ``functools.partial(torch.optim.Adam, lr=1e-3)``)."""
+    ``functools.partial(torch.optim.Adam, lr=1e-3)``): the trainable ones only (a peft model's frozen base weights
+    get no optimizer state)."""
     if optimizer is None or isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
         return optimizer
-    made = optimizer(params)
+    made = optimizer([param for param in params if param.requires_grad])
     if not isinstance(made, torch.optim.Optimizer) and not hasattr(made, "step"):
         raise TypeError(f"ctx.prepare: the optimizer factory returned {type(made).__name__}, not an optimizer; give "
                         "lambda params: torch.optim.Adam(params, lr=...)")

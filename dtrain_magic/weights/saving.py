@@ -128,11 +128,14 @@ def tied_ids(state: dict[str, torch.Tensor]) -> set[int]:
     return {key for key, count in counts.items() if count > 1}
 
 
-def stream(state: Mapping[str, Any], gather: Callable[[Any], torch.Tensor], keep: bool
-           ) -> Iterator[tuple[str, torch.Tensor | None]]:
+def stream(state: Mapping[str, Any], gather: Callable[[Any], torch.Tensor], keep: bool,
+           include: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
     """``(key, whole tensor on the CPU)`` for each entry of ``state`` (``keep``: this rank keeps it; else None):
     ``gather`` turns an entry into the whole tensor (a collective for shards, called on every rank); a tensor under
-    several keys is gathered once and yielded as the same object."""
+    several keys is gathered once and yielded as the same object. ``include``: only the keys it accepts (the same on
+    every rank), the others never gathered."""
+    if include is not None:
+        state = {key: value for key, value in state.items() if include(key)}
     tied, done = tied_ids(dict(state)), {}
     for key, value in state.items():
         if id(value) in done:

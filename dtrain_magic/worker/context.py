@@ -23,9 +23,10 @@ from ..channel import DataProgress, Message, Metric, ModelFacts, Total
 from ..config import RunConfig
 from ..errors import log_dropped
 from ..strategies.base import Strategy
+from ..weights import adapters
 from ..weights.deferred import is_factory, refuse_meta_buffers
 from ..weights.loading import match
-from ..weights.saving import DEFAULT_SHARD_BYTES, write_model_config, write_safetensors
+from ..weights.saving import DEFAULT_SHARD_BYTES, collect, write_model_config, write_safetensors
 from ..weights.sources import open_weights
 from . import flops
 from .blocks import prepare_blocks
@@ -130,6 +131,7 @@ class TrainContext:
         self._outputs_root = outputs_root  # where ctx.write's parts go (`dtrain_magic.data.outputs.outputs_root`)
         self._outputs_base = outputs_root  # the run's; a session's cells each write below it (`begin_outputs`)
         self._writer: Any = None  # `dtrain_magic.data.outputs.OutputWriter`, made by the first ctx.write
+        self._peft_twin: Any = None  # a prepared peft model's modules on meta, for full_state_dict(merged=True)
 
     @property
     def params(self) -> Mapping[str, Any]:
@@ -190,6 +192,10 @@ class TrainContext:
         ``sample``: one micro-batch as the model takes it (a tensor, a tuple or a dict, as `train_step`'s ``inputs``):
         its activations, measured on the meta device under every ``--ac`` mode (`dtrain_magic.worker.activations`),
         join the memory estimate rank 0 prints, with the knobs that would make it fit when it does not.
+        A peft model (``peft.get_peft_model(model, LoraConfig(...))``) trains only its adapters under every strategy:
+        its frozen base weights are sharded like the rest but get no gradients and no optimizer state (an optimizer
+        factory is given the trainable parameters only). Save the adapters with ``save_weights(dir,
+        adapters_only=True)``; ``full_state_dict(merged=True)`` merges them into the base weights (docs/big-models.md).
         """
         if is_factory(model):
             if isinstance(optimizer, torch.optim.Optimizer):
@@ -203,6 +209,7 @@ class TrainContext:
                                 "torch.nn.Module")
             model = built
         refuse_meta_buffers(model)
+        self._peft_twin = adapters.meta_twin(model) if adapters.is_peft_model(model) else None
         plan = None
         if weights is not None:
             plan = match(model, open_weights(weights))  # on every rank alike, before any collective
@@ -526,7 +533,7 @@ class TrainContext:
                      "grad_accum": float(accum), "lr_scale": float(self._lr_scale)}
             self._send(Metric(self.rank, self._optimizer_steps, facts, int(time.time() * 1000)))
 
-    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, rank0_only: bool = False, merged: bool = False) -> dict[str, torch.Tensor]:
         """The whole model's full-precision state dict (ZeRO-3/FSDP/tensor-parallel shards gathered, pipeline
         stages merged), loadable into the plain model; every rank must call it (it is a collective), save it on
         rank 0.
@@ -535,27 +542,50 @@ class TrainContext:
         ``rank0_only=True`` it is assembled on rank 0 alone, one tensor at a time (each gathered, kept by rank 0,
         dropped by the others, who hold one tensor at most) and the other ranks get ``{}``. To write it to disk
         without holding it even on rank 0, use `save_weights`.
-        """
-        if rank0_only:
-            return self.strategy.rank0_state_dict()
-        return self.strategy.full_state_dict()
 
-    def save_weights(self, directory: str | os.PathLike, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
+        ``merged=True`` (a peft model): the base model's state dict with the adapters merged into its weights (peft's
+        ``merge_and_unload``), in the plain base model's names, loadable into it without peft.
+        """
+        if merged and self._peft_twin is None:  # on every rank alike, before any gather
+            adapters.require_peft_model(self._plain_model(), "ctx.full_state_dict(merged=True)")
+        state = self.strategy.rank0_state_dict() if rank0_only else self.strategy.full_state_dict()
+        return adapters.merged(self._peft_twin, state) if merged and state else state
+
+    def save_weights(self, directory: str | os.PathLike, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                     adapters_only: bool = False) -> list[str]:
         """Write the whole model's fp32 weights as safetensors under ``directory``, as Hugging Face does
         (``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` shards of at most ``max_shard_bytes`` and
         ``model.safetensors.index.json``); every rank must call it. Rank 0 writes, holding at most one shard: each
         tensor is gathered in turn (the other ranks hold one tensor at a time). The files load into the plain model
         (``safetensors.torch.load_file``, ``load_state_dict``), a Hugging Face model (``from_pretrained``: rank 0 writes
         the model's ``config.json`` beside them) and ``ctx.prepare(..., weights=directory)`` under any strategy.
-        Returns the files written (rank 0; ``[]`` elsewhere)."""
+        Returns the files written (rank 0; ``[]`` elsewhere).
+
+        ``adapters_only=True`` (a peft model): its trainable tensors, the adapters, gathered whole from every rank's
+        shards and written by rank 0 with peft's own ``save_pretrained`` (``adapter_config.json``,
+        ``adapter_model.safetensors``): ``PeftModel.from_pretrained(base_model, directory)`` loads them."""
         self._require_prepared("save_weights")
+        if adapters_only:
+            return self._save_adapters(os.fspath(directory))
         files = write_safetensors(os.fspath(directory), self.strategy.stream_full_state(), self.is_main,
                                   max_shard_bytes)
         if self.is_main:
-            files += write_model_config(os.fspath(directory), getattr(self.strategy.model, "module",
-                                                                      self.strategy.model))
+            files += write_model_config(os.fspath(directory), self._plain_model())
         self.barrier()
         return files
+
+    def _save_adapters(self, directory: str) -> list[str]:
+        """`save_weights(adapters_only=True)`: only the trainable tensors gathered (on every rank), peft writes."""
+        model = adapters.require_peft_model(self._plain_model(), "ctx.save_weights(adapters_only=True)")
+        names = adapters.trainable_names(model)
+        state = collect(self.strategy.stream_full_state(include=names.__contains__))
+        files = adapters.save_adapters(directory, model, state) if self.is_main else []
+        self.barrier()
+        return files
+
+    def _plain_model(self) -> Any:
+        """The user's model inside the strategy's wrapper (DDP's and DeepSpeed's ``.module``; FSDP2 shards in place)."""
+        return getattr(self.strategy.model, "module", self.strategy.model)
 
     def _require_prepared(self, method: str) -> None:
         if self.strategy.model is None:
