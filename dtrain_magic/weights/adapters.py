@@ -23,7 +23,8 @@ from typing import Any, Mapping
 
 import torch
 
-from ..errors import MissingDependencyError
+from .._compat import deepspeed as deepspeed_compat
+from ..errors import MissingDependencyError, UnsupportedCodeError
 
 PEFT_INSTALL = "pip install peft (or pip install 'dtrain_magic[peft]')"
 
@@ -53,6 +54,23 @@ def require_peft_model(model: Any, what: str) -> Any:
     return model
 
 
+def refuse_deferred(model: torch.nn.Module) -> None:
+    """An `UnsupportedCodeError` for a peft model built without its values (its parameters on the meta device, or its
+    adapters partitioned as ``deepspeed.zero.Init`` built them): each module's own init would then give the adapters
+    their first values, not peft's (LoRA's B starts at zero, so the model starts as the base model)."""
+    from .deferred import has_meta_parameters
+
+    if has_meta_parameters(model):
+        how = "on the meta device (ctx.init_model() or a model factory under FSDP, --tp or --pp)"
+    elif any(deepspeed_compat.is_partitioned(p) for p in model.parameters() if p.requires_grad):
+        how = "inside deepspeed.zero.Init (ctx.init_model() or a model factory under --zero 3)"
+    else:
+        return
+    raise UnsupportedCodeError(
+        f"ctx.prepare: this peft model was built {how}: its adapters would start from each layer's default init, not "
+        "peft's. Build the model whole, apply peft.get_peft_model to it, and give ctx.prepare that model")
+
+
 def trainable_names(model: torch.nn.Module) -> set[str]:
     """The state-dict names of ``model``'s trainable parameters (a peft model's adapters), tied names included."""
     return {name for name, param in model.named_parameters(remove_duplicate=False) if param.requires_grad}
@@ -77,7 +95,7 @@ def meta_twin(model: torch.nn.Module) -> torch.nn.Module:
     partitioned parameter's whole shape), ties kept: what `merged` fills and merges. Buffers are copied."""
     memo: dict[int, Any] = {}
     for param in model.parameters():
-        shape = getattr(param, "ds_shape", None) or param.shape  # ZeRO-3: the data is an empty placeholder
+        shape = deepspeed_compat.full_shape(param) or param.shape  # ZeRO-3: the data is an empty placeholder
         memo[id(param)] = torch.nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"),
                                              requires_grad=param.requires_grad)
     return copy.deepcopy(model, memo)

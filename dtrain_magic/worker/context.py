@@ -209,7 +209,10 @@ class TrainContext:
                                 "torch.nn.Module")
             model = built
         refuse_meta_buffers(model)
-        self._peft_twin = adapters.meta_twin(model) if adapters.is_peft_model(model) else None
+        self._peft_twin = None
+        if adapters.is_peft_model(model):
+            adapters.refuse_deferred(model)
+            self._peft_twin = adapters.meta_twin(model)
         plan = None
         if weights is not None:
             plan = match(model, open_weights(weights))  # on every rank alike, before any collective

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dtrain_magic.config import RunConfig
-from dtrain_magic.errors import MissingDependencyError
+from dtrain_magic.errors import MissingDependencyError, UnsupportedCodeError
 from dtrain_magic.strategies.ddp import DDPStrategy
 from dtrain_magic.weights import adapters
 from dtrain_magic.weights.deferred import optimizer_for
@@ -114,3 +114,14 @@ def test_missing_peft_names_the_install(monkeypatch):
     with pytest.raises(MissingDependencyError, match=r"needs peft, which is not installed: pip install peft"):
         adapters.require_peft("ctx.save_weights(adapters_only=True)")
     assert adapters.is_peft_model(make_base()) is False
+
+
+def test_a_peft_model_built_without_storage_is_refused_before_it_trains():
+    """Each layer's default init would give LoRA's B non-zero values: the model would not start as the base model."""
+    strategy = DDPStrategy(RunConfig(), 0, 0, 1, torch.device("cpu"))
+    ctx = TrainContext(RunConfig(), strategy, 0, 0, 1, torch.device("cpu"))
+    with torch.device("meta"):
+        model = make_lora()
+    with pytest.raises(UnsupportedCodeError, match=r"built on the meta device .* apply peft.get_peft_model to it"):
+        ctx.prepare(model, lambda params: torch.optim.Adam(params))
+    assert strategy.model is None  # refused before the strategy wrapped anything
