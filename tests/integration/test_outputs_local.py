@@ -1,7 +1,9 @@
 """``ctx.write`` on the local backend, really run (2 worker processes, a real MLflow store): 100,000 rows scored by
 2 ranks come back exactly once, joined to the input by ``with_ids``, equal to one process scoring them (1e-6); a rank
 killed half-way leaves no output and no file; a restart (``--max-restarts 1``) writes no row twice (docs/data.md, the
-way back). Each bad write's clear error (naming the output and the column) is tests/unit/test_outputs.py's."""
+way back). A model sharded by FSDP or ``--tp 2`` scores every row once (no padding row, no row from a second
+tensor-parallel shard), as the unsharded model does in one process. Each bad write's clear error (naming the output
+and the column) is tests/unit/test_outputs.py's."""
 
 from __future__ import annotations
 
@@ -84,3 +86,65 @@ def test_two_ranks_score_every_row_once_as_one_process_would_through_a_restart(s
     assert names[0] == "_SUCCESS" and [n[:12] for n in names[1:]] == ["part-r00000-", "part-r00001-"], names
     assert os.listdir(os.path.dirname(output.path)) == ["preds"]  # the staging folder is gone
     assert len(output.to_pandas()) == ROWS
+
+
+# -- sharded models: every rank takes part in the forward, each row is written once -------------------------------
+SHARDED_ROWS, SHARDED_BATCH = 3_001, 500  # odd: the even split pads rank 1's share with one row, left out (pad=False)
+WIDTHS = (8, 32, 16, 4)  # Linear-ReLU-Linear-ReLU-Linear: --tp's automatic plan shards a pair and gathers the last
+
+SHARDED_CELL = """%%distribute --backend local -n 2 --seed 0 --no-ui --data val=val --output preds=preds {flags}
+import torch
+
+def make_model():
+    torch.manual_seed(0)
+    widths, layers = {widths}, []
+    for a, b in zip(widths, widths[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+def score(ctx):
+    model, _ = ctx.prepare(make_model())
+    model.eval()
+    loader = ctx.data("val", batch_size={batch}, with_ids=True, pad=False)
+    sizes = []
+    with torch.no_grad():
+        for batch in loader:   # every rank the same number of forwards: FSDP gathers its weights in each
+            ctx.write("preds", {{"id": batch["row_id"], "pred": model(batch["x"])}})
+            sizes.append(len(batch["row_id"]))
+    return {{"sizes": sizes, "batches": len(loader), "replicas": ctx.data_parallel_size}}
+"""
+
+
+def sharded_reference(x: np.ndarray) -> np.ndarray:
+    """The unsharded model scoring every row in this one process."""
+    namespace: dict = {}
+    exec(SHARDED_CELL.split("\n", 1)[1].format(widths=WIDTHS, batch=SHARDED_BATCH), namespace)
+    with torch.no_grad():
+        return namespace["make_model"]()(torch.from_numpy(x)).numpy()
+
+
+@pytest.mark.parametrize("flags,replicas,parts", [("--strategy fsdp", 2, 2), ("--tp 2", 1, 1)], ids=["fsdp", "tp"])
+def test_a_sharded_model_scores_every_row_once_as_the_unsharded_model(shell, tmp_path, flags, replicas, parts):
+    """FSDP: each replica its share, rank 1's last batch empty (its one row was the even split's padding) and still
+    run through the forward. --tp 2: one replica, both shards read the same batches, only shard 0 writes them."""
+    x = np.random.default_rng(1).standard_normal((SHARDED_ROWS, WIDTHS[0])).astype(np.float32)
+    shell.user_ns["val"] = {"x": x}
+    result = shell.run(SHARDED_CELL.format(flags=flags, widths=WIDTHS, batch=SHARDED_BATCH))
+    assert result.error_in_exec is None, result.error_in_exec
+    values = result.result.values
+    assert [v["replicas"] for v in values] == [replicas] * 2
+    assert all(len(v["sizes"]) == v["batches"] == values[0]["batches"] for v in values), values
+    if replicas == 2:  # 1,501 rows each by the even split, rank 1's last one padding: left out, an empty batch
+        assert values[0]["sizes"] == [500, 500, 500, 1] and values[1]["sizes"] == [500, 500, 500, 0], values
+    else:  # both shards of the one replica read every row, in the same batches
+        assert values[0]["sizes"] == values[1]["sizes"] and sum(values[0]["sizes"]) == SHARDED_ROWS, values
+    output = result.result.outputs["preds"]
+    assert len([n for n in os.listdir(output.path) if n.endswith(".parquet")]) == parts  # tp: shard 1 wrote none
+    table = shell.user_ns["preds"].to_table()
+    ids = table.column("id").to_numpy()
+    assert output.rows == len(ids) == SHARDED_ROWS and np.array_equal(np.sort(ids), np.arange(SHARDED_ROWS))
+    got = np.stack(table.column("pred").to_numpy(zero_copy_only=False))
+    # fp32; --tp sums each row-wise layer's two halves in another order than one process: 1e-6 holds (observed below)
+    worst = float(np.abs(got - sharded_reference(x)[ids]).max())
+    print(f"{flags}: max |pred - pred_1proc| = {worst:.2e}")
+    assert worst <= 1e-6
