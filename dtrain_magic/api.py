@@ -201,7 +201,8 @@ def _options_doc() -> str:
     for row in _ROWS:
         aliases = ", ".join([f"{name}=" for name in row.keywords[1:]] + [f"{name}=True for False"
                                                                           for name in row.off_keywords])
-        lines.append(f"    {row.field}={row.default!r}: {row.help}" + (f" (also {aliases})" if aliases else ""))
+        lines.append(f"    {row.field}={row.default!r}: {row.keyword_help or row.help}"
+                     + (f" (also {aliases})" if aliases else ""))
     return "\n".join(lines)
 
 

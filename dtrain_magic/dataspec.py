@@ -131,3 +131,26 @@ def normalize_outputs(value: Any) -> DataSpecs:
         if twice:
             raise ConfigError(OUTPUT_FLAG, f"{', '.join(twice)} given twice; each output and each variable once")
     return tuple(specs)
+
+
+OUTPUTS_KEYWORD = "outputs="
+
+
+def output_names(value: Any) -> DataSpecs:
+    """`dtrain_magic.run`'s ``outputs=`` (an output's name, or a list of names) as `RunConfig` keeps ``--output``:
+    ``((name, name), ...)``, each name also its key in ``RunResult.tables`` (no notebook variable to bind). None:
+    none. Anything but identifiers, each once, is a `ConfigError` naming ``outputs=``."""
+    if value is None:
+        return ()
+    names = [value] if isinstance(value, str) else value
+    if isinstance(names, Mapping) or not isinstance(names, (list, tuple, set, frozenset)):
+        raise ConfigError(OUTPUTS_KEYWORD, f"got {value!r}; give the name ctx.write(NAME, ...) writes, or a list of "
+                                           "them (outputs=['preds']): each comes back as result.tables[NAME]")
+    for name in names:
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ConfigError(OUTPUTS_KEYWORD, f"got the output name {name!r}; it must be a Python identifier "
+                                               "(letters, digits, _), the name ctx.write(NAME, ...) writes")
+    twice = sorted({name for name in names if list(names).count(name) > 1})
+    if twice:
+        raise ConfigError(OUTPUTS_KEYWORD, f"{', '.join(twice)} given twice; each output once")
+    return tuple((name, name) for name in names)

@@ -38,6 +38,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from .dataspec import output_names
 from .dataspec import parse_item as data_item
 from .dataspec import parse_output as output_item
 from .errors import ConfigError
@@ -134,6 +135,8 @@ class Flag:
     panel: PanelControl | None = None  # shown in the --configure panel
     cheatsheet: bool = False  # also in README's short table (docs/flags.md has every flag)
     entry_points: tuple[str, ...] = EVERYWHERE  # where it applies (MAGIC, PYTHON, CLI)
+    keyword_type: Callable[[Any], Any] | None = None  # PYTHON: a keyword's value → the field's (None: as given)
+    keyword_help: str | None = None  # PYTHON: its meaning in ``help(dtrain_magic.run)`` (None: ``help``)
 
     @property
     def name(self) -> str:
@@ -160,7 +163,10 @@ class Flag:
 
     def keyword_value(self, keyword: str, value: Any) -> Any:
         """The field's value for ``keyword=value`` (one of `keywords` or `off_keywords`): an off keyword's
-        True/False is the field's False/True (``cpu=True`` → ``use_gpu=False``); None leaves the default."""
+        True/False is the field's False/True (``cpu=True`` → ``use_gpu=False``); None leaves the default;
+        ``keyword_type`` converts the others (``outputs="preds"``)."""
+        if self.keyword_type is not None and keyword not in self.off_keywords:
+            return self.keyword_type(value)
         if keyword not in self.off_keywords or value is None:
             return value
         if not isinstance(value, bool):
@@ -365,8 +371,12 @@ FLAGS: tuple[Flag, ...] = (
          doc="where sources written once for the ranks go (Spark DataFrames, Ray Datasets off Ray, notebook "
              "objects): a directory or URI every worker reads; needed when the workers do not share this machine's "
              "files", default_doc="a private temp dir on this machine, removed with the kernel"),
+    # run() has no notebook variable: outputs="preds" (or a list) comes back as result.tables["preds"]
     Flag(("--output",), "outputs", DATA, kind=APPEND, type=output_item, default=(), placeholder="NAME=VARIABLE",
-         entry_points=(MAGIC,),
+         entry_points=(MAGIC, PYTHON), keyword_type=output_names,
+         keyword_help="the outputs the function writes with ctx.write(NAME, batch) to return as result.tables[NAME]: a "
+                      "Spark DataFrame on backend='spark', a Ray Dataset on 'ray', a pyarrow Dataset otherwise (a name "
+                      "or a list of names; result.outputs has every output)",
          help="bind the output the function writes with ctx.write(NAME, batch) to this notebook variable: a Spark "
               "DataFrame on --backend spark, a Ray Dataset on ray, a pyarrow Dataset otherwise; repeatable",
          doc="bind the output the function writes with `ctx.write(NAME, batch)` to this notebook variable once the run "

@@ -19,10 +19,13 @@ class RunResult:
     ``checkpoint_root``: where ``ctx.save_checkpoint()`` without a directory saved (also the MLflow
     run's ``dtrain_magic.checkpoint_root`` tag). ``outputs``: what the function wrote with ``ctx.write``, by output
     name (`dtrain_magic.data.outputs.Output`: ``.path``, ``.rows``, ``.dataset()``, ``.to_pandas()``), committed
-    once every rank returned. ``printed``: each rank's output (stdout and stderr as they came, the last 4 M
-    characters), by rank: `output` gives one rank's; the MLflow run has each as ``logs/rank_N.txt``.
-    ``world_size``: the ranks of the run's last attempt, those ``values`` come from (``--elastic`` may have shrunk or
-    grown the run from ``config.num_processes``; None given: ``config.num_processes``).
+    once every rank returned. ``tables``: the outputs asked for by name (``run(..., outputs=["preds"])``,
+    ``--output preds=VARIABLE``) as the backend's own table, by output name: a Spark DataFrame Spark reads from
+    the parts on ``--backend spark``, a Ray Dataset on ``ray``, a pyarrow Dataset elsewhere. ``printed``: each
+    rank's output (stdout and stderr as they came, the last 4 M characters), by rank: `output` gives one rank's; the
+    MLflow run has each as ``logs/rank_N.txt``. ``world_size``: the ranks of the run's last attempt, those
+    ``values`` come from (``--elastic`` may have shrunk or grown the run from ``config.num_processes``; None given:
+    ``config.num_processes``).
     """
 
     value: Any
@@ -37,6 +40,7 @@ class RunResult:
     printed: dict[int, str] = field(default_factory=dict, repr=False)
     outputs: dict[str, Any] = field(default_factory=dict, repr=False)
     world_size: int | None = None
+    tables: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.world_size is None:

@@ -59,19 +59,35 @@ def discard_later(root: str | None, after_s: float) -> threading.Timer | None:
     return timer
 
 
+def tables(backend: str, names: Sequence[str], outputs: Mapping[str, Output],
+           unwritten: Callable[[str, str], None], spark_session: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """Each output of ``names`` (``--output``'s, `dtrain_magic.run`'s ``outputs=``) as what fits the run's
+    ``backend`` (`readable`), by name; one the run (or the cell) did not write is said, ``unwritten(name, why)``,
+    ``why`` naming what it wrote."""
+    found = {}
+    for name in names:
+        if name in outputs:
+            found[name] = readable(backend, outputs[name], spark_session)
+        else:
+            unwritten(name, f"no output {name!r} was written (ctx.write({name!r}, batch)); written: "
+                            f"{', '.join(outputs) or 'none'}")
+    return found
+
+
 def bind(namespace: MutableMapping[str, Any], backend: str, pairs: Sequence[tuple[str, str]],
          outputs: Mapping[str, Output], note: Callable[[str], None],
-         spark_session: Callable[[], Any] | None = None) -> None:
-    """``--output NAME=VARIABLE`` (``pairs``): each output bound in ``namespace`` as what fits the run's ``backend``;
-    an output the run (or the cell) did not write is said (nothing bound)."""
-    for name, variable in pairs:
-        output = outputs.get(name)
-        if output is None:
-            written = ", ".join(outputs) or "none"
-            note(f"--output {name}={variable}: no output {name!r} was written (ctx.write({name!r}, batch)); "
-                 f"written: {written}; {variable} is not bound")
-            continue
-        namespace[variable] = readable(backend, output, spark_session)
+         spark_session: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """``--output NAME=VARIABLE`` (``pairs``): each output bound in ``namespace`` as what fits the run's ``backend``
+    (`tables`, which it returns); an output the run (or the cell) did not write is said (nothing bound)."""
+    variables = dict(pairs)
+
+    def unwritten(name: str, why: str) -> None:
+        note(f"--output {name}={variables[name]}: {why}; {variables[name]} is not bound")
+
+    found = tables(backend, list(variables), outputs, unwritten, spark_session)
+    for name, table in found.items():
+        namespace[variables[name]] = table
+    return found
 
 
 def readable(backend: str, output: Output, spark_session: Callable[[], Any] | None = None) -> Any:
@@ -85,4 +101,4 @@ def readable(backend: str, output: Output, spark_session: Callable[[], Any] | No
     return output.dataset()
 
 
-__all__ = ["bind", "discard", "discard_later", "finish", "readable", "root_of"]
+__all__ = ["bind", "discard", "discard_later", "finish", "readable", "root_of", "tables"]

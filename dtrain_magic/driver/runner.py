@@ -69,8 +69,11 @@ class PreparedRun:
         tags = {"mlflow.parentRunId": self.parent_run_id} if self.parent_run_id else {}
         result = _Run(self.plan, self.payload, observer or TextObserver(), stop, tags, self.params,
                       self.log_mark).execute()
+        session = getattr(self.plan.launcher, "session", None)
         if self.namespace is not None:
-            bind_result(self.namespace, self.config, result, getattr(self.plan.launcher, "session", None))
+            bind_result(self.namespace, self.config, result, session)
+        elif self.config.outputs:
+            return_tables(self.config, result, session)
         return result
 
     def dry_run_text(self, model: Any = None, equivalent: str | None = None) -> str:
@@ -99,7 +102,7 @@ def bind_result(namespace: MutableMapping[str, Any], config: RunConfig, result: 
                 spark_session: Callable[[RunConfig], Any] | None = None) -> None:
     """A notebook's names for the result: ``_distribute_result`` always, ``--result NAME`` when given, and each
     ``--output NAME=VARIABLE`` as the backend's own table (``spark_session``: the Spark launcher's, for a Spark
-    DataFrame)."""
+    DataFrame), also in ``result.tables``."""
     namespace[LAST_RESULT_NAME] = result
     if config.result:
         namespace[config.result] = result
@@ -107,7 +110,21 @@ def bind_result(namespace: MutableMapping[str, Any], config: RunConfig, result: 
         from . import outputs
 
         session = (lambda: spark_session(config)) if spark_session is not None else None
-        outputs.bind(namespace, config.backend, config.outputs, result.outputs, print, session)
+        result.tables.update(outputs.bind(namespace, config.backend, config.outputs, result.outputs, print, session))
+
+
+def return_tables(config: RunConfig, result: RunResult,
+                  spark_session: Callable[[RunConfig], Any] | None = None) -> None:
+    """`dtrain_magic.run`'s ``outputs=``: each output it names in ``result.tables``, as the backend's own table; one
+    the run did not write is said, naming what it wrote."""
+    from . import outputs
+
+    def unwritten(name: str, why: str) -> None:
+        print(f"dtrain_magic: outputs={name!r}: {why}; result.tables has no {name!r}", flush=True)
+
+    session = (lambda: spark_session(config)) if spark_session is not None else None
+    names = [name for name, _ in config.outputs]
+    result.tables.update(outputs.tables(config.backend, names, result.outputs, unwritten, session))
 
 
 class _Run:
@@ -397,4 +414,4 @@ def release_standbys(reason: str = "released by %distribute_release") -> list[st
 
 
 __all__ = ["LAST_RESULT_NAME", "PreparedRun", "RunPlan", "bind_result", "check", "check_payload", "keep_warm_ahead",
-           "prepare", "release_standbys", "stacks_of_live_runs"]
+           "prepare", "release_standbys", "return_tables", "stacks_of_live_runs"]

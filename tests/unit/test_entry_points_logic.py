@@ -285,5 +285,7 @@ def test_an_imported_function_is_never_called_in_the_notebook(tmp_path, monkeypa
 
 
 def test_where_flags_apply_is_declared_per_row():
-    magic_only = {"--fn", "--result", "--configure", "--output"}  # --output binds a notebook variable
+    magic_only = {"--fn", "--result", "--configure"}
     assert {row.name for row in FLAGS if row.entry_points == (MAGIC,)} == magic_only
+    # --output binds a notebook variable, run()'s outputs= returns result.tables; the command line prints paths
+    assert next(row for row in FLAGS if row.name == "--output").entry_points == (MAGIC, PYTHON)

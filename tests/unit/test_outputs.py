@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -152,6 +153,56 @@ def test_output_flag_binds_names_to_identifiers():
         with pytest.raises(ConfigError, match=why) as info:
             RunConfig(outputs=bad)
         assert "--output" in str(info.value)
+
+
+@pytest.mark.parametrize("given, pairs", [("preds", (("preds", "preds"),)), (["a", "b"], (("a", "a"), ("b", "b"))),
+                                          (("a",), (("a", "a"),)), (None, ())])
+def test_run_takes_outputs_by_name_each_its_own_key_in_result_tables(given, pairs):
+    from dtrain_magic import api
+
+    for keyword in ("outputs", "output"):  # the field, and the flag's long name, as every keyword option
+        values, rest = api.split_options({keyword: given})
+        assert rest == {} and api.config_from_options(values).outputs == pairs
+
+
+@pytest.mark.parametrize("given, why", [
+    (5, "got 5; give the name ctx.write(NAME, ...) writes, or a list of them"),
+    ({"preds": "df"}, "give the name ctx.write"),  # a notebook's NAME=VARIABLE has no variable here
+    ("preds=df", "got the output name 'preds=df'; it must be a Python identifier"),
+    (["a", 1], "got the output name 1"),
+    (["a", "b", "a"], "a given twice; each output once"),
+])
+def test_a_bad_outputs_keyword_is_refused_naming_it_before_anything_starts(given, why):
+    import dtrain_magic
+
+    def score(ctx):
+        raise AssertionError("never launched")
+
+    with pytest.raises(ConfigError, match=re.escape(why)) as info:
+        dtrain_magic.run(score, backend="local", outputs=given)
+    assert str(info.value).startswith("outputs=")
+
+
+def test_run_returns_the_outputs_it_names_as_tables_and_says_which_it_did_not_write(tmp_path, capsys):
+    """``outputs=["preds", "nope"]``: ``result.tables["preds"]`` the backend's table (a pyarrow Dataset on local);
+    "nope", never written, is said with what was (no table, no error: the run's result stands)."""
+    import pyarrow.dataset as ds
+
+    from dtrain_magic.driver.runner import bind_result, return_tables
+    from dtrain_magic.result import RunResult
+
+    written = commit(str(tmp_path / "outputs"), {0: write_rank(tmp_path / "outputs", 0, range(0, 7))})
+    config = RunConfig(backend="local", outputs=(("preds", "preds"), ("nope", "nope")))
+    result = RunResult(None, [None], None, config, 0.0, outputs=written)
+    return_tables(config, result)
+    assert list(result.tables) == ["preds"] and isinstance(result.tables["preds"], ds.Dataset)
+    assert result.tables["preds"].count_rows() == 7
+    assert ("dtrain_magic: outputs='nope': no output 'nope' was written (ctx.write('nope', batch)); written: preds; "
+            "result.tables has no 'nope'") in capsys.readouterr().out
+    magic = RunResult(None, [None], None, RunConfig(backend="local", outputs=["preds=df"]), 0.0, outputs=written)
+    namespace: dict = {}
+    bind_result(namespace, magic.config, magic)  # the magic's --output: the same table, bound and in tables
+    assert namespace["df"] is magic.tables["preds"] and namespace["df"].count_rows() == 7
 
 
 def staged(tmp_path, rows: int, batch_rows: int) -> StagedSource:
