@@ -382,7 +382,8 @@ FLAGS: tuple[Flag, ...] = (
          doc="bind the output the function writes with `ctx.write(NAME, batch)` to this notebook variable once the run "
              "committed it: a Spark DataFrame (`spark.read.parquet`, never collected) on `--backend spark`, a Ray "
              "Dataset on `ray`, a pyarrow Dataset otherwise; repeatable (`result.outputs[NAME]` has every output, "
-             "docs/data.md)", default_doc="none"),
+             "docs/data.md). `dtrain_magic.run` takes names, `outputs=[\"preds\"]`, and returns each as "
+             "`result.tables[\"preds\"]`", default_doc="none"),
     # -- the cell --------------------------------------------------------------------------------------
     Flag(("--fn",), "fn", CELL, default=None, placeholder="NAME", entry_points=(MAGIC,),
          help="name of the function to ship (None means the last top-level def in the cell)",

@@ -157,20 +157,27 @@ KEYWORDS_SCRIPT = textwrap.dedent("""
     from dtrain_magic.errors import ConfigError
 
     def train(ctx):
+        ctx.write("preds", {"rank": [ctx.rank]})
         return {"rank": ctx.rank, "device": str(ctx.device)}
 
     try:
         dtrain_magic.run(train, backend="local", cpux=True)
     except ConfigError as exc:
         print("REFUSED", exc, flush=True)
-    result = dtrain_magic.run(train, backend="local", num_workers=2, cpu=True, stall_timeout=None)
+    result = dtrain_magic.run(train, backend="local", num_workers=2, cpu=True, stall_timeout=None,
+                              outputs=["preds", "nope"])
     print("VALUES", result.values, result.config.use_gpu, result.config.stall_timeout, flush=True)
+    preds = result.tables["preds"]
+    print("TABLES", sorted(result.tables), type(preds).__name__, sorted(preds.to_table().column("rank").to_pylist()),
+          result.outputs["preds"].path, flush=True)
 """)
 
 
 def test_run_takes_the_flags_long_names_as_keywords_cpu_true_included(tmp_path):
     """``run(train, cpu=True)`` is ``--cpu`` (it used to reach train(ctx) as a keyword: "missing ... 'ctx'"); a
-    keyword that is neither is refused naming it and the closest option, before anything starts."""
+    keyword that is neither is refused naming it and the closest option, before anything starts. ``outputs=``
+    returns what ``ctx.write`` wrote as ``result.tables[NAME]`` (a pyarrow Dataset on local), and says which name it
+    asked for the run did not write."""
     (tmp_path / "keywords.py").write_text(KEYWORDS_SCRIPT)
     tag = new_tag()
     env = tagged_env(tag, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'api.db'}", PYTHONUNBUFFERED="1")
@@ -181,6 +188,11 @@ def test_run_takes_the_flags_long_names_as_keywords_cpu_true_included(tmp_path):
         assert done.returncode == 0, out
         assert "REFUSED cpux=: is neither an option of run() nor a parameter of train(ctx); did you mean cpu=?" in out
         assert ("VALUES [{'rank': 0, 'device': 'cpu'}, {'rank': 1, 'device': 'cpu'}] False 0.0" in out), out
+        tables = out.partition("TABLES ")[2].splitlines()[0]
+        assert tables.startswith("['preds'] FileSystemDataset [0, 1] "), out
+        assert os.path.isfile(os.path.join(tables.rsplit(" ", 1)[1], "_SUCCESS"))
+        assert ("dtrain_magic: outputs='nope': no output 'nope' was written (ctx.write('nope', batch)); written: "
+                "preds; result.tables has no 'nope'") in out, out
         assert not wait_until_none_left(tag, within_s=10)
     finally:
         kill_tagged(tag)
@@ -191,6 +203,7 @@ CLI_MODULE = textwrap.dedent("""
 
     def main(ctx):
         print(f"argv {sys.argv[1:]} on rank {ctx.rank}")
+        ctx.write("preds", {"rank": [ctx.rank]})
         return {"rank": ctx.rank, "scale": float(sys.argv[sys.argv.index("--scale") + 1])}
 
     def boom(ctx):
@@ -209,12 +222,17 @@ def test_the_command_line_runs_a_module_function_and_exits_with_the_runs_status(
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "[rank 1] argv ['--scale', '3'] on rank 1" in ok.stdout
     assert "dtrain_magic: rank 0 returned {'rank': 0, 'scale': 3.0}" in ok.stdout
+    # what ctx.write wrote: its path, where the run's outputs are committed
+    said = "dtrain_magic: output preds: 2 rows written by the ranks, committed at "
+    assert said in ok.stdout, ok.stdout
+    path = ok.stdout.partition(said)[2].splitlines()[0]
+    assert path.endswith(os.path.join("outputs", "preds")) and os.path.isfile(os.path.join(path, "_SUCCESS"))
     failed = subprocess.run(command + ["cli_job:boom", "-n", "2", "--backend", "local", "--cpu"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert failed.returncode == 1, failed.stdout + failed.stderr
     assert "WorkerError: rank 1 failed: ValueError: rank 1 has no data" in failed.stderr
     # the worker's short traceback, with the file's line
-    assert 'cli_job.py", line 10, in boom\n    raise ValueError("rank 1 has no data")' in failed.stderr
+    assert 'cli_job.py", line 11, in boom\n    raise ValueError("rank 1 has no data")' in failed.stderr
     assert "Traceback (most recent call last)" in failed.stderr and "pyspark" not in failed.stderr
 
 
