@@ -140,6 +140,7 @@ def test_a_sharded_model_scores_every_row_once_as_the_unsharded_model(shell, tmp
         assert values[0]["sizes"] == values[1]["sizes"] and sum(values[0]["sizes"]) == SHARDED_ROWS, values
     output = result.result.outputs["preds"]
     assert len([n for n in os.listdir(output.path) if n.endswith(".parquet")]) == parts  # tp: shard 1 wrote none
+    assert result.result.tables["preds"] is shell.user_ns["preds"]  # --output's table, also in result.tables
     table = shell.user_ns["preds"].to_table()
     ids = table.column("id").to_numpy()
     assert output.rows == len(ids) == SHARDED_ROWS and np.array_equal(np.sort(ids), np.arange(SHARDED_ROWS))
