@@ -421,8 +421,6 @@ class DeepSpeedStrategy(Strategy):
                 break
         self.ds_config = build_config(self.config, self.world_size, loader_batch, hidden=model_facts(model).hidden)
         self.report_memory(model, settings=self.ds_config.get("zero_optimization"))
-        if optimizer is None:
-            raise ValueError("--strategy deepspeed needs an optimizer: ctx.prepare(model, optimizer, ...)")
         partitioned = any(deepspeed_compat.is_partitioned(p) for p in model.parameters())
         if deferred.has_meta_parameters(model):  # built on meta by hand: ZeRO needs it whole first
             old_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
@@ -432,7 +430,8 @@ class DeepSpeedStrategy(Strategy):
             loading.load_zero3_partitions(model, weights, self.rank)
         elif weights is not None:
             loading.load(model, weights)
-        optimizer = deferred.optimizer_for(optimizer, model.parameters())
+        if optimizer is not None:  # None: scoring or inference, an engine without optimizer (ZeRO-3 still shards)
+            optimizer = deferred.optimizer_for(optimizer, model.parameters())
         if not self.config.use_gpu:
             load_deepspeed_cpu_ops()  # what initialize would JIT-build, under a lock that cannot go stale
         with dropping_lines(_OP_LOADED):  # DeepSpeed prints it on every start, even for the op built at set-up
