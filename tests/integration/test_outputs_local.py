@@ -1,9 +1,9 @@
 """``ctx.write`` on the local backend, really run (2 worker processes, a real MLflow store): 100,000 rows scored by
 2 ranks come back exactly once, joined to the input by ``with_ids``, equal to one process scoring them (1e-6); a rank
 killed half-way leaves no output and no file; a restart (``--max-restarts 1``) writes no row twice (docs/data.md, the
-way back). A model sharded by FSDP, ``--tp 2`` or ZeRO-3 (no optimizer: scoring) scores every row once (no padding row, no row from a second
-tensor-parallel shard), as the unsharded model does in one process. Each bad write's clear error (naming the output
-and the column) is tests/unit/test_outputs.py's."""
+way back). A model sharded by FSDP, ``--tp 2`` or ZeRO-3 (no optimizer: scoring) scores every row once (no padding
+row, no row from a second tensor-parallel shard), as the unsharded model does in one process. Each bad write's clear
+error (naming the output and the column) is tests/unit/test_outputs.py's."""
 
 from __future__ import annotations
 
@@ -123,8 +123,10 @@ def sharded_reference(x: np.ndarray) -> np.ndarray:
         return namespace["make_model"]()(torch.from_numpy(x)).numpy()
 
 
-@pytest.mark.parametrize("flags,replicas,parts", [("--strategy fsdp", 2, 2), ("--tp 2", 1, 1),
-                                                   ("--strategy deepspeed --zero 3", 2, 2)], ids=["fsdp", "tp", "zero3"])
+SHARDINGS = [("--strategy fsdp", 2, 2), ("--tp 2", 1, 1), ("--strategy deepspeed --zero 3", 2, 2)]
+
+
+@pytest.mark.parametrize("flags,replicas,parts", SHARDINGS, ids=["fsdp", "tp", "zero3"])
 def test_a_sharded_model_scores_every_row_once_as_the_unsharded_model(shell, tmp_path, flags, replicas, parts):
     """FSDP: each replica its share, rank 1's last batch empty (its one row was the even split's padding) and still
     run through the forward. --tp 2: one replica, both shards read the same batches, only shard 0 writes them."""
