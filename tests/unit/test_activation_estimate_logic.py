@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from block_models import BlockStack
 from dtrain_magic.strategies import memory
 from dtrain_magic.worker.activations import measure
 from dtrain_magic.worker.blocks import prepare_blocks
@@ -14,34 +15,15 @@ from dtrain_magic.worker.blocks import prepare_blocks
 WIDTH, HIDDEN, ROWS, BLOCKS = 16, 64, 32, 8
 
 
-class Block(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = torch.nn.Linear(WIDTH, HIDDEN), torch.nn.Linear(HIDDEN, WIDTH)
-
-    def forward(self, x):
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = torch.nn.Linear(4, WIDTH)
-        self.layers = torch.nn.ModuleList(Block() for _ in range(BLOCKS))
-        self.head = torch.nn.Linear(WIDTH, 1)
-
-    def forward(self, x, scale=1.0):
-        x = self.embed(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x) * scale
+def net() -> torch.nn.Module:
+    return BlockStack(4, WIDTH, HIDDEN, BLOCKS)
 
 
 def real_kept(ac: str) -> int:
     """What a real forward keeps: every tensor autograd saves, once by storage, parameters left out, plus the inputs
     checkpointed blocks hold (the checkpoint's own saved tensors are hidden from outer hooks)."""
     torch.manual_seed(0)
-    model = Net()
+    model = net()
     blocks = prepare_blocks(model, ac)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept: dict[int, int] = {}
@@ -60,7 +42,7 @@ def real_kept(ac: str) -> int:
 
 
 def test_the_meta_forward_counts_what_a_real_forward_keeps_under_every_ac_mode():
-    found = measure(Net(), torch.randn(ROWS, 4))
+    found = measure(net(), torch.randn(ROWS, 4))
     assert found.micro_batch == ROWS and found.blocks == BLOCKS
     per_block = 4 * ROWS * (WIDTH + 2 * HIDDEN)  # up's input, gelu's input, down's input (weights are states)
     assert found.kept["none"] == 4 * ROWS * 4 + BLOCKS * per_block + 4 * ROWS * WIDTH  # + embed's and head's inputs
@@ -72,7 +54,7 @@ def test_the_meta_forward_counts_what_a_real_forward_keeps_under_every_ac_mode()
 
 
 def test_the_sample_may_be_a_tuple_or_keywords_and_the_model_is_left_as_it_was():
-    model = Net()
+    model = net()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randn(ROWS, 4)
     assert measure(model, (x, 2.0)).kept == measure(model, {"x": x, "scale": 2.0}).kept == measure(model, x).kept

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from block_models import BlockStack
 from dtrain_magic.config import RunConfig
 from dtrain_magic.errors import ConfigError
 from dtrain_magic.strategies.clipping import clip_grad_norm, total_norm
@@ -59,34 +60,15 @@ def test_total_norm_skips_parameters_without_gradients_and_is_zero_without_any()
 
 
 # -- --ac / --compile (dtrain_magic.worker.blocks) -----------------------------------------------------------------
-class Block(torch.nn.Module):
-    def __init__(self, width: int = 32, hidden: int = 128):
-        super().__init__()
-        self.up, self.down = torch.nn.Linear(width, hidden), torch.nn.Linear(hidden, width)
-
-    def forward(self, x):
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-
-class EightBlocks(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = torch.nn.Linear(8, 32)
-        self.layers = torch.nn.ModuleList(Block() for _ in range(8))
-        self.head = torch.nn.Linear(32, 1)
-
-    def forward(self, x):
-        x = self.embed(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
+def eight_blocks() -> torch.nn.Module:
+    return BlockStack(8, 32, 128)
 
 
 def _activation_bytes(ac: str) -> tuple[int, torch.Tensor, dict]:
     """Bytes of the activations one forward keeps for the backward: what autograd saves (saved_tensors_hooks see what
     is saved outside a checkpoint) plus each checkpointed block's input (the checkpoint holds it to recompute)."""
     torch.manual_seed(0)
-    model = EightBlocks()
+    model = eight_blocks()
     checkpointed = prepare_blocks(model, ac)
     saved = [0]
 
@@ -118,7 +100,7 @@ def test_activation_checkpointing_saves_activation_memory_and_changes_no_number(
 
 
 def test_the_blocks_are_the_repeated_class_or_the_one_named_and_names_do_not_change():
-    model = EightBlocks()
+    model = eight_blocks()
     keys = list(model.state_dict())
     assert find_blocks(model) == list(model.layers)
     assert len(checkpoint_blocks(find_blocks(model), "selective")) == 4  # blocks 0, 2, 4, 6
