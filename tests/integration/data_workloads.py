@@ -4,6 +4,9 @@ saw, and the exactly-once check (gathered row ids == the source's ids, up to the
 from __future__ import annotations
 
 import collections
+import os
+
+import numpy as np
 
 from dtrain_magic.data.split import Split, epoch_rows
 
@@ -65,3 +68,45 @@ def assert_documented_order(values: list, name: str, ids_by_row: list[int], opti
             rows = epoch_rows(each["block_rows"], value["rank"], ranks, epoch, seed, options.get("shuffle", False),
                               options.get("drop_last", False), options["batch_size"], each["window"])
             assert got == [ids_by_row[row] for row in rows], (name, value["rank"], epoch)
+
+
+# -- the way back (ctx.write, issue #39): a fixed model scores --data val; rank 1 may die after its 5th batch -------
+SCORE_ROWS = 100_000
+SCORE_CELL = """%%distribute --backend {backend} -n 2 --seed 0 --no-ui --data val={data} --output preds=preds {flags}
+import os, torch
+torch.manual_seed(0)
+WEIGHTS = torch.nn.Linear(8, 2).state_dict()   # the fixed model, shipped with the function
+
+def score(ctx):
+    model = torch.nn.Linear(8, 2)
+    model.load_state_dict(WEIGHTS)
+    batches = 0
+    with torch.no_grad():
+        for batch in ctx.data("val", batch_size=5000, with_ids={with_ids}, pad=False):
+            ctx.write("preds", {{"id": batch[{id_key!r}], "pred": model(batch["x"])}})
+            batches += 1
+            if ctx.rank == 1 and batches == 5 and {die}:
+                os._exit(3)
+    return batches
+"""
+
+
+def score_cell(backend: str, data: str = "val", flags: str = "", die: str = "False", id_column: str | None = None
+               ) -> str:
+    """SCORE_CELL; the ids written are the source's own ``id_column``, else its positions (``with_ids=True``)."""
+    return SCORE_CELL.format(backend=backend, data=data, flags=flags, die=die, with_ids=id_column is None,
+                             id_key=id_column or "row_id")
+
+
+def scored_by_one_process(x: np.ndarray) -> np.ndarray:
+    """SCORE_CELL's model scoring the rows ``x`` (n, 8) in this one process."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    with torch.no_grad():
+        return model(torch.from_numpy(x)).numpy()
+
+
+def files_under(folder) -> list[str]:
+    return [os.path.join(d, f) for d, _, names in os.walk(folder) for f in names]
