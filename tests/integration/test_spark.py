@@ -16,10 +16,11 @@ import signal
 import threading
 import time
 
+import numpy as np
 import psutil
 import pytest
 
-from data_workloads import assert_exactly_once, read_cell
+from data_workloads import SCORE_ROWS, assert_exactly_once, files_under, read_cell, score_cell, scored_by_one_process
 from dtrain_magic.config import RunConfig
 from dtrain_magic.driver.staging import staging_area
 from dtrain_magic.errors import CaptureError, ConfigError, RunInterrupted, RunTimeout, WorkerError
@@ -599,30 +600,57 @@ def test_a_dataframe_as_data_is_written_once_read_once_per_epoch_then_reused_on_
     assert sorted(os.listdir(copy)) == written
 
 
-SCORE_CELL = """%%distribute --backend spark -n 2 --no-ui --data val=df --output preds=preds
-def score(ctx):
-    for batch in ctx.data("val", batch_size=128, pad=False):   # its own id column comes along: the join key
-        ctx.write("preds", {"id": batch["id"], "y": batch["x"] * 2})
-"""
+def scoring_frame(spark_launcher):
+    """SCORE_ROWS ids, each with 8 seeded normal features as one array column ``x``, made by Spark itself; built
+    again, the same plan (so a later run reuses the copy the first one staged)."""
+    from pyspark.sql import functions as F
+
+    spark = spark_launcher.session(RunConfig(backend="spark"))
+    features = F.array(*[F.randn(seed).cast("float") for seed in range(8)])
+    return spark.range(SCORE_ROWS, numPartitions=2).withColumn("x", features)
 
 
-def test_scored_rows_come_back_as_a_spark_dataframe_that_joins_to_the_input(spark_launcher, shell):
-    """``ctx.write`` on Spark (docs/data.md, the way back): ``--output preds=preds`` is a DataFrame Spark reads from
-    the committed parts (never collected), which joins to the input by id: every row once, its value right."""
+def test_scored_rows_come_back_as_a_spark_dataframe_that_joins_to_the_input(spark_launcher, shell, tmp_path):
+    """``ctx.write`` on Spark (docs/data.md, the way back): 100,000 rows scored by 2 ranks; ``--output preds=preds``
+    is a DataFrame Spark reads from the committed parts (never collected), which joins to the input by its own id
+    column: every row once on each side, each prediction equal to one process scoring the same rows (1e-6)."""
+    import pyarrow.dataset as ds
     from pyspark.sql import DataFrame
     from pyspark.sql import functions as F
 
-    df = data_frame(spark_launcher).select("id", "x")  # 1001 rows: pad=False leaves the even split's padding out
+    df = scoring_frame(spark_launcher)
     shell.user_ns["df"] = df
-    result = shell.run(SCORE_CELL)
+    result = shell.run(score_cell("spark", data="df", id_column="id"))
     assert result.error_in_exec is None, result.error_in_exec
     preds = shell.user_ns["preds"]
     assert isinstance(preds, DataFrame)
-    joined = df.join(preds, "id", "full_outer")  # one Spark job: rows, ids, rows on each side, the largest error
-    found = joined.agg(F.count("*"), F.countDistinct("id"), F.count("x"), F.count("y"),
-                       F.max(F.abs(F.col("y") - 2 * F.col("x")))).first()
-    assert tuple(found)[:4] == (DATA_ROWS,) * 4 and found[4] <= 1e-6  # every input row once, its value right
-    assert result.result.outputs["preds"].path.endswith("/outputs/preds")
+    # One Spark job: a duplicated or missing row on either side changes one of these counts.
+    joined = df.join(preds, "id", "full_outer")
+    found = joined.agg(F.count("*"), F.countDistinct("id"), F.count("x"), F.count("pred")).first()
+    assert tuple(found) == (SCORE_ROWS,) * 4, found
+    output = result.result.outputs["preds"]
+    assert output.path.startswith(str(tmp_path / "dtrain_runs")) and output.path.endswith("/outputs/preds")
+    assert output.rows == SCORE_ROWS
+    # The values: the input collected once, the predictions read from the parts (ids 0..N-1: an id is its row).
+    source = df.toArrow()
+    x = np.empty((SCORE_ROWS, 8), np.float32)
+    x[source.column("id").to_numpy()] = np.stack(source.column("x").to_numpy(zero_copy_only=False))
+    written = ds.dataset(output.path).to_table()
+    got = np.stack(written.column("pred").to_numpy(zero_copy_only=False))
+    worst = float(np.abs(got - scored_by_one_process(x[written.column("id").to_numpy()])).max())
+    assert worst <= 1e-6, worst
+
+
+def test_a_rank_killed_half_way_leaves_no_output_and_no_file(spark_launcher, shell, tmp_path):
+    """Rank 1 exits (os._exit) after writing 5 of its 10 batches, with no --max-restarts: the run fails naming it,
+    no ``preds`` is bound, and nothing is left under the run's folder (no output, no partial part)."""
+    shell.user_ns["df"] = scoring_frame(spark_launcher)  # the copy the test above staged is reused (not rewritten)
+    result = shell.run(score_cell("spark", data="df", id_column="id", die="True"))
+    error = result.error_in_exec
+    assert isinstance(error, WorkerError) and error.rank == 1, error
+    assert "rank 1" in str(error), str(error)
+    assert "preds" not in shell.user_ns
+    assert files_under(tmp_path / "dtrain_runs") == []
 
 
 def test_bad_dataframes_as_data_are_refused_before_launch(spark_launcher, shell):
