@@ -108,5 +108,19 @@ def scored_by_one_process(x: np.ndarray) -> np.ndarray:
         return model(torch.from_numpy(x)).numpy()
 
 
+def score_input() -> np.ndarray:
+    """The `SCORE_ROWS` input rows (8 float32 features, a fixed seed); a cell gets them as ``val={"x": ...}``."""
+    return np.random.default_rng(0).standard_normal((SCORE_ROWS, 8)).astype(np.float32)
+
+
+def assert_scored_once(table, x: np.ndarray) -> None:
+    """Every input row once (ids 0..SCORE_ROWS-1), its prediction equal to one process scoring the same rows (fp32,
+    1e-6)."""
+    ids = table.column("id").to_numpy()
+    assert len(ids) == SCORE_ROWS and np.array_equal(np.sort(ids), np.arange(SCORE_ROWS))
+    got = np.stack(table.column("pred").to_numpy(zero_copy_only=False))
+    np.testing.assert_allclose(got, scored_by_one_process(x[ids]), atol=1e-6, rtol=0)
+
+
 def files_under(folder) -> list[str]:
     return [os.path.join(d, f) for d, _, names in os.walk(folder) for f in names]

@@ -15,24 +15,16 @@ import pytest
 import torch
 
 from data_workloads import SCORE_ROWS as ROWS
-from data_workloads import files_under, score_cell, scored_by_one_process
+from data_workloads import assert_scored_once, files_under, score_cell, score_input
 from dtrain_magic.errors import RunHung, WorkerError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 @pytest.fixture
 def val(shell):
-    x = np.random.default_rng(0).standard_normal((ROWS, 8)).astype(np.float32)
+    x = score_input()
     shell.user_ns["val"] = {"x": x}
     return x
-
-
-def assert_scored_once(table, x: np.ndarray) -> None:
-    """Every input row once, its prediction equal to one process scoring the same rows (fp32, 1e-6)."""
-    ids = table.column("id").to_numpy()
-    assert len(ids) == ROWS and np.array_equal(np.sort(ids), np.arange(ROWS))
-    got = np.stack(table.column("pred").to_numpy(zero_copy_only=False))
-    np.testing.assert_allclose(got, scored_by_one_process(x[ids]), atol=1e-6, rtol=0)
 
 
 def test_a_rank_killed_half_way_leaves_no_output_and_file(shell, val, tmp_path):

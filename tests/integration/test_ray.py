@@ -14,7 +14,9 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
+import pyarrow as pa
 import pytest
 import torch
 
@@ -22,7 +24,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # generous: a loaded 
 
 ray = pytest.importorskip("ray")
 
-from data_workloads import assert_exactly_once, read_cell  # noqa: E402
+from data_workloads import (  # noqa: E402
+    SCORE_ROWS,
+    assert_exactly_once,
+    assert_scored_once,
+    read_cell,
+    score_cell,
+    score_input,  # noqa: E402
+)
 from dtrain_magic import procfacts  # noqa: E402
 from workloads import (  # noqa: E402 (after importorskip: no Ray, no module)
     EVERY,
@@ -769,22 +778,41 @@ def test_ctx_data_reads_ray_trains_shards_and_the_object_store(shell, mlflow):
     assert ray.is_initialized() and ray_launcher().workers_share_files(RunConfig(backend="ray"))
 
 
-def test_scored_rows_come_back_as_a_ray_dataset(shell):
-    """``ctx.write`` on Ray (docs/data.md, the way back): ``--output preds=preds`` is a Ray Dataset read from the
-    committed parts (``ray.data.read_parquet``) with every rank's rows once. (No ``--data``: a run with it launches
-    afresh on Ray; the ids of ``with_ids`` are test_outputs_local's.)"""
-    cell = ('%%distribute --backend ray -n 2 --no-ui --output preds=preds\n'
-            'import torch\n'
-            'def score(ctx):\n'
-            '    for start in range(0, 150, 64):\n'
-            '        ids = torch.arange(start, min(start + 64, 150)) + 150 * ctx.rank\n'
-            '        ctx.write("preds", {"id": ids, "y": ids * 2.0})\n')
-    result = shell.run(cell)
+def output_paths(root) -> set[str]:
+    """Every folder and file at or below an ``outputs`` folder (a run's outputs root) under ``root``."""
+    return {os.path.join(d, n) for d, dirs, files in os.walk(root) for n in dirs + files
+            if "outputs" in os.path.relpath(os.path.join(d, n), root).split(os.sep)}
+
+
+def test_scored_rows_come_back_as_a_ray_dataset_once_as_one_process_scores_them(shell, tmp_path):
+    """``ctx.write`` on Ray (docs/data.md, the way back): 100,000 rows given as a numpy dict (Ray's object store, which
+    gives ``with_ids``; Ray Train's shards of a Ray Dataset refuse it), scored by 2 ranks; ``--output preds=preds`` is
+    a Ray Dataset read from the committed parts with every id once, equal to this process scoring the same rows."""
+    x = score_input()
+    shell.user_ns["val"] = {"x": x}
+    result = shell.run(score_cell("ray", flags="--result run"))
     assert result.error_in_exec is None, result.error_in_exec
     preds = shell.user_ns["preds"]
-    assert isinstance(preds, ray.data.Dataset) and preds.count() == 300
-    frame = result.result.outputs["preds"].to_pandas().sort_values("id")  # the same parts, read here by pyarrow
-    assert frame["id"].tolist() == list(range(300)) and (frame["y"] == 2 * frame["id"]).all()
+    assert isinstance(preds, ray.data.Dataset) and preds.count() == SCORE_ROWS
+    output = shell.user_ns["run"].outputs["preds"]
+    assert (tmp_path / "dtrain_runs") in Path(output.path).parents  # where the next test looks for leftovers
+    assert_scored_once(pa.Table.from_pandas(preds.to_pandas()), x)  # what Ray read: ids once, values 1e-6
+
+
+def test_a_rank_killed_half_way_on_ray_leaves_no_output_and_no_file(shell, tmp_path):
+    """Rank 1 exits after writing 5 batches (no --max-restarts): the run fails naming it, and nothing of its outputs
+    stays (the module's runs share ./dtrain_runs: compare what lies under any run's outputs root)."""
+    from dtrain_magic.errors import WorkerError
+
+    shell.user_ns["val"] = {"x": score_input()}
+    shell.user_ns.pop("preds", None)
+    runs = tmp_path / "dtrain_runs"
+    before = output_paths(runs)
+    result = shell.run(score_cell("ray", die="True"))
+    error = result.error_in_exec
+    assert isinstance(error, WorkerError) and error.rank == 1 and "rank 1" in str(error), error
+    assert "preds" not in shell.user_ns
+    assert output_paths(runs) == before  # no output folder, no partial file
 
 
 def test_off_ray_a_ray_dataset_is_written_once_as_parquet(shell, capsys):
