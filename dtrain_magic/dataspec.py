@@ -56,6 +56,18 @@ def _pairs(value: Any, flag: str, parse: Callable[[str], tuple[str, str]], form:
         yield item[0], item[1]
 
 
+def _is_identifier(text: Any) -> bool:
+    """A data or output name, or a variable ``--output`` binds: a Python identifier (`ctx.data`, `ctx.write`)."""
+    return isinstance(text, str) and bool(_NAME.match(text))
+
+
+def _given_once(flag: str, values: list, each: str) -> None:
+    """A `ConfigError` naming ``flag`` for the values given more than once (``each``: what the message asks)."""
+    twice = sorted({value for value in values if values.count(value) > 1})
+    if twice:
+        raise ConfigError(flag, f"{', '.join(twice)} given twice; {each}")
+
+
 def normalize(value: Any) -> DataSpecs:
     """What `RunConfig` keeps of ``data``: ``((name, source), ...)`` in the order given.
 
@@ -63,17 +75,14 @@ def normalize(value: Any) -> DataSpecs:
     given twice, a name that is not an identifier or an empty source is a `ConfigError` naming ``--data``."""
     specs: list[tuple[str, str]] = []
     for name, source in _pairs(value, FLAG, parse_item, "NAME=SOURCE (a name and a notebook variable, path or URI)"):
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not _is_identifier(name):
             raise ConfigError(FLAG, f"got the name {name!r}; a data name must be a Python identifier "
                                     "(letters, digits, _), as ctx.data(NAME) reads it")
         if not isinstance(source, str) or not source.strip():
             raise ConfigError(FLAG, f"{name}={source!r}: the source must be a notebook variable's name, a path or "
                                     "a URI")
         specs.append((name, source.strip()))
-    names = [name for name, _ in specs]
-    twice = sorted({name for name in names if names.count(name) > 1})
-    if twice:
-        raise ConfigError(FLAG, f"{', '.join(twice)} given twice; each data name once")
+    _given_once(FLAG, [name for name, _ in specs], "each data name once")
     for name, source in specs:
         split_columns(name, source)  # a malformed [col,...] suffix is an error now
     return tuple(specs)
@@ -121,15 +130,12 @@ def normalize_outputs(value: Any) -> DataSpecs:
     for name, variable in _pairs(value, OUTPUT_FLAG, parse_output, "NAME=VARIABLE (the name ctx.write(NAME, ...) "
                                  "writes, the notebook variable it is bound to)"):
         for what, text in (("output name", name), ("variable", variable)):
-            if not isinstance(text, str) or not _NAME.match(text):
+            if not _is_identifier(text):
                 raise ConfigError(OUTPUT_FLAG, f"got the {what} {text!r} in {name}={variable}; it must be a Python "
                                                "identifier (letters, digits, _)")
         specs.append((name, variable))
     for index in (0, 1):
-        seen = [spec[index] for spec in specs]
-        twice = sorted({text for text in seen if seen.count(text) > 1})
-        if twice:
-            raise ConfigError(OUTPUT_FLAG, f"{', '.join(twice)} given twice; each output and each variable once")
+        _given_once(OUTPUT_FLAG, [spec[index] for spec in specs], "each output and each variable once")
     return tuple(specs)
 
 
@@ -147,10 +153,8 @@ def output_names(value: Any) -> DataSpecs:
         raise ConfigError(OUTPUTS_KEYWORD, f"got {value!r}; give the name ctx.write(NAME, ...) writes, or a list of "
                                            "them (outputs=['preds']): each comes back as result.tables[NAME]")
     for name in names:
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not _is_identifier(name):
             raise ConfigError(OUTPUTS_KEYWORD, f"got the output name {name!r}; it must be a Python identifier "
                                                "(letters, digits, _), the name ctx.write(NAME, ...) writes")
-    twice = sorted({name for name in names if list(names).count(name) > 1})
-    if twice:
-        raise ConfigError(OUTPUTS_KEYWORD, f"{', '.join(twice)} given twice; each output once")
+    _given_once(OUTPUTS_KEYWORD, list(names), "each output once")
     return tuple((name, name) for name in names)

@@ -109,8 +109,8 @@ def bind_result(namespace: MutableMapping[str, Any], config: RunConfig, result: 
     if config.outputs:
         from . import outputs
 
-        session = (lambda: spark_session(config)) if spark_session is not None else None
-        result.tables.update(outputs.bind(namespace, config.backend, config.outputs, result.outputs, print, session))
+        result.tables.update(outputs.bind(namespace, config.backend, config.outputs, result.outputs, print,
+                                          _session_of(config, spark_session)))
 
 
 def return_tables(config: RunConfig, result: RunResult,
@@ -122,9 +122,14 @@ def return_tables(config: RunConfig, result: RunResult,
     def unwritten(name: str, why: str) -> None:
         print(f"dtrain_magic: outputs={name!r}: {why}; result.tables has no {name!r}", flush=True)
 
-    session = (lambda: spark_session(config)) if spark_session is not None else None
     names = [name for name, _ in config.outputs]
-    result.tables.update(outputs.tables(config.backend, names, result.outputs, unwritten, session))
+    result.tables.update(outputs.tables(config.backend, names, result.outputs, unwritten,
+                                        _session_of(config, spark_session)))
+
+
+def _session_of(config: RunConfig, spark_session: Callable[[RunConfig], Any] | None) -> Callable[[], Any] | None:
+    """The Spark session the outputs' DataFrames are read with, asked for only when one is built (None: none)."""
+    return (lambda: spark_session(config)) if spark_session is not None else None
 
 
 class _Run:
