@@ -163,28 +163,30 @@ def test_by_default_a_run_where_every_rank_waits_says_where_each_waits_within_15
     and the run goes on (here until the test releases the ranks). The suite's one 120-s wait: it starts with the
     session (`start_early`, in a kernel of its own) and is checked here, as strictly as if it had started now."""
     stall = started_early
-    try:
-        stall.watched()
-        assert STALL_TITLE in stall.report and stall.took < 150, (stall.took, stall.report[-3000:])
-        assert not stall.ended_by_then, "the run ended at the stall: it must go on"
+    try:  # its kernel goes with the test, passed or not: test_local counts every child of this process
+        try:
+            stall.watched()
+            assert STALL_TITLE in stall.report and stall.took < 150, (stall.took, stall.report[-3000:])
+            assert not stall.ended_by_then, "the run ended at the stall: it must go on"
+        finally:
+            stall.release()
+        kernel, run, report, took = stall.kernel, stall.run, stall.report, stall.took
+        run.wait(60)
+        assert run.error is None, (run.error, run.text[-3000:])
+        title = re.search(STALL_TITLE + r" (\d+) s \(--stall-timeout 120\): (.*)", report)
+        assert title, report
+        assert 120 <= int(title.group(1)) < 150, title.group(0)
+        for rank in (0, 1):
+            assert re.search(rf"rank {rank} waits in wait at Cell In\[\d+\], line \d+", title.group(2)), title.group(2)
+        assert report.count("nothing.wait(0.5)") >= 2, report  # each rank's stack, with the cell's source line
+        assert "the run goes on" in report and run.text.count(STALL_TITLE) == 1, run.text  # once
+        mlflow_run = last_run(kernel)
+        assert mlflow_run.info.status == "FINISHED"
+        kept = [a.path for a in kernel.mlflow.list_artifacts(mlflow_run.info.run_id, "stacks")]
+        assert [path.split("_")[0] for path in kept] == ["stacks/stall"], kept
+        assert_dead_within(pids_of(kernel.cwd, 2), 10)
     finally:
-        stall.release()
-    kernel, run, report, took = stall.kernel, stall.run, stall.report, stall.took
-    run.wait(60)
-    assert run.error is None, (run.error, run.text[-3000:])
-    title = re.search(STALL_TITLE + r" (\d+) s \(--stall-timeout 120\): (.*)", report)
-    assert title, report
-    assert 120 <= int(title.group(1)) < 150, title.group(0)
-    for rank in (0, 1):
-        assert re.search(rf"rank {rank} waits in wait at Cell In\[\d+\], line \d+", title.group(2)), title.group(2)
-    assert report.count("nothing.wait(0.5)") >= 2, report  # each rank's stack, with the cell's source line
-    assert "the run goes on" in report and run.text.count(STALL_TITLE) == 1, run.text  # once
-    mlflow_run = last_run(kernel)
-    assert mlflow_run.info.status == "FINISHED"
-    kept = [a.path for a in kernel.mlflow.list_artifacts(mlflow_run.info.run_id, "stacks")]
-    assert [path.split("_")[0] for path in kept] == ["stacks/stall"], kept
-    assert_dead_within(pids_of(kernel.cwd, 2), 10)
-    stall.close()
+        stall.close()
     print(f"local: every rank waiting -> the default stall report in the cell {took:.1f} s after both blocked")
 
 
