@@ -2,11 +2,11 @@
 ``--stall-timeout`` (pure: the clock is given, so the rules are unit-tested without processes).
 
 - **Progress** of a rank: its output, rank 0's metrics, its pulse counters moving (a ``ctx.step``, ``ctx.log``,
-  ``ctx.backward`` call, a batch through the prepared model), or its process using CPU (at least `BUSY_CPU` of
-  a core between two pulses: it computes, say a long first step of a big model, or rank 0 evaluating alone
-  after the others returned; a rank waiting for its GPU spins or yields in CUDA's synchronize, which is CPU
-  too). A rank blocked in a collective, a lock, a queue or a socket uses none; one whose native code holds the
-  GIL sends no pulse at all.
+  ``ctx.backward`` call, a batch through the prepared model), or its process using CPU (`BUSY_CPU_NOW` of a core
+  between two pulses, or `BUSY_CPU` over `BUSY_WINDOW_S`: it computes, say a long first step of a big model, or rank
+  0 evaluating alone after the others returned; a rank waiting for its GPU spins or yields in CUDA's synchronize,
+  which is CPU too). A rank blocked in a collective, a lock, a queue or a socket uses none; one whose native code
+  holds the GIL sends no pulse at all.
 - ``--stall-timeout`` (default `DEFAULT_STALL_TIMEOUT_S`, 0: never): no progress from any rank still running
   for that long is a stall, reported once per stall (with every rank's stack); progress again re-arms it.
 - ``--hang-timeout``: once a rank has ended (returned, failed, died), every rank still running without progress
@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from ..channel import Pulse
 from ..flagtable import DEFAULT_STALL_TIMEOUT_S
 
-BUSY_CPU = 0.05  # share of a core between two pulses that counts as computing (a blocked rank: ~0.003)
+# A blocked rank's own wake-ups (its pulse thread, its wait loop) cost about 0.003 of a core on a quiet machine, but
+# up to 0.034 over a single 0.5-s pulse while the suite ran beside it (measured): a 0.05 test on one pulse left
+# too little room, and a waiting rank seen "computing" for one pulse re-armed the stall report. CPU counts at once
+# from `BUSY_CPU_NOW` of a core between two pulses (a computing rank: 0.3-1.0), and from `BUSY_CPU` averaged over
+# at least `BUSY_WINDOW_S` (a slow step that computes a little), where one pulse's noise is averaged away.
+BUSY_CPU_NOW = 0.25
+BUSY_CPU = 0.05
+BUSY_WINDOW_S = 2.0
 
 
 @dataclass
@@ -28,6 +35,7 @@ class _Rank:
     seen_at: float
     last_progress: float
     pulse: Pulse | None = None
+    window: Pulse | None = None  # the pulse its CPU window started at (`BUSY_WINDOW_S`)
     ended: str | None = None
     ended_at: float | None = None
 
@@ -54,12 +62,22 @@ class Watch:
             self._progressed(state, now)
 
     def pulse(self, message: Pulse, now: float) -> None:
-        """A rank's counters and CPU time: progress when a counter moved or it used `BUSY_CPU` of a core since."""
+        """A rank's counters and CPU time: progress when a counter moved, or it used `BUSY_CPU_NOW` of a core since
+        its last pulse, or `BUSY_CPU` over its window of at least `BUSY_WINDOW_S`."""
         state = self.ranks.get(message.rank)
         if state is None:
             return
         before, state.pulse = state.pulse, message
-        if before is not None and (_counters_moved(before, message) or busy(before, message)):
+        if before is None:
+            state.window = message
+            return
+        window = state.window or before
+        busy_now = cpu_share(before, message) >= BUSY_CPU_NOW
+        window_done = message.unix_time - window.unix_time >= BUSY_WINDOW_S
+        busy_window = window_done and cpu_share(window, message) >= BUSY_CPU
+        if busy_now or window_done:
+            state.window = message
+        if _counters_moved(before, message) or busy_now or busy_window:
             self._progressed(state, now)
 
     @staticmethod
@@ -128,7 +146,7 @@ def _counters_moved(before: Pulse, after: Pulse) -> bool:
     return (after.calls, after.steps, after.samples) != (before.calls, before.steps, before.samples)
 
 
-def busy(before: Pulse, after: Pulse) -> bool:
-    """The rank's process used at least `BUSY_CPU` of a core between two pulses."""
+def cpu_share(before: Pulse, after: Pulse) -> float:
+    """The share of a core the rank's process used between two of its pulses (0 when no time passed)."""
     elapsed = after.unix_time - before.unix_time
-    return elapsed > 0 and (after.cpu_s - before.cpu_s) / elapsed >= BUSY_CPU
+    return (after.cpu_s - before.cpu_s) / elapsed if elapsed > 0 else 0.0

@@ -104,6 +104,37 @@ def test_by_default_every_rank_waiting_for_120_s_is_a_stall_reported_once():
     assert watch.hung(now=300.0) == []  # no rank ended: no hang, the run goes on
 
 
+def test_a_waiting_ranks_wake_up_noise_on_a_busy_machine_is_no_progress():
+    """Measured beside the suite: a blocked rank's single 0.5-s pulse used up to 0.034 of a core, and in one suite
+    run the default stall was reported three times (re-armed twice). A pulse at 0.08 of a core every 20 s (0.01
+    between) neither delays the report nor re-arms it: once, at 120 s, none in the next 10 minutes (with the rule of
+    0.05 over one pulse, each such pulse was progress: no report at all)."""
+    watch = Watch(hang_timeout=15)
+    for rank in (0, 1):
+        watch.hello(rank, now=0)
+    t, cpu, reports = 0.0, 0.0, []
+    while t < 720:
+        t += 0.5
+        cpu += 0.5 * (0.08 if t % 20 == 0 else 0.01)
+        for rank in (0, 1):
+            watch.pulse(pulse(rank, t, calls=1, cpu=cpu), now=t)
+        if watch.stalled(now=t):
+            reports.append(t)
+    assert reports == [120.0]
+
+
+def test_a_rank_computing_a_little_over_seconds_is_progress():
+    """A slow step that computes 10 % of a core (mostly waiting on its reads): under `BUSY_CPU_NOW` on every pulse,
+    but over `BUSY_WINDOW_S` it is computing: no stall in 10 minutes."""
+    watch = Watch(hang_timeout=15)
+    for rank in (0, 1):
+        watch.hello(rank, now=0)
+    cpu = quiet_pulses(watch, (0, 1), until=600.0, cpu_share=0.1)
+    assert not watch.stalled(now=600.0) and watch.quiet_for(600.0) <= 2.5
+    quiet_pulses(watch, (0, 1), until=730.0, start=600.0, cpu=cpu)  # then both wait: a stall, 120 s on
+    assert not watch.stalled(now=719.0) and watch.stalled(now=722.5)
+
+
 def test_a_rank_that_speaks_and_ends_after_the_report_starts_no_second_report_for_its_waiting_peer():
     """Seen on Ray: both ranks waited, the stall was reported; rank 1 then printed and returned while rank 0 still
     waited: the same stall (rank 0's silence), not a new one."""
