@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from ..errors import UnsupportedVersionError, log_dropped
 from . import Library
@@ -92,10 +92,13 @@ def _controller_parts() -> SimpleNamespace:
     )
 
 
-def abortable_trainer_class() -> type:
+def abortable_trainer_class(controller_env: Mapping[str, str] | None = None) -> type:
     """``TorchTrainer`` that keeps the handle of its controller actor (``.controller``), so a run can be
-    aborted; ``cancel_requested`` set before the controller exists aborts it as soon as it does."""
+    aborted; ``cancel_requested`` set before the controller exists aborts it as soon as it does.
+    ``controller_env``: Ray Train variables (``RAY_TRAIN_*``, which its controller hands on to the workers) for
+    this trainer's controller, each unless the notebook's own environment sets it."""
     parts = _controller_parts()
+    defaults = dict(controller_env or {})
 
     class AbortableTorchTrainer(parts.trainer):
         controller: Any = None
@@ -115,6 +118,8 @@ def abortable_trainer_class() -> type:
 
             env_vars = parts.env_vars()
             env_vars.setdefault(parts.blocking_get_env, parts.blocking_get_default)
+            for name, value in defaults.items():
+                env_vars.setdefault(name, value)
             controller_cls = ray.remote(
                 num_cpus=0,
                 label_selector={parts.node_id_key: ray.get_runtime_context().get_node_id()},

@@ -306,6 +306,40 @@ def test_a_ray_run_without_datasets_gets_a_shard_provider_that_starts_no_actor()
     assert "DatasetsCallback" in with_data and "NoDatasetsCallback" not in with_data
 
 
+def test_the_controller_gets_the_given_ray_train_defaults_unless_the_notebook_set_them(monkeypatch):
+    """A one-machine Ray's defaults (`ONE_MACHINE_RAY_TRAIN_ENV`) reach the controller's environment, which Ray
+    Train hands on to the workers; a value the notebook's environment sets is kept."""
+    import ray
+    import ray.train
+
+    from dtrain_magic.launchers.ray.driver import ONE_MACHINE_RAY_TRAIN_ENV
+
+    given: dict = {}
+
+    def remote(**options):
+        given.update(options["runtime_env"]["env_vars"])
+        raise RuntimeError("no controller started in a unit test")
+
+    monkeypatch.setattr(ray, "remote", remote)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(get_node_id=lambda: "node"))
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "3")
+    monkeypatch.delenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", raising=False)
+    trainer = ray_compat.abortable_trainer_class(ONE_MACHINE_RAY_TRAIN_ENV)(
+        lambda config: None, scaling_config=ray.train.ScalingConfig(num_workers=2),
+        run_config=ray.train.RunConfig(name="unit", storage_path="/tmp/dtrain-unit-unused"))
+    with pytest.raises(RuntimeError, match="no controller started"):
+        trainer._initialize_and_run_controller()
+    assert given["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "3"  # the notebook's own
+    assert given["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"
+    given.clear()
+    with pytest.raises(RuntimeError):
+        ray_compat.abortable_trainer_class()(
+            lambda config: None, scaling_config=ray.train.ScalingConfig(num_workers=2),
+            run_config=ray.train.RunConfig(name="unit", storage_path="/tmp/dtrain-unit-unused"),
+        )._initialize_and_run_controller()
+    assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in given  # a cluster's: Ray's own defaults
+
+
 def test_a_ray_train_controller_that_cannot_be_killed_is_a_warning(monkeypatch, caplog):
     """Its workers' CPUs may stay held: the user hears it once, at WARNING (issue #35), and the abort goes on."""
     ray = pytest.importorskip("ray")
