@@ -155,21 +155,42 @@ def pytest_collection_modifyitems(config, items):
 sys.dont_write_bytecode = True
 
 _MODULE_SECONDS: dict[str, float] = {}
+_MODULE_CPU: dict[str, list[int]] = {}  # module -> [busy ticks, all ticks] of the whole machine while it ran
+_LAST_CPU: list[tuple[int, int]] = []
+
+
+def _machine_cpu_ticks() -> tuple[int, int] | None:
+    """(busy, all) CPU ticks of the machine since boot (/proc/stat), None where there is none."""
+    try:
+        with open("/proc/stat") as handle:
+            ticks = [int(value) for value in handle.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # idle and iowait are not busy
 
 
 def pytest_runtest_logreport(report):
-    """Add each test's setup, call and teardown time to its module's (the suite's time per module, below)."""
+    """Add each test's setup, call and teardown time to its module's (the suite's time per module, below), and the
+    machine's CPU use since the last report: how busy the cores were while the module ran says whether overlapping
+    it with another could win time (a module that mostly waits) or not (one that keeps both cores busy)."""
     module = report.nodeid.split("::", 1)[0]
     _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+    now = _machine_cpu_ticks()
+    if now is not None and _LAST_CPU:
+        used = _MODULE_CPU.setdefault(module, [0, 0])
+        used[0] += now[0] - _LAST_CPU[0][0]
+        used[1] += now[1] - _LAST_CPU[0][1]
+    _LAST_CPU[:] = [now] if now is not None else []
 
 
 def pytest_terminal_summary(terminalreporter):
     """The suite's time per module, slowest first: where the suite's minutes go (it must stay under 60 on 2 cores)."""
     if not _MODULE_SECONDS:
         return
-    terminalreporter.section("time per module")
+    terminalreporter.section("time per module (busy: the share of the machine's cores in use meanwhile)")
     for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda item: -item[1]):
-        terminalreporter.write_line(f"{seconds:8.1f} s  {module}")
+        busy, ticks = _MODULE_CPU.get(module, (0, 0))
+        terminalreporter.write_line(f"{seconds:8.1f} s  busy {busy / ticks if ticks else 0:4.2f}  {module}")
     terminalreporter.write_line(f"{sum(_MODULE_SECONDS.values()):8.1f} s  in all")
 
 
