@@ -53,6 +53,10 @@ class Backend:
     #: what ``--output NAME=VARIABLE`` binds a committed output as: ``"spark"`` (a Spark DataFrame read from its
     #: parts), ``"ray"`` (a Ray Dataset) or ``"pyarrow"`` (a pyarrow Dataset)
     output_table: ClassVar[str] = "pyarrow"
+    #: every rank is a process of this machine, whatever the config: this machine's memory bounds a run (a sweep
+    #: skips a trial whose estimate exceeds it), and each run numbers this machine's GPUs from 0 (so a sweep runs
+    #: GPU trials one at a time)
+    ranks_on_this_machine: ClassVar[bool] = False
 
     @classmethod
     def validate(cls, config: RunConfig) -> None:
@@ -100,6 +104,7 @@ class Local(Backend):
     elastic = True  # --elastic: the survivors relaunched by the same fork server
     preemption_notice = True  # the workers are this machine's processes: their SIGTERM handler is the worker's
     resumes_runs = True  # --resume: ctx.load_checkpoint() reads the run's checkpoint root, whichever kernel
+    ranks_on_this_machine = True  # forked by this machine's fork server
 
 
 class Spark(Backend):

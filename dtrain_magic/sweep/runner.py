@@ -103,7 +103,7 @@ class Sweep:
         its GPUs from 0 (`worker.process_group.device_for`), so trials at once would share them."""
         wanted = self.options.parallel_trials
         config = self.base.config
-        if self.base.plan.launcher.name == "local" and config.use_gpu:
+        if self.base.plan.launcher.ranks_on_this_machine and config.use_gpu:
             if wanted not in ("auto", 1):
                 raise ConfigError("--parallel-trials", f"got {wanted}; local GPU trials run one at a time (each run's "
                                                        "ranks take GPUs from 0, so trials at once would share them)")
@@ -241,7 +241,7 @@ class Sweep:
             prepared = self._prepare(options)
         except DistributeError as exc:
             return Outcome(FAILED, error=str(exc).splitlines()[0])
-        skipped = skip_reason(self._model(), prepared.config, self.base.plan.launcher.name == "local")
+        skipped = skip_reason(self._model(), prepared.config, self.base.plan.launcher.ranks_on_this_machine)
         if skipped is not None:
             return Outcome(SKIPPED, error=skipped)
         label = f"trial {trial.number + 1}/{self.total}"

@@ -13,6 +13,7 @@ from typing import Any
 import optuna
 import pytest
 
+from dtrain_magic.backends import Local
 from dtrain_magic.config import RunConfig
 from dtrain_magic.errors import ConfigError, RunInterrupted, RunStopped, WorkerError
 from dtrain_magic.result import RunResult
@@ -25,6 +26,7 @@ from dtrain_magic.sweep.space import parse_space
 
 class FakeLauncher:
     name = "ray"
+    ranks_on_this_machine = False
 
     def __init__(self, capacity=None):
         self._capacity = capacity
@@ -195,7 +197,7 @@ def test_parallel_trials_auto_is_the_capacity_over_the_processes_a_trial_takes()
 def test_local_gpu_trials_run_one_at_a_time():
     s, *_ = sweep("lr=uniform(0,1)", quadratic, trials=8)
     s.base = dataclasses.replace(s.base, plan=FakePlan(RunConfig(num_processes=1).replace(use_gpu=True),
-                                                         type("Local", (FakeLauncher,), {"name": "local"})()))
+                                                         type("Local", (Local, FakeLauncher), {})()))
     assert s.slots(8) == 1
     s.options = dataclasses.replace(s.options, parallel_trials=2)
     with pytest.raises(ConfigError, match="--parallel-trials: got 2; local GPU trials run one at a time"):
@@ -356,7 +358,7 @@ def test_a_trial_whose_memory_estimate_exceeds_the_device_is_skipped_with_the_re
     monkeypatch.setattr(memory, "device_memory_bytes", lambda device=None, per=1: (32 << 30) // per)
     monkeypatch.setattr(sweep_runner.runner, "prepare", prepare)
     base = FakeRun(FakePlan(RunConfig(num_processes=4), FakeLauncher()), quadratic, 2)
-    base.plan.launcher.name = "local"  # the ranks run on this machine: its memory is theirs
+    base.plan.launcher.ranks_on_this_machine = True  # as on --backend local: this machine's memory is theirs
     model = memory.CellModel(10**9, "a fake billion-parameter model")
     out = io.StringIO()
     s = Sweep(base, lambda o: base.config.replace(**o), parse_space("strategy=grid(ddp,fsdp) lr=grid(0.01)"),
