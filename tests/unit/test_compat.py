@@ -324,20 +324,19 @@ def test_the_controller_gets_the_given_ray_train_defaults_unless_the_notebook_se
     monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(get_node_id=lambda: "node"))
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "3")
     monkeypatch.delenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", raising=False)
-    trainer = ray_compat.abortable_trainer_class(ONE_MACHINE_RAY_TRAIN_ENV)(
-        lambda config: None, scaling_config=ray.train.ScalingConfig(num_workers=2),
-        run_config=ray.train.RunConfig(name="unit", storage_path="/tmp/dtrain-unit-unused"))
-    with pytest.raises(RuntimeError, match="no controller started"):
-        trainer._initialize_and_run_controller()
-    assert given["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "3"  # the notebook's own
-    assert given["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"
-    given.clear()
-    with pytest.raises(RuntimeError):
-        ray_compat.abortable_trainer_class()(
+    def controller_env(defaults) -> dict:
+        given.clear()
+        trainer = ray_compat.abortable_trainer_class(defaults)(
             lambda config: None, scaling_config=ray.train.ScalingConfig(num_workers=2),
-            run_config=ray.train.RunConfig(name="unit", storage_path="/tmp/dtrain-unit-unused"),
-        )._initialize_and_run_controller()
-    assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in given  # a cluster's: Ray's own defaults
+            run_config=ray.train.RunConfig(name="unit", storage_path="/tmp/dtrain-unit-unused"))
+        with pytest.raises(RuntimeError, match="no controller started"):
+            trainer._initialize_and_run_controller()
+        return dict(given)
+
+    one_machine = controller_env(ONE_MACHINE_RAY_TRAIN_ENV)
+    assert one_machine["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "3"  # the notebook's own
+    assert one_machine["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"
+    assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in controller_env(None)  # a cluster's: Ray's own defaults
 
 
 def test_a_ray_train_controller_that_cannot_be_killed_is_a_warning(monkeypatch, caplog):
