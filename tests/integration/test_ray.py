@@ -355,25 +355,6 @@ def test_tensor_and_pipeline_parallel_on_ray(shell, tmp_path, flags, widths):
     assert_model_parallel_run(shell.run(model_parallel_cell("ray", flags, tmp_path / "ckpt", widths)), widths)
 
 
-def test_sigkill_with_max_restarts_resumes_from_checkpoint(shell, mlflow, reference_weights, tmp_path, capsys):
-    """Through waiting workers launched with FailureConfig(max_failures=1): Ray Train restarts the group, whose
-    new workers run the waiting loop again and get the same job, and resume from Ray's checkpoint."""
-    before = take_over(max_restarts=1, seed=0)
-    result = shell.run(cell(flags="--max-restarts 1", kill=True))
-    assert result.error_in_exec is None, result.error_in_exec
-    assert (tmp_path / "killed").exists()
-    out = capsys.readouterr().out
-    assert f"resumed at step {EVERY}" in out  # the last checkpoint before KILL_AT was after step EVERY-1
-    assert len(pids(tmp_path)) == 4, out  # two attempts of two workers
-    first = {int(open(tmp_path / f"pid_{rank}").read().split()[0]) for rank in (0, 1)}
-    assert first == before[1]  # the first attempt ran on the waiting workers
-    assert result.result.checkpoint_root == before[2].checkpoint_root
-    assert_taken_over(before)
-    assert same_weights(result.result.value, reference_weights, atol=1e-6)
-    assert mlflow.get_run(result.result.run_id).info.status == "FINISHED"
-    assert wait_dead(pids(tmp_path), 15) == []
-
-
 def test_sigkill_without_restarts_fails_short_and_leaves_no_worker(shell, mlflow, tmp_path):
     from dtrain_magic.errors import WorkerError
 
@@ -433,20 +414,92 @@ def train(ctx):
 
 
 def test_timeout_stops_every_worker(shell, mlflow, tmp_path):
+    """--timeout 10 on waiting workers (the run starts at once, so 10 s is the function's, not Ray's start-up)."""
     from dtrain_magic.errors import RunTimeout
 
+    before = take_over()
     started = time.monotonic()
     result = shell.run(
-        "%%distribute --backend ray -n 2 --no-ui --timeout 30\nimport os, time\ndef train(ctx):\n"
+        "%%distribute --backend ray -n 2 --no-ui --timeout 10\nimport os, time\ndef train(ctx):\n"
         "    open(f'pid_{ctx.rank}', 'a').write(f'{os.getpid()}\\n')\n    time.sleep(300)\n"
     )
     error = result.error_in_exec
-    assert isinstance(error, RunTimeout) and "--timeout 30" in str(error), error
-    assert 30 <= time.monotonic() - started < 60
+    assert isinstance(error, RunTimeout) and "--timeout 10" in str(error), error
+    assert 10 <= time.monotonic() - started < 40
     assert len(pids(tmp_path)) == 2  # both workers were running (hanging) when the timeout came
     assert wait_dead(pids(tmp_path), 10) == []
+    assert_taken_over(before)
     run = ended_run(mlflow)
-    assert run.info.status == "FAILED" and "--timeout 30" in run.data.tags["dtrain_magic.failure"]
+    assert run.info.status == "FAILED" and "--timeout 10" in run.data.tags["dtrain_magic.failure"]
+
+
+# -- existing code, unchanged (issue #13; the local backend's: test_existing_code.py) -------------------
+def test_a_function_the_cell_imports_runs_on_ray_train(shell, tmp_path, monkeypatch):
+    """``from my_project.train import fit`` / ``fit(...)``: the call runs on the Ray Train workers, never in the
+    notebook, and trains one process's weights (fp32, 1e-5)."""
+    from workloads import assert_imported_call_run, imported_call_cell, write_project
+
+    monkeypatch.syspath_prepend(write_project(tmp_path))
+    assert_imported_call_run(shell.run(imported_call_cell("ray")), tmp_path)
+
+
+def test_torchdistributor_style_and_accelerate_run_unchanged_on_ray(shell, mlflow):
+    """Ray Train has joined the group already: the function's own init_process_group (with device_id) is
+    adopted and its destroy deferred; then an accelerate loop in the same Ray instance. Both match one process."""
+    from workloads import (
+        EXISTING_HELPERS,
+        accelerate_cell,
+        assert_close,
+        existing_reference,
+        loss_fell,
+        torchdistributor_cell,
+    )
+
+    assert shell.run(EXISTING_HELPERS).error_in_exec is None
+    result = shell.run(torchdistributor_cell(
+        "ray", init='dist.init_process_group(dist.Backend.GLOO, device_id=torch.device("cpu"))'))
+    assert result.error_in_exec is None, result.error_in_exec
+    values = result.result.values
+    assert [v["env"]["RANK"] for v in values] == ["0", "1"] and values[0]["env"]["WORLD_SIZE"] == "2"
+    assert values[0]["env"]["MASTER_ADDR"] and int(values[0]["env"]["MASTER_PORT"]) > 0
+    assert loss_fell(values[0]["losses"]), values[0]["losses"]
+    assert_close(values[0]["weights"], existing_reference(), atol=1e-5, rtol=0)
+    assert all(v["group_alive"] for v in values)
+
+    result = shell.run(accelerate_cell("ray"))
+    assert result.error_in_exec is None, result.error_in_exec
+    values = result.result.values
+    assert [v["rank"] for v in values] == [0, 1] and values[0]["num_processes"] == 2
+    assert loss_fell(values[0]["losses"]), values[0]["losses"]
+    assert_close(values[0]["weights"], existing_reference(), atol=1e-5, rtol=0)
+    assert [m.step for m in mlflow.get_metric_history(result.result.run_id, "loss")] == list(range(12))
+
+
+def test_hf_trainer_runs_on_ray_into_the_magics_run(shell, mlflow):
+    from workloads import hf_trainer_cell
+
+    result = shell.run(hf_trainer_cell("ray"))
+    assert result.error_in_exec is None, result.error_in_exec
+    values = result.result.values
+    assert [v["rank"] for v in values] == [0, 1] and values[0]["world_size"] == 2
+    assert values[0]["losses"][-1] < 0.7 * values[0]["losses"][0], values[0]["losses"]
+    experiments = [e.experiment_id for e in mlflow.search_experiments()]
+    runs = mlflow.search_runs(experiment_ids=experiments)
+    assert [r.info.run_id for r in runs] == [result.result.run_id]  # HF's report_to="mlflow" made no run of its own
+    assert len(mlflow.get_metric_history(result.result.run_id, "loss")) == values[0]["steps"] == 32
+
+
+def test_lightning_ddp_runs_on_ray_without_launching_its_own(shell):
+    from workloads import EXISTING_HELPERS, assert_close, lightning_cell, loss_fell
+
+    assert shell.run(EXISTING_HELPERS).error_in_exec is None
+    result = shell.run(lightning_cell("ray"))
+    assert result.error_in_exec is None, result.error_in_exec
+    values = result.result.values
+    assert [v["rank"] for v in values] == [0, 1] and values[0]["world_size"] == 2
+    assert values[0]["pid"] != values[1]["pid"]  # the two Ray Train workers, no processes of Lightning's own
+    assert loss_fell(values[0]["losses"]), values[0]["losses"]
+    assert_close(values[1]["weights"], values[0]["weights"], atol=0, rtol=0)
 
 
 def test_runs_in_a_row_leave_nothing_growing(shell, mlflow):
@@ -500,6 +553,159 @@ def train_controllers() -> list[int]:
         except psutil.Error:
             pass
     return found
+
+
+def test_sigkill_with_max_restarts_resumes_from_checkpoint(shell, mlflow, reference_weights, tmp_path, capsys):
+    """Through waiting workers launched with FailureConfig(max_failures=1): Ray Train restarts the group, whose
+    new workers run the waiting loop again and get the same job, and resume from Ray's checkpoint."""
+    before = take_over(max_restarts=1, seed=0)
+    result = shell.run(cell(flags="--max-restarts 1", kill=True))
+    assert result.error_in_exec is None, result.error_in_exec
+    assert (tmp_path / "killed").exists()
+    out = capsys.readouterr().out
+    assert f"resumed at step {EVERY}" in out  # the last checkpoint before KILL_AT was after step EVERY-1
+    assert len(pids(tmp_path)) == 4, out  # two attempts of two workers
+    first = {int(open(tmp_path / f"pid_{rank}").read().split()[0]) for rank in (0, 1)}
+    assert first == before[1]  # the first attempt ran on the waiting workers
+    assert result.result.checkpoint_root == before[2].checkpoint_root
+    assert_taken_over(before)
+    assert same_weights(result.result.value, reference_weights, atol=1e-6)
+    assert mlflow.get_run(result.result.run_id).info.status == "FINISHED"
+    assert wait_dead(pids(tmp_path), 15) == []
+
+
+# A Ray Train loop of its own (existing code, as above) with --max-restarts 1: here, it takes over the waiting
+# workers (--max-restarts 1) the run before leaves instead of launching afresh.
+def test_ray_train_loop_runs_unchanged_with_report_checkpoints_and_restarts(shell, mlflow, tmp_path, capsys):
+    """A Ray Train loop (get_context, prepare_model, prepare_data_loader, report with a checkpoint,
+    get_checkpoint), called with its config dict; rank 1 is SIGKILLed once at epoch 2 and Ray restarts the
+    group (--max-restarts 1), which resumes from the last reported checkpoint. The final weights equal one
+    plain process's (fp32, 1e-5), and what rank 0 reported is in the magic's MLflow run."""
+    from workloads import EXISTING_HELPERS, assert_close, existing_reference, ray_loop_cell
+
+    assert shell.run(EXISTING_HELPERS).error_in_exec is None
+    result = shell.run(ray_loop_cell(flags="--max-restarts 1", kill=True, epochs=4))
+    assert result.error_in_exec is None, result.error_in_exec
+    assert (tmp_path / "killed").exists()
+    assert "resumed at epoch" in capsys.readouterr().out
+    values = result.result.values
+    assert [v["rank"] for v in values] == [0, 1]
+    assert_close(values[0]["weights"], existing_reference(epochs=4), atol=1e-5, rtol=0)
+    assert_close(values[1]["weights"], values[0]["weights"], atol=0, rtol=0)
+    history = mlflow.get_metric_history(result.result.run_id, "loss")
+    assert {m.step for m in history} == {0, 1, 2, 3}  # step = the reported "epoch"; a resumed epoch again
+    by_step = {m.step: m.value for m in history}
+    assert by_step[3] < 0.5 * by_step[0], by_step  # the loss fell
+    assert mlflow.get_run(result.result.run_id).info.status == "FINISHED"
+
+
+# -- --data (docs/data.md): Ray Datasets to Ray Train, objects in the object store, Ray Data off Ray ----------------
+DATA_ROWS = 301
+
+EXISTING_DATA_LOOP = """%%distribute --backend ray -n 2 --no-ui --data train=ds
+import ray.train, torch
+
+def train_func(config):
+    shard = ray.train.get_dataset_shard("train")
+    model = ray.train.torch.prepare_model(torch.nn.Linear(1, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen = []
+    for epoch in range(config["epochs"]):
+        for batch in shard.iter_torch_batches(batch_size=config["batch_size"], dtypes=torch.float32):
+            loss = torch.nn.functional.mse_loss(model(batch["id"].reshape(-1, 1)), batch["id"].reshape(-1, 1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            seen += batch["id"].long().tolist()
+        ray.train.report({"epoch": epoch, "loss": loss.item()})
+    return {"rank": ray.train.get_context().get_world_rank(), "seen": seen}
+
+train_func({"epochs": 1, "batch_size": 50})
+"""
+
+
+def test_an_existing_ray_train_loop_reads_its_dataset_shard_unchanged(shell, mlflow):
+    """``TorchTrainer(datasets={"train": ds})``'s loop, unchanged, with ``--data train=ds``: Ray Train splits it."""
+    shell.user_ns["ds"] = ray.data.range(DATA_ROWS)
+    result = shell.run(EXISTING_DATA_LOOP)
+    assert result.error_in_exec is None, result.error_in_exec
+    seen = [row for value in result.result.values for row in value["seen"]]
+    assert len(seen) == len(set(seen)) and DATA_ROWS - len(seen) < 2  # Ray's equal split: fewer than the ranks left
+    assert len(result.result.values[0]["seen"]) == len(result.result.values[1]["seen"])
+    assert [m.step for m in mlflow.get_metric_history(result.result.run_id, "loss")] == [0]  # its report: MLflow
+
+
+def test_ctx_data_reads_ray_trains_shards_and_the_object_store(shell, mlflow):
+    import numpy as np
+    import pandas as pd
+
+    shell.user_ns.update(ds=ray.data.range(DATA_ROWS), frame=pd.DataFrame({"id": np.arange(DATA_ROWS) + 5000}))
+    options = {"train": dict(batch_size=20, shuffle=True), "objects": dict(batch_size=16, shuffle=True)}
+    result = shell.run(read_cell("ray", options, flags="--data train=ds --data objects=frame"))
+    assert result.error_in_exec is None, result.error_in_exec
+    values = result.result.values
+    seen = [[row for value in values for row in value["sources"]["train"]["epochs"][epoch]] for epoch in (0, 1)]
+    for rows in seen:  # Ray Train's streaming split, equal: each row at most once, fewer than the ranks left out
+        assert len(rows) == len(set(rows)) and set(rows) <= set(range(DATA_ROWS)) and DATA_ROWS - len(rows) < 2
+    assert seen[0] != seen[1]  # reshuffled per epoch (Ray's local shuffle buffer, seeded by --seed and the epoch)
+    assert_exactly_once(values, "objects", list(range(5000, 5000 + DATA_ROWS)))
+    tags = mlflow.get_run(result.result.run_id).data.tags
+    assert tags["dtrain_magic.data.train.kind"] == "Ray Dataset" and tags["dtrain_magic.data.train.rows"] == "301"
+    assert "Ray Train" in tags["dtrain_magic.data.train.reaches_ranks"]
+    assert "object store" in tags["dtrain_magic.data.objects.reaches_ranks"]
+    from dtrain_magic.config import RunConfig
+
+    # The module's Ray, connected: every alive node is this machine, so a copy staged here reaches every worker.
+    assert ray.is_initialized() and ray_launcher().workers_share_files(RunConfig(backend="ray"))
+
+
+def output_paths(root) -> set[str]:
+    """Every folder and file at or below an ``outputs`` folder (a run's outputs root) under ``root``."""
+    return {os.path.join(d, n) for d, dirs, files in os.walk(root) for n in dirs + files
+            if "outputs" in os.path.relpath(os.path.join(d, n), root).split(os.sep)}
+
+
+def test_scored_rows_come_back_as_a_ray_dataset_once_as_one_process_scores_them(shell, tmp_path):
+    """``ctx.write`` on Ray (docs/data.md, the way back): 100,000 rows given as a numpy dict (Ray's object store, which
+    gives ``with_ids``; Ray Train's shards of a Ray Dataset refuse it), scored by 2 ranks; ``--output preds=preds`` is
+    a Ray Dataset read from the committed parts with every id once, equal to this process scoring the same rows."""
+    x = score_input()
+    shell.user_ns["val"] = {"x": x}
+    result = shell.run(score_cell("ray", flags="--result run"))
+    assert result.error_in_exec is None, result.error_in_exec
+    preds = shell.user_ns["preds"]
+    assert isinstance(preds, ray.data.Dataset) and preds.count() == SCORE_ROWS
+    output = shell.user_ns["run"].outputs["preds"]
+    assert (tmp_path / "dtrain_runs") in Path(output.path).parents  # where the next test looks for leftovers
+    assert_scored_once(pa.Table.from_pandas(preds.to_pandas()), x)  # what Ray read: ids once, values 1e-6
+
+
+def test_a_rank_killed_half_way_on_ray_leaves_no_output_and_no_file(shell, tmp_path):
+    """Rank 1 exits after writing 5 batches (no --max-restarts): the run fails naming it, and nothing of its outputs
+    stays (the module's runs share ./dtrain_runs: compare what lies under any run's outputs root)."""
+    from dtrain_magic.errors import WorkerError
+
+    shell.user_ns["val"] = {"x": score_input()}
+    shell.user_ns.pop("preds", None)
+    runs = tmp_path / "dtrain_runs"
+    before = output_paths(runs)
+    result = shell.run(score_cell("ray", die="True"))
+    error = result.error_in_exec
+    assert isinstance(error, WorkerError) and error.rank == 1 and "rank 1" in str(error), error
+    assert "preds" not in shell.user_ns
+    assert output_paths(runs) == before  # no output folder, no partial file
+
+
+def test_off_ray_a_ray_dataset_is_written_once_as_parquet(shell, capsys):
+    from dtrain_magic.driver.staging import staging_area
+
+    shell.user_ns["ds"] = ray.data.range(DATA_ROWS)
+    result = shell.run(read_cell("local", {"train": dict(batch_size=32, shuffle=True)}, flags="--data train=ds",
+                                 epochs=1))
+    assert result.error_in_exec is None, result.error_in_exec
+    assert_exactly_once(result.result.values, "train", list(range(DATA_ROWS)))
+    assert "data train: staging Ray Dataset ds: written once as Parquet by Ray Data" in capsys.readouterr().out
+    staging_area().shutdown()  # (the module's copies; at a kernel's exit)
 
 
 # -- a real cluster: `ray start --head` on 127.0.0.1 in a subprocess (runs last: it replaces the embedded Ray)
@@ -626,204 +832,3 @@ def test_existing_cluster_with_ray_address(shell, head_node, reference_weights, 
 
     assert instance.connect(RunConfig(backend="ray", use_gpu=False)) == "joined"
     assert instance.joined == head_node
-
-
-# -- existing code, unchanged (issue #13; the local backend's: test_existing_code.py) -------------------
-def test_ray_train_loop_runs_unchanged_with_report_checkpoints_and_restarts(shell, mlflow, tmp_path, capsys):
-    """A Ray Train loop (get_context, prepare_model, prepare_data_loader, report with a checkpoint,
-    get_checkpoint), called with its config dict; rank 1 is SIGKILLed once at epoch 2 and Ray restarts the
-    group (--max-restarts 1), which resumes from the last reported checkpoint. The final weights equal one
-    plain process's (fp32, 1e-5), and what rank 0 reported is in the magic's MLflow run."""
-    from workloads import EXISTING_HELPERS, assert_close, existing_reference, ray_loop_cell
-
-    assert shell.run(EXISTING_HELPERS).error_in_exec is None
-    result = shell.run(ray_loop_cell(flags="--max-restarts 1", kill=True, epochs=4))
-    assert result.error_in_exec is None, result.error_in_exec
-    assert (tmp_path / "killed").exists()
-    assert "resumed at epoch" in capsys.readouterr().out
-    values = result.result.values
-    assert [v["rank"] for v in values] == [0, 1]
-    assert_close(values[0]["weights"], existing_reference(epochs=4), atol=1e-5, rtol=0)
-    assert_close(values[1]["weights"], values[0]["weights"], atol=0, rtol=0)
-    history = mlflow.get_metric_history(result.result.run_id, "loss")
-    assert {m.step for m in history} == {0, 1, 2, 3}  # step = the reported "epoch"; a resumed epoch again
-    by_step = {m.step: m.value for m in history}
-    assert by_step[3] < 0.5 * by_step[0], by_step  # the loss fell
-    assert mlflow.get_run(result.result.run_id).info.status == "FINISHED"
-
-
-def test_a_function_the_cell_imports_runs_on_ray_train(shell, tmp_path, monkeypatch):
-    """``from my_project.train import fit`` / ``fit(...)``: the call runs on the Ray Train workers, never in the
-    notebook, and trains one process's weights (fp32, 1e-5)."""
-    from workloads import assert_imported_call_run, imported_call_cell, write_project
-
-    monkeypatch.syspath_prepend(write_project(tmp_path))
-    assert_imported_call_run(shell.run(imported_call_cell("ray")), tmp_path)
-
-
-def test_torchdistributor_style_and_accelerate_run_unchanged_on_ray(shell, mlflow):
-    """Ray Train has joined the group already: the function's own init_process_group (with device_id) is
-    adopted and its destroy deferred; then an accelerate loop in the same Ray instance. Both match one process."""
-    from workloads import (
-        EXISTING_HELPERS,
-        accelerate_cell,
-        assert_close,
-        existing_reference,
-        loss_fell,
-        torchdistributor_cell,
-    )
-
-    assert shell.run(EXISTING_HELPERS).error_in_exec is None
-    result = shell.run(torchdistributor_cell(
-        "ray", init='dist.init_process_group(dist.Backend.GLOO, device_id=torch.device("cpu"))'))
-    assert result.error_in_exec is None, result.error_in_exec
-    values = result.result.values
-    assert [v["env"]["RANK"] for v in values] == ["0", "1"] and values[0]["env"]["WORLD_SIZE"] == "2"
-    assert values[0]["env"]["MASTER_ADDR"] and int(values[0]["env"]["MASTER_PORT"]) > 0
-    assert loss_fell(values[0]["losses"]), values[0]["losses"]
-    assert_close(values[0]["weights"], existing_reference(), atol=1e-5, rtol=0)
-    assert all(v["group_alive"] for v in values)
-
-    result = shell.run(accelerate_cell("ray"))
-    assert result.error_in_exec is None, result.error_in_exec
-    values = result.result.values
-    assert [v["rank"] for v in values] == [0, 1] and values[0]["num_processes"] == 2
-    assert loss_fell(values[0]["losses"]), values[0]["losses"]
-    assert_close(values[0]["weights"], existing_reference(), atol=1e-5, rtol=0)
-    assert [m.step for m in mlflow.get_metric_history(result.result.run_id, "loss")] == list(range(12))
-
-
-def test_hf_trainer_runs_on_ray_into_the_magics_run(shell, mlflow):
-    from workloads import hf_trainer_cell
-
-    result = shell.run(hf_trainer_cell("ray"))
-    assert result.error_in_exec is None, result.error_in_exec
-    values = result.result.values
-    assert [v["rank"] for v in values] == [0, 1] and values[0]["world_size"] == 2
-    assert values[0]["losses"][-1] < 0.7 * values[0]["losses"][0], values[0]["losses"]
-    experiments = [e.experiment_id for e in mlflow.search_experiments()]
-    runs = mlflow.search_runs(experiment_ids=experiments)
-    assert [r.info.run_id for r in runs] == [result.result.run_id]  # HF's report_to="mlflow" made no run of its own
-    assert len(mlflow.get_metric_history(result.result.run_id, "loss")) == values[0]["steps"] == 32
-
-
-def test_lightning_ddp_runs_on_ray_without_launching_its_own(shell):
-    from workloads import EXISTING_HELPERS, assert_close, lightning_cell, loss_fell
-
-    assert shell.run(EXISTING_HELPERS).error_in_exec is None
-    result = shell.run(lightning_cell("ray"))
-    assert result.error_in_exec is None, result.error_in_exec
-    values = result.result.values
-    assert [v["rank"] for v in values] == [0, 1] and values[0]["world_size"] == 2
-    assert values[0]["pid"] != values[1]["pid"]  # the two Ray Train workers, no processes of Lightning's own
-    assert loss_fell(values[0]["losses"]), values[0]["losses"]
-    assert_close(values[1]["weights"], values[0]["weights"], atol=0, rtol=0)
-
-
-# -- --data (docs/data.md): Ray Datasets to Ray Train, objects in the object store, Ray Data off Ray ----------------
-DATA_ROWS = 301
-
-EXISTING_DATA_LOOP = """%%distribute --backend ray -n 2 --no-ui --data train=ds
-import ray.train, torch
-
-def train_func(config):
-    shard = ray.train.get_dataset_shard("train")
-    model = ray.train.torch.prepare_model(torch.nn.Linear(1, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    seen = []
-    for epoch in range(config["epochs"]):
-        for batch in shard.iter_torch_batches(batch_size=config["batch_size"], dtypes=torch.float32):
-            loss = torch.nn.functional.mse_loss(model(batch["id"].reshape(-1, 1)), batch["id"].reshape(-1, 1))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            seen += batch["id"].long().tolist()
-        ray.train.report({"epoch": epoch, "loss": loss.item()})
-    return {"rank": ray.train.get_context().get_world_rank(), "seen": seen}
-
-train_func({"epochs": 1, "batch_size": 50})
-"""
-
-
-def test_an_existing_ray_train_loop_reads_its_dataset_shard_unchanged(shell, mlflow):
-    """``TorchTrainer(datasets={"train": ds})``'s loop, unchanged, with ``--data train=ds``: Ray Train splits it."""
-    shell.user_ns["ds"] = ray.data.range(DATA_ROWS)
-    result = shell.run(EXISTING_DATA_LOOP)
-    assert result.error_in_exec is None, result.error_in_exec
-    seen = [row for value in result.result.values for row in value["seen"]]
-    assert len(seen) == len(set(seen)) and DATA_ROWS - len(seen) < 2  # Ray's equal split: fewer than the ranks left
-    assert len(result.result.values[0]["seen"]) == len(result.result.values[1]["seen"])
-    assert [m.step for m in mlflow.get_metric_history(result.result.run_id, "loss")] == [0]  # its report: MLflow
-
-
-def test_ctx_data_reads_ray_trains_shards_and_the_object_store(shell, mlflow):
-    import numpy as np
-    import pandas as pd
-
-    shell.user_ns.update(ds=ray.data.range(DATA_ROWS), frame=pd.DataFrame({"id": np.arange(DATA_ROWS) + 5000}))
-    options = {"train": dict(batch_size=20, shuffle=True), "objects": dict(batch_size=16, shuffle=True)}
-    result = shell.run(read_cell("ray", options, flags="--data train=ds --data objects=frame"))
-    assert result.error_in_exec is None, result.error_in_exec
-    values = result.result.values
-    seen = [[row for value in values for row in value["sources"]["train"]["epochs"][epoch]] for epoch in (0, 1)]
-    for rows in seen:  # Ray Train's streaming split, equal: each row at most once, fewer than the ranks left out
-        assert len(rows) == len(set(rows)) and set(rows) <= set(range(DATA_ROWS)) and DATA_ROWS - len(rows) < 2
-    assert seen[0] != seen[1]  # reshuffled per epoch (Ray's local shuffle buffer, seeded by --seed and the epoch)
-    assert_exactly_once(values, "objects", list(range(5000, 5000 + DATA_ROWS)))
-    tags = mlflow.get_run(result.result.run_id).data.tags
-    assert tags["dtrain_magic.data.train.kind"] == "Ray Dataset" and tags["dtrain_magic.data.train.rows"] == "301"
-    assert "Ray Train" in tags["dtrain_magic.data.train.reaches_ranks"]
-    assert "object store" in tags["dtrain_magic.data.objects.reaches_ranks"]
-    from dtrain_magic.config import RunConfig
-
-    # The module's Ray, connected: every alive node is this machine, so a copy staged here reaches every worker.
-    assert ray.is_initialized() and ray_launcher().workers_share_files(RunConfig(backend="ray"))
-
-
-def output_paths(root) -> set[str]:
-    """Every folder and file at or below an ``outputs`` folder (a run's outputs root) under ``root``."""
-    return {os.path.join(d, n) for d, dirs, files in os.walk(root) for n in dirs + files
-            if "outputs" in os.path.relpath(os.path.join(d, n), root).split(os.sep)}
-
-
-def test_scored_rows_come_back_as_a_ray_dataset_once_as_one_process_scores_them(shell, tmp_path):
-    """``ctx.write`` on Ray (docs/data.md, the way back): 100,000 rows given as a numpy dict (Ray's object store, which
-    gives ``with_ids``; Ray Train's shards of a Ray Dataset refuse it), scored by 2 ranks; ``--output preds=preds`` is
-    a Ray Dataset read from the committed parts with every id once, equal to this process scoring the same rows."""
-    x = score_input()
-    shell.user_ns["val"] = {"x": x}
-    result = shell.run(score_cell("ray", flags="--result run"))
-    assert result.error_in_exec is None, result.error_in_exec
-    preds = shell.user_ns["preds"]
-    assert isinstance(preds, ray.data.Dataset) and preds.count() == SCORE_ROWS
-    output = shell.user_ns["run"].outputs["preds"]
-    assert (tmp_path / "dtrain_runs") in Path(output.path).parents  # where the next test looks for leftovers
-    assert_scored_once(pa.Table.from_pandas(preds.to_pandas()), x)  # what Ray read: ids once, values 1e-6
-
-
-def test_a_rank_killed_half_way_on_ray_leaves_no_output_and_no_file(shell, tmp_path):
-    """Rank 1 exits after writing 5 batches (no --max-restarts): the run fails naming it, and nothing of its outputs
-    stays (the module's runs share ./dtrain_runs: compare what lies under any run's outputs root)."""
-    from dtrain_magic.errors import WorkerError
-
-    shell.user_ns["val"] = {"x": score_input()}
-    shell.user_ns.pop("preds", None)
-    runs = tmp_path / "dtrain_runs"
-    before = output_paths(runs)
-    result = shell.run(score_cell("ray", die="True"))
-    error = result.error_in_exec
-    assert isinstance(error, WorkerError) and error.rank == 1 and "rank 1" in str(error), error
-    assert "preds" not in shell.user_ns
-    assert output_paths(runs) == before  # no output folder, no partial file
-
-
-def test_off_ray_a_ray_dataset_is_written_once_as_parquet(shell, capsys):
-    from dtrain_magic.driver.staging import staging_area
-
-    shell.user_ns["ds"] = ray.data.range(DATA_ROWS)
-    result = shell.run(read_cell("local", {"train": dict(batch_size=32, shuffle=True)}, flags="--data train=ds",
-                                 epochs=1))
-    assert result.error_in_exec is None, result.error_in_exec
-    assert_exactly_once(result.result.values, "train", list(range(DATA_ROWS)))
-    assert "data train: staging Ray Dataset ds: written once as Parquet by Ray Data" in capsys.readouterr().out
-    staging_area().shutdown()  # (the module's copies; at a kernel's exit)
