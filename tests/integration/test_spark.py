@@ -264,32 +264,30 @@ def test_a_placement_change_releases_the_waiting_workers_and_launches_fresh(spar
     assert_no_torchrun_left(spark_launcher)
 
 
-def test_idle_release_and_distribute_release_free_everything(spark_launcher, shell, capsys):
-    """--keep-warm S: the waiting workers go after S idle seconds (no torchrun process, no Spark job left);
-    %distribute_release frees them at once."""
-    result = shell.run("%%distribute --backend spark -n 2 --keep-warm 3 --no-ui\n"
-                       "def train(ctx):\n    return ctx.rank\n")
-    assert result.error_in_exec is None and result.result.values == [0, 1], result.error_in_exec
-    standby = spark_launcher.standbys.standby
-    assert standby is not None and round(standby.expires_at - standby.started_at) == 3
-    processes: set[int] = set()  # (it may go before all its workers are up on a loaded machine)
-    deadline = time.monotonic() + 30
-    while spark_launcher.standbys.standby is standby and time.monotonic() < deadline:
-        processes |= spark_launcher.standby_processes()
-        time.sleep(0.1)
-    assert spark_launcher.standbys.standby is None and standby.released.startswith("idle for")
-    assert not any(alive(pid) for pid in processes)
-    assert_no_torchrun_left(spark_launcher)
-    assert_no_spark_job_running(spark_launcher)
-    assert "no workers were waiting" in capture_line_magic(shell, capsys, "%distribute_release")
-
-    result = shell.run("%%distribute --backend spark -n 2 --no-ui\ndef train(ctx):\n    return ctx.rank\n")
+def test_secrets_are_not_logged_and_run_files_are_private(spark_launcher, shell, mlflow, monkeypatch, capsys):
+    """A planted token in the notebook's environment reaches no param, tag or artifact (the backend log's slice,
+    shown by --verbose, included); TorchDistributor's directory (the pickled function) and the run's checkpoints
+    are the user's alone (0700)."""
+    monkeypatch.setenv("MY_API_TOKEN", "tok-planted-secret-spark")
+    shell.run("%distribute_release")  # a fresh launch: TorchDistributor's "Started" line is this run's
+    result = shell.run(
+        "%%distribute --backend spark -n 2 --no-ui --verbose\nimport os, stat, sys, torch\ndef train(ctx):\n"
+        "    ctx.prepare(torch.nn.Linear(2, 1))\n    ctx.save_checkpoint(step=1)\n"
+        "    return oct(stat.S_IMODE(os.stat(os.path.dirname(os.path.abspath(sys.argv[0]))).st_mode))\n"
+    )
     assert result.error_in_exec is None, result.error_in_exec
-    processes = held(spark_launcher)
-    text = capture_line_magic(shell, capsys, "%distribute_release")
-    assert "released 2 TorchDistributor worker(s) (CPU, local mode: on this machine)" in text
-    assert spark_launcher.standbys.standby is None and not any(alive(pid) for pid in processes)
-    assert_no_torchrun_left(spark_launcher)
+    assert result.result.value == "0o700"  # where TorchDistributor put the pickled function and its script
+    assert oct(os.stat(result.result.checkpoint_root).st_mode & 0o777) == "0o700"
+    run_id = result.result.run_id
+    artifacts = mlflow.list_artifacts(run_id)
+    assert artifacts  # the result is one: the scan below reads what the run stored
+    # TorchDistributor's own lines went to the kernel's backend log, not the cell: the run's slice is in MLflow, and
+    # --verbose shows it in the cell.
+    backend = mlflow.download_artifacts(run_id, "logs/backend.txt")
+    assert "Started local training" in open(backend).read()
+    assert "what the backends printed during this run" in capsys.readouterr().out
+    everything = everything_stored(mlflow, run_id)
+    assert "tok-planted-secret-spark" not in everything
 
 
 def take_over(launcher, config=None) -> tuple[int, set[int]]:
@@ -520,32 +518,6 @@ def test_timeout_stops_every_torchrun_process(spark_launcher, shell, mlflow, tmp
     assert run.info.status == "FAILED" and "--timeout 10" in run.data.tags["dtrain_magic.failure"]
 
 
-def test_secrets_are_not_logged_and_run_files_are_private(spark_launcher, shell, mlflow, monkeypatch, capsys):
-    """A planted token in the notebook's environment reaches no param, tag or artifact (the backend log's slice,
-    shown by --verbose, included); TorchDistributor's directory (the pickled function) and the run's checkpoints
-    are the user's alone (0700)."""
-    monkeypatch.setenv("MY_API_TOKEN", "tok-planted-secret-spark")
-    shell.run("%distribute_release")  # a fresh launch: TorchDistributor's "Started" line is this run's
-    result = shell.run(
-        "%%distribute --backend spark -n 2 --no-ui --verbose\nimport os, stat, sys, torch\ndef train(ctx):\n"
-        "    ctx.prepare(torch.nn.Linear(2, 1))\n    ctx.save_checkpoint(step=1)\n"
-        "    return oct(stat.S_IMODE(os.stat(os.path.dirname(os.path.abspath(sys.argv[0]))).st_mode))\n"
-    )
-    assert result.error_in_exec is None, result.error_in_exec
-    assert result.result.value == "0o700"  # where TorchDistributor put the pickled function and its script
-    assert oct(os.stat(result.result.checkpoint_root).st_mode & 0o777) == "0o700"
-    run_id = result.result.run_id
-    artifacts = mlflow.list_artifacts(run_id)
-    assert artifacts  # the result is one: the scan below reads what the run stored
-    # TorchDistributor's own lines went to the kernel's backend log, not the cell: the run's slice is in MLflow, and
-    # --verbose shows it in the cell.
-    backend = mlflow.download_artifacts(run_id, "logs/backend.txt")
-    assert "Started local training" in open(backend).read()
-    assert "what the backends printed during this run" in capsys.readouterr().out
-    everything = everything_stored(mlflow, run_id)
-    assert "tok-planted-secret-spark" not in everything
-
-
 def test_runs_in_a_row_leave_nothing_growing(spark_launcher, shell):
     """Six runs through TorchDistributor in one kernel, every third failing: no torchrun process, open file,
     thread or listening socket accumulates in the notebook (the local backend's 50-run soak: test_soak.py;
@@ -705,6 +677,36 @@ def test_kernel_interrupt_stops_every_torchrun_process_within_10_s(spark_launche
     assert_taken_over(spark_launcher, waiting)
     assert_no_spark_job_running(spark_launcher)
     assert ended_run(mlflow).info.status == "KILLED"
+
+
+# Here, not beside the placement tests above: its first run takes the workers the test before left waiting, and it
+# leaves none, so the next test's shutdown of the module's session releases nothing launched in vain.
+def test_idle_release_and_distribute_release_free_everything(spark_launcher, shell, capsys):
+    """--keep-warm S: the waiting workers go after S idle seconds (no torchrun process, no Spark job left);
+    %distribute_release frees them at once."""
+    result = shell.run("%%distribute --backend spark -n 2 --keep-warm 3 --no-ui\n"
+                       "def train(ctx):\n    return ctx.rank\n")
+    assert result.error_in_exec is None and result.result.values == [0, 1], result.error_in_exec
+    standby = spark_launcher.standbys.standby
+    assert standby is not None and round(standby.expires_at - standby.started_at) == 3
+    processes: set[int] = set()  # (it may go before all its workers are up on a loaded machine)
+    deadline = time.monotonic() + 30
+    while spark_launcher.standbys.standby is standby and time.monotonic() < deadline:
+        processes |= spark_launcher.standby_processes()
+        time.sleep(0.1)
+    assert spark_launcher.standbys.standby is None and standby.released.startswith("idle for")
+    assert not any(alive(pid) for pid in processes)
+    assert_no_torchrun_left(spark_launcher)
+    assert_no_spark_job_running(spark_launcher)
+    assert "no workers were waiting" in capture_line_magic(shell, capsys, "%distribute_release")
+
+    result = shell.run("%%distribute --backend spark -n 2 --no-ui\ndef train(ctx):\n    return ctx.rank\n")
+    assert result.error_in_exec is None, result.error_in_exec
+    processes = held(spark_launcher)
+    text = capture_line_magic(shell, capsys, "%distribute_release")
+    assert "released 2 TorchDistributor worker(s) (CPU, local mode: on this machine)" in text
+    assert spark_launcher.standbys.standby is None and not any(alive(pid) for pid in processes)
+    assert_no_torchrun_left(spark_launcher)
 
 
 def test_the_users_own_session_is_used_and_never_stopped(spark_launcher, shell, capsys):
