@@ -86,7 +86,7 @@ def foreign_lines(output: str) -> tuple[list[str], str]:
 
 @pytest.mark.parametrize("backend", ["local", "spark", "ray"])
 def test_back_to_back_cells_then_exit_leave_no_process(backend, tmp_path):
-    """Notebooks in a row (three on local; two on Spark and Ray, whose start-up costs most of the time), each
+    """Two notebooks in a row (one for each way of exiting, below), each
     running cells back to back (three on local, two on Spark; one on Ray, whose every launch costs 13-16 s on 2
     cores: its cells back to back in one kernel are test_ray.py's) and exiting at once: 15 s after each exit, no
     process any of them started is alive. On Spark each cell runs on workers launched ahead (the first by the
@@ -96,7 +96,7 @@ def test_back_to_back_cells_then_exit_leave_no_process(backend, tmp_path):
     (issue #34): every line the cells print (fds 1 and 2, in order) is a rank's or the magic's, the exit prints
     nothing, and what the backends printed is in the kernel's backend log."""
     cells = {"local": 3, "spark": 2, "ray": 1}[backend]
-    for notebook in range(3 if backend == "local" else 2):
+    for notebook in range(2):
         tag = new_tag()
         try:
             script = NOTEBOOK.format(backend=backend, cells=cells, wait_ready=notebook == 0)
