@@ -294,6 +294,7 @@ class LocalJob(RunningJob):
 
     def _restart(self, failure: Failure, codes: list[int | None], world: int) -> None:
         from ..worker.preempt import PREEMPTED_EXIT
+        from ..worker.resume_point import resume_point
 
         preempted = all(code in (None, 0, PREEMPTED_EXIT) for code in codes)
         shrink = world < self._num_processes
@@ -302,9 +303,10 @@ class LocalJob(RunningJob):
         self._attempt += 1
         why = ("every rank checkpointed for a preemption notice (SIGTERM)" if preempted
                else f"rank {failure.rank} failed ({failure.reason})")
-        what = (f"continuing on the {world} survivor(s) (--elastic {self._job.config.elastic})" if shrink
-                else f"restarting every worker (restart {self._job.config.max_restarts - self._restarts_left}, "
-                     f"{self._restarts_left} left)")
+        where = resume_point(self._job.checkpoint_root).words()  # as Spark's restart line says it
+        what = (f"continuing on the {world} survivor(s) from {where} (--elastic {self._job.config.elastic})" if shrink
+                else f"restarting every worker from {where} (restart "
+                     f"{self._job.config.max_restarts - self._restarts_left}, {self._restarts_left} left)")
         self._emit(Output(None, "stderr", f"dtrain_magic: {why}; {what}\n"))
         self._note = f"{why}; {what}"  # the MLflow run's tag for this relaunch (`LaunchState.restart_note`)
         self._stop_all()
