@@ -253,12 +253,14 @@ class StackReply(Message):
 
 @dataclass(frozen=True, slots=True)
 class StandbyReady(Message):
-    """A standby's worker is ready for a job (torch imported, process group joined): its rank, pid and host."""
+    """A standby's worker is ready for a job (torch imported, process group joined): its rank, pid and host;
+    ``done``: the token of the job this process just finished (a reused worker's, `StandbyJob.token`), else empty."""
 
     KIND: ClassVar[str] = "ready"
     rank: int
     pid: int
     host: str
+    done: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,7 +268,8 @@ class StandbyJob(Message):
     """The run a standby's workers take over: ``pickled_job`` (the cloudpickled `WorkerJob`, which names the
     run's channel), the notebook's working directory (``cwd``), the environment variables set (``env_set``) and
     removed (``env_unset``) in the notebook since the launch, for workers that inherited its environment, and
-    the MLflow ``tracking_uri`` (per-node system metrics on a cluster)."""
+    the MLflow ``tracking_uri`` (per-node system metrics on a cluster); ``token``: this job's, set by the standby
+    (a reused worker names it in its next `StandbyReady`)."""
 
     KIND: ClassVar[str] = "job"
     pickled_job: bytes
@@ -274,6 +277,7 @@ class StandbyJob(Message):
     env_set: dict[str, str]
     env_unset: tuple[str, ...]
     tracking_uri: str | None
+    token: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,13 +41,19 @@ class Launch:
     """
 
     def __init__(self, plan: RunPlan, observer: RunObserver, *, tags: Mapping[str, str] | None = None,
-                 params: Mapping[str, Any] | None = None, resume: Any = None):
-        """``resume``: a `tracking.resume.ResumeTarget` (``--resume``): its checkpoint root and MLflow run, reopened."""
+                 params: Mapping[str, Any] | None = None, resume: Any = None, reuse_workers: bool = False):
+        """``resume``: a `tracking.resume.ResumeTarget` (``--resume``): its checkpoint root and MLflow run, reopened.
+        ``reuse_workers`` (a sweep's trials): run on workers launched ahead (launched now when none wait) that then
+        wait for the next trial (`WorkerJob.reuse_workers`)."""
         self.plan, self.config, self.launcher, self.observer = plan, plan.config, plan.launcher, observer
         self.params = dict(params or {})
         self.started = time.monotonic()
         # Workers launched ahead for this placement (docs/warm-reruns.md): this launch takes them over.
         self.claim = self.launcher.claim_standby(self.config)
+        reuse_workers = reuse_workers and not self.config.max_restarts  # (a restart launches afresh)
+        if self.claim is None and reuse_workers and self.launcher.keep_warm(self.config) is not None:
+            self.claim = self.launcher.claim_standby(self.config)  # launched now, so that the next trial reuses them
+        self.reuse_workers = reuse_workers and self.claim is not None
         self.checkpoint_root = resume.checkpoint_root if resume is not None else self._checkpoint_root()
         self.early = plan.starts_before_tracking
         self.opening = RunOpening(self.config, tags={"dtrain_magic.checkpoint_root": self.checkpoint_root,
@@ -79,7 +85,7 @@ class Launch:
         channel = self.channel or self.listen()
         job = WorkerJob(payload, self.config, channel.address, checkpoint_root=self.checkpoint_root,
                         strategy=dumps_by_value(self.plan.strategy), data=data, params=self.params,
-                        preemption_notice=self.launcher.preemption_notice)
+                        preemption_notice=self.launcher.preemption_notice, reuse_workers=self.reuse_workers)
         self.tracker = None if self.early else self.opening.wait()
         if self.tracker is not None:
             job = dataclasses.replace(job, run_id=self.tracker.run_id)

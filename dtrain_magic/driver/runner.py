@@ -49,7 +49,8 @@ class PreparedRun:
     """A run checked and captured, ready to launch: what `prepare` returns.
 
     ``params``: hyperparameters (a sweep trial's): every rank's ``ctx.params``, logged as MLflow params;
-    ``parent_run_id``: the MLflow run this one is a child of (a sweep's). Set them with `dataclasses.replace`.
+    ``parent_run_id``: the MLflow run this one is a child of (a sweep's); ``reuse_workers``: its workers wait for the
+    next run of the same placement after it (a sweep's trials, `launch.Launch`). Set them with `dataclasses.replace`.
     """
 
     plan: RunPlan
@@ -57,6 +58,7 @@ class PreparedRun:
     namespace: MutableMapping[str, Any] | None = None  # a notebook's: binds the result (`bind_result`)
     params: Mapping[str, Any] = field(default_factory=dict)
     parent_run_id: str | None = None
+    reuse_workers: bool = False
     log_mark: backend_log.Mark | None = None  # where the kernel's backend log stood when `prepare` began
 
     @property
@@ -68,7 +70,7 @@ class PreparedRun:
         a short `DistributeError`. ``stop``: set it to stop the run (it raises `RunInterrupted`)."""
         tags = {"mlflow.parentRunId": self.parent_run_id} if self.parent_run_id else {}
         result = _Run(self.plan, self.payload, observer or TextObserver(), stop, tags, self.params,
-                      self.log_mark).execute()
+                      self.log_mark, self.reuse_workers).execute()
         session = getattr(self.plan.launcher, "session", None)
         if self.namespace is not None:
             bind_result(self.namespace, self.config, result, session)
@@ -136,14 +138,16 @@ class _Run:
     """One run's steps: start its workers (`launch.Launch`), pump them to their end, collect, end the MLflow run."""
 
     def __init__(self, plan: RunPlan, payload: Payload, observer: RunObserver, stop: threading.Event | None,
-                 tags: Mapping[str, str], params: Mapping[str, Any], log_mark: backend_log.Mark | None = None):
+                 tags: Mapping[str, str], params: Mapping[str, Any], log_mark: backend_log.Mark | None = None,
+                 reuse_workers: bool = False):
         self.plan, self.config, self.launcher = plan, plan.config, plan.launcher
         self.log_mark = log_mark or backend_log.mark()
         self.payload, self.observer, self.stop = payload, observer, stop
         data_tags = plan.data.tags() if plan.data is not None else {}
         if payload.function_key:  # what --resume finds this cell's run by, in a new kernel
             data_tags = {**data_tags, FUNCTION_TAG: payload.function_key}
-        self.launch = Launch(plan, observer, tags={**tags, **data_tags}, params=params, resume=self._resume_target())
+        self.launch = Launch(plan, observer, tags={**tags, **data_tags}, params=params, resume=self._resume_target(),
+                             reuse_workers=reuse_workers)
         self.started = self.launch.started
         self.status, self.reason = "FAILED", None
         self.held: str | None = None

@@ -175,6 +175,11 @@ class Launcher(Backend, ABC):
         cell saying what waits where until when, or None when nothing is held. Default: nothing."""
         return None
 
+    def release_reused(self, reason: str) -> int:
+        """Release the workers a sweep's trials reused (`standby.StandbySlot.spares`): the sweep ended, later runs get
+        fresh ones. How many launches were released. Default: none (fresh workers per run)."""
+        return 0
+
     def release_standby(self, reason: str) -> str | None:
         """Release the workers `keep_warm` holds (``%distribute_release``) and wait until they are gone; what was
         released, or None when nothing was held."""

@@ -13,10 +13,12 @@ a function that starts the launch. The design: docs/warm-reruns.md.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -28,6 +30,9 @@ from .base import Emit, LaunchState, RunningJob
 DEFAULT_KEEP_WARM_S = 600.0
 KEEP_WARM_ENV = "DTRAIN_MAGIC_KEEP_WARM"
 _RELEASE_GRACE_S = 15.0  # a released standby's launch ends by itself within this, or it is cancelled
+# A reused standby's workers wait again within moments of their results (their teardown, one connection): this
+# long at most, or the launch ends as a run's does (`ClaimedRun.release`)
+_REUSE_WAIT_S = 5.0
 _log = logging.getLogger(__name__)
 
 
@@ -116,7 +121,9 @@ class Standby:
         self.pids: dict[int, int] = {}  # rank -> pid of its waiting worker (the latest, after a restart)
         self._lock = threading.Lock()
         self._waiting: dict[int, _Waiting] = {}
+        self._parked: dict[int, _Waiting] = {}  # reused workers that finished the current job: the next one's
         self._order: StandbyJob | None = None
+        self.jobs = 0  # jobs its workers ran (more than one: reused by a sweep's trials)
         self.all_ready = threading.Event()
         self._listener = AuthenticatedListener(host, self._serve, "dtrain-standby")
         self.address = (host, self._listener.port, self._listener.authkey)
@@ -132,7 +139,9 @@ class Standby:
         entry = _Waiting(conn, ready)
         with self._lock:
             self.pids[ready.rank] = ready.pid
-            if self._order is not None:  # claimed: a late worker, or a restarted group's (Ray), gets the job
+            if self._order is not None and ready.done and ready.done == self._order.token:
+                self._parked[ready.rank] = entry  # it finished this job and waits for the next (`reuse`)
+            elif self._order is not None:  # claimed: a late worker, or a restarted group's (Ray), gets the job
                 self._answer(entry, self._order)
             elif self.released is not None:
                 self._answer(entry, StandbyRelease(self.released))
@@ -147,7 +156,8 @@ class Standby:
         except (EOFError, OSError) as exc:
             log_dropped(__name__, "_serve", exc)
         with self._lock:
-            if not entry.answered and self.released is None and self._waiting.get(ready.rank) is entry:
+            if not entry.answered and self.released is None and entry in (self._waiting.get(ready.rank),
+                                                                          self._parked.get(ready.rank)):
                 self.lost = self.lost or f"rank {ready.rank}'s worker ended while waiting"
 
     @staticmethod
@@ -173,9 +183,10 @@ class Standby:
     def deliver(self, job: Any) -> None:
         """Send ``job`` to every waiting worker, now and to any that connects later (a worker still starting,
         or a restarted group's)."""
-        order = self._order_for(job)
+        order = dataclasses.replace(self._order_for(job), token=uuid.uuid4().hex)
         with self._lock:
             self._order = order
+            self.jobs += 1
             for entry in self._waiting.values():
                 if not entry.answered:
                     self._answer(entry, order)
@@ -207,6 +218,35 @@ class Standby:
         """The run that claimed it ended: no more workers may connect."""
         self._listener.close()
 
+    def reuse(self, wait_s: float = _REUSE_WAIT_S) -> bool:
+        """The run that claimed it ended well and its job asked for its workers to be reused (a sweep's trial,
+        `WorkerJob.reuse_workers`): wait until every worker waits again for a job (within ``wait_s``), then it is
+        a standby again, claimable by the next run of its placement. False when they do not (a job that saved a
+        checkpoint ends its workers; one lost, the launch ended): the caller ends the launch as a run's."""
+        with self._lock:
+            if self.released is not None or self.lost is not None or self.launch is None:
+                return False
+            self._order, self.claimed = None, False
+            self._waiting, self._parked = self._parked, {}
+            self.all_ready.clear()
+            if len(self._waiting) >= self.world_size:
+                self.all_ready.set()
+        deadline = time.monotonic() + wait_s
+        while not self.all_ready.wait(0.02):
+            if time.monotonic() > deadline or _finished(self.launch):
+                return False
+        self.started_at = time.time()
+        return self.usable()
+
+    def end_reuse(self, reason: str) -> None:
+        """Its workers were not all reused: those that wait again are told to return, no more may connect."""
+        with self._lock:
+            self.released = self.released or reason
+            for entry in [*self._waiting.values(), *self._parked.values()]:
+                if not entry.answered:
+                    self._answer(entry, StandbyRelease(reason))
+        self._listener.close()
+
     def describe(self) -> str:
         """What waits, where, and until when: one line for the cell."""
         until = time.strftime("%H:%M:%S", time.localtime(self.expires_at))
@@ -229,12 +269,13 @@ def _finished(launch: RunningJob) -> bool:
 
 class ClaimedRun(RunningJob):
     """A claimed standby's launch as the run's `RunningJob`: the launch's own poll, release and cancel; the
-    standby's listener closes when the run ends."""
+    standby's listener closes when the run ends. ``reused(standby)``: where a standby whose workers wait again
+    after the run goes (a sweep's trials: `Standby.reuse`); the run then returns once every rank's result is in."""
 
-    def __init__(self, standby: Standby):
+    def __init__(self, standby: Standby, reused: Callable[[Standby], None] | None = None):
         assert standby.launch is not None
-        self.standby, self.launch = standby, standby.launch
-        self.early_release = standby.launch.early_release
+        self.standby, self.launch, self._reused = standby, standby.launch, reused
+        self.early_release = standby.launch.early_release or reused is not None
 
     def poll(self) -> LaunchState:
         state = self.launch.poll()
@@ -243,6 +284,17 @@ class ClaimedRun(RunningJob):
         return state
 
     def release(self) -> None:
+        if self._reused is not None:
+            if self.standby.reuse():
+                self._reused(self.standby)
+                return
+            self.standby.end_reuse("its workers were not all reused")
+            if not self.launch.early_release:  # (Ray's) its workers return: the launch ends by itself
+                deadline = time.monotonic() + _RELEASE_GRACE_S
+                while time.monotonic() < deadline and not _finished(self.launch):
+                    time.sleep(0.05)
+                if _finished(self.launch):
+                    return
         try:
             self.launch.release()
         finally:
@@ -273,7 +325,7 @@ class Claim:
         assert self.standby.launch is not None
         self.standby.launch.attach(job, emit)
         self.standby.deliver(job)
-        return ClaimedRun(self.standby)
+        return ClaimedRun(self.standby, self._slot.take_back if getattr(job, "reuse_workers", False) else None)
 
     def abandon(self) -> None:
         """The run never started (an error before its launch): the standby waits for the next one again."""
@@ -283,23 +335,35 @@ class Claim:
 
 
 class StandbySlot:
-    """A launcher's standby: at most one unclaimed, for the placement of the latest run (thread-safe: runs,
-    idle timers, ``%distribute_release`` and the kernel's exit come from different threads).
+    """A launcher's standby: at most one launched ahead and unclaimed, for the placement of the latest run, and the
+    *spares*: standbys whose workers a sweep's trial used and that wait for its next trial (`Standby.reuse`), one
+    per trial that ran at once (thread-safe: runs, idle timers, ``%distribute_release`` and the kernel's exit come
+    from different threads).
 
-    ``claims``: runs that took a standby; ``launches``: standbys launched (tests and benchmarks read them)."""
+    ``claims``: runs that took a standby; ``launches``: standbys launched; ``reuses``: runs that took a spare
+    (tests and benchmarks read them)."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self.standby: Standby | None = None
         self._timer: threading.Timer | None = None
+        self.spares: list[Standby] = []
+        self._spare_timers: dict[int, threading.Timer] = {}
         self.claims = 0
         self.launches = 0
+        self.reuses = 0
 
     def claim(self, placement: Placement) -> Claim | None:
         """Reserve the standby for a run with ``placement``: it may still be starting (the run's job then goes
         to each worker as it connects). None when there is none, it is another placement's, or it is lost (then
-        it is released: a fresh launch replaces it)."""
+        it is released: a fresh launch replaces it). A spare of that placement first."""
         with self._lock:
+            spare = self._take_spare(placement)
+            if spare is not None:
+                spare.claimed = True
+                self.claims += 1
+                self.reuses += 1
+                return Claim(self, spare)
             standby = self.standby
             if standby is None or standby.placement != placement:
                 return None
@@ -310,6 +374,55 @@ class StandbySlot:
             self.standby, standby.claimed = None, True
             self.claims += 1
             return Claim(self, standby)
+
+    def take_back(self, standby: Standby) -> None:
+        """A standby whose workers wait again after a sweep's trial (`ClaimedRun.release`): a spare, until the next
+        trial claims it, `release_spares`, or its idle time (the latest run's keep-warm time, `ensure`)."""
+        with self._lock:
+            self.spares.append(standby)
+            self._start_spare_timer(standby, max(0.0, standby.expires_at - time.time()) or DEFAULT_KEEP_WARM_S)
+
+    def release_spares(self, reason: str) -> int:
+        """Release every spare (a sweep ended: later runs get fresh workers); how many."""
+        with self._lock:
+            spares, self.spares = self.spares, []
+            for spare in spares:
+                self._cancel_spare_timer(spare)
+        for spare in spares:
+            threading.Thread(target=spare.release, args=(reason,), name="dtrain-standby-release", daemon=True).start()
+        return len(spares)
+
+    def _take_spare(self, placement: Placement) -> Standby | None:
+        for spare in list(self.spares):
+            if spare.placement == placement or not spare.usable():
+                self.spares.remove(spare)
+                self._cancel_spare_timer(spare)
+                if spare.usable():
+                    return spare
+                threading.Thread(target=spare.release, args=(spare.lost or "its launch ended while waiting",),
+                                 name="dtrain-standby-release", daemon=True).start()
+        return None
+
+    def _start_spare_timer(self, spare: Standby, keep_s: float) -> None:
+        self._cancel_spare_timer(spare)
+        spare.expires_at = time.time() + keep_s
+        timer = threading.Timer(keep_s, lambda: self._expire_spare(spare, timer))
+        timer.name, timer.daemon = "dtrain-standby-idle", True
+        self._spare_timers[id(spare)] = timer
+        timer.start()
+
+    def _cancel_spare_timer(self, spare: Standby) -> None:
+        timer = self._spare_timers.pop(id(spare), None)
+        if timer is not None:
+            timer.cancel()
+
+    def _expire_spare(self, spare: Standby, timer: threading.Timer) -> None:
+        with self._lock:
+            if spare not in self.spares or self._spare_timers.get(id(spare)) is not timer:
+                return
+            self.spares.remove(spare)
+            self._spare_timers.pop(id(spare), None)
+        spare.release(f"idle for {_seconds(time.time() - spare.started_at)}")
 
     def give_back(self, standby: Standby) -> None:
         """An abandoned claim: the standby waits again, unless another took its place meanwhile."""
@@ -328,6 +441,10 @@ class StandbySlot:
         if keep_s <= 0:
             return None
         with self._lock:
+            spare = next((s for s in self.spares if s.placement == placement and s.usable()), None)
+            if spare is not None:  # a sweep's trial's workers wait for its next trial
+                self._start_spare_timer(spare, keep_s)
+                return spare
             standby = self.standby
             if standby is not None and standby.placement == placement and standby.usable():
                 self._start_timer(standby, keep_s)
@@ -347,6 +464,10 @@ class StandbySlot:
         launch ended, so the run never waits for what it holds (executor slots, Ray CPUs). A matching one stays
         (a second run at once launches beside it). The released standby, or None."""
         with self._lock:
+            for spare in [s for s in self.spares if s.placement != placement]:
+                self.spares.remove(spare)
+                self._cancel_spare_timer(spare)
+                spare.release(f"a run with another placement ({spare.placement.difference(placement)})")
             standby = self.standby
             if standby is None or standby.placement == placement:
                 return None
@@ -354,8 +475,13 @@ class StandbySlot:
             return standby
 
     def release(self, reason: str, grace_s: float = _RELEASE_GRACE_S) -> Standby | None:
-        """Release the waiting standby (``%distribute_release``, the kernel's exit, a session restart); it."""
+        """Release the waiting standby and the spares (``%distribute_release``, the kernel's exit, a session restart);
+        the standby."""
         with self._lock:
+            spares, self.spares = self.spares, []
+            for spare in spares:
+                self._cancel_spare_timer(spare)
+                spare.release(reason, grace_s)
             standby = self.standby
             if standby is None:
                 return None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import socket
 from multiprocessing.connection import Client
-from typing import Any
+from typing import Any, Callable
 
 from ..channel import StandbyJob, StandbyReady, decode
 from ..errors import log_dropped
@@ -21,9 +21,10 @@ from ..errors import log_dropped
 StandbyAddress = tuple  # (host, port, authkey): where a standby's listener is, and its secret
 
 
-def wait_for_job(address: StandbyAddress, rank: int) -> StandbyJob | None:
-    """Tell the standby's listener at ``address`` that ``rank`` is ready; block until it answers. The run's
-    `StandbyJob`, or None when there is nothing to run (released, or the notebook is gone)."""
+def wait_for_job(address: StandbyAddress, rank: int, done: str = "") -> StandbyJob | None:
+    """Tell the standby's listener at ``address`` that ``rank`` is ready (``done``: the token of the job this
+    process just finished, when it waits again); block until it answers. The run's `StandbyJob`, or None when there
+    is nothing to run (released, or the notebook is gone)."""
     host, port, authkey = address
     try:
         conn = Client((host, port), authkey=authkey)
@@ -31,7 +32,7 @@ def wait_for_job(address: StandbyAddress, rank: int) -> StandbyJob | None:
         log_dropped(__name__, "wait_for_job", exc)
         return None
     try:
-        conn.send(StandbyReady(rank, os.getpid(), socket.gethostname()).wire())
+        conn.send(StandbyReady(rank, os.getpid(), socket.gethostname(), done).wire())
         message = decode(conn.recv())
     except Exception as exc:  # EOF: the notebook closed its side
         log_dropped(__name__, "wait_for_job", exc)
@@ -42,6 +43,22 @@ def wait_for_job(address: StandbyAddress, rank: int) -> StandbyJob | None:
         except OSError as exc:
             log_dropped(__name__, "wait_for_job", exc)
     return message if isinstance(message, StandbyJob) else None
+
+
+def serve_jobs(address: StandbyAddress, rank: int, run: Callable[[StandbyJob, Any], bool]) -> bool:
+    """A standby worker's life: wait for a job, ``run(order, job)`` it (True: it returned), and while the job asks
+    for its workers to be reused (`WorkerJob.reuse_workers`: a sweep's trials) and saved no checkpoint, wait for the
+    next one on the same listener. What the last ``run`` said (True when released before any job)."""
+    from ..worker.checkpoints import saves_here
+
+    order, returned = wait_for_job(address, rank), True
+    while order is not None:
+        job, saves = job_of(order), saves_here()
+        returned = run(order, job)
+        if not (returned and job.reuse_workers and saves_here() == saves):
+            break  # the launch ends as a run's does
+        order = wait_for_job(address, rank, done=order.token)
+    return returned
 
 
 def job_of(order: StandbyJob) -> Any:

@@ -139,6 +139,7 @@ class Sweep:
         try:
             self._run_threads(to_run, slots)
         finally:
+            self._release_reused()
             if self.panel is not None:
                 self.panel.close()
         return self._end()
@@ -153,6 +154,15 @@ class Sweep:
         except ImportError:  # no ipywidgets/plotly (the ui extra): the printed lines are the sweep's record
             return
         self.panel = SweepPanel(self.board, on_stop=self.stop, on_stop_trial=self.stop_trial)
+
+    def _release_reused(self) -> None:
+        """The trials' reused workers go (the launcher's spares) and, as after any run, the next run's are launched
+        ahead: a run after the sweep gets fresh ones."""
+        try:
+            if self.base.plan.launcher.release_reused("the sweep ended") and not self._stopping.is_set():
+                runner.keep_warm_ahead(self.base.plan)
+        except Exception as exc:  # what stays is released at its idle time or the kernel's exit
+            log_dropped(__name__, "release_reused", exc)
 
     def stop(self) -> None:
         """Stop the sweep from the panel: every running trial stopped, none started; `run` raises

@@ -99,7 +99,9 @@ def run_trial(prepared: Any, trial: Any, params: dict[str, Any], parent_run_id: 
     observer = TrialObserver(trial, metric, label, stop, out, on_value)
     started = time.monotonic()
     # log_mark=None: the trial's slice of the backend log starts with the trial, not with the sweep's prepare.
-    trial_run = dataclasses.replace(prepared, params=params, parent_run_id=parent_run_id, log_mark=None)
+    # reuse_workers: on Spark and Ray the next trial runs on this one's workers (no launch: docs/sweeps.md).
+    trial_run = dataclasses.replace(prepared, params=params, parent_run_id=parent_run_id, log_mark=None,
+                                    reuse_workers=True)
     outcome = _execute(trial_run, observer, stop)
     outcome.run_id = outcome.run_id or observer.run_id
     outcome.steps, outcome.seconds = observer.steps, time.monotonic() - started

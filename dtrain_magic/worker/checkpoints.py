@@ -28,6 +28,18 @@ from typing import Any
 _NAME = re.compile(r"^checkpoint_(\d{6,})$")
 _DONE = ".complete"
 _LATEST = "LATEST"  # the last complete save (numbered or a directory the function named), one path
+_saves_here = 0  # ctx.save_checkpoint calls in this process (a reused worker waits again only after a job with none)
+
+
+def count_save() -> None:
+    """``ctx.save_checkpoint`` saved one (`saves_here` counts them)."""
+    global _saves_here
+    _saves_here += 1
+
+
+def saves_here() -> int:
+    """How many checkpoints this process's ``ctx`` saved so far."""
+    return _saves_here
 
 
 def storage_path(storage: str | None) -> str:

@@ -473,7 +473,9 @@ class TrainContext:
         random generators, each ``ctx.data`` loader's position and the run's step count; without ``directory`` into
         the run's next numbered checkpoint, complete only once every rank wrote its part (docs/reliability.md)."""
         self._require_prepared("save_checkpoint")
-        from .checkpoints import save_rng
+        from .checkpoints import count_save, save_rng
+
+        count_save()
 
         directory = self._checkpoint_dir(directory)
         self._last_state = {k: v for k, v in client_state.items() if k != "step"}

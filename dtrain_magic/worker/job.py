@@ -34,6 +34,10 @@ class WorkerJob:
     # Whether the backend acts on a preemption notice (`Backend.preemption_notice`): decided in the notebook, whose
     # registry knows every backend (a worker's may not: one registered from the user's own code)
     preemption_notice: bool = False
+    # Workers launched ahead (a standby's) wait for the next job once this one returned, instead of ending: a sweep's
+    # trials reuse them (`launchers.waiting.serve_jobs`). Not after a job that saved a checkpoint (Ray Train's run
+    # would hand it to the next job as its own).
+    reuse_workers: bool = False
 
     def strategy_class(self) -> type:
         if self.strategy is not None:

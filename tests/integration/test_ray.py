@@ -33,6 +33,7 @@ from data_workloads import (  # noqa: E402
     score_input,  # noqa: E402
 )
 from dtrain_magic import procfacts  # noqa: E402
+from sweep_checks import check_a_sweep_reuses_its_workers  # noqa: E402
 from workloads import (  # noqa: E402 (after importorskip: no Ray, no module)
     EVERY,
     MIXED_CELL,
@@ -500,6 +501,12 @@ def test_lightning_ddp_runs_on_ray_without_launching_its_own(shell):
     assert values[0]["pid"] != values[1]["pid"]  # the two Ray Train workers, no processes of Lightning's own
     assert loss_fell(values[0]["losses"]), values[0]["losses"]
     assert_close(values[1]["weights"], values[0]["weights"], atol=0, rtol=0)
+
+
+def test_a_sweep_runs_every_trial_on_the_first_trials_workers(shell, tracking_uri, tmp_path_factory):
+    """Issue #36 on Ray: four trials of 2 ranks, two pruned, the best rate found; trials 2-4 on trial 1's Ray Train
+    workers (sweep_checks.py)."""
+    check_a_sweep_reuses_its_workers("ray", ray_launcher(), tmp_path_factory.mktemp("sweep"), tracking_uri)
 
 
 def test_runs_in_a_row_leave_nothing_growing(shell, mlflow):

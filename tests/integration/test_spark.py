@@ -25,6 +25,7 @@ from dtrain_magic.config import RunConfig
 from dtrain_magic.driver.staging import staging_area
 from dtrain_magic.errors import CaptureError, ConfigError, RunInterrupted, RunTimeout, WorkerError
 from dtrain_magic.launchers import get_launcher
+from sweep_checks import check_a_sweep_reuses_its_workers
 from workloads import (
     EVERY,
     KILL_RANK1_CELL,
@@ -535,6 +536,13 @@ def test_runs_in_a_row_leave_nothing_growing(spark_launcher, shell):
     assert outcomes == ["ok", "ok", "WorkerError"] * 2, outcomes
     assert_nothing_grew(before, after)
     assert_no_spark_job_running(spark_launcher)
+
+
+def test_a_sweep_runs_every_trial_on_the_first_trials_workers(spark_launcher, shell, tracking_uri, tmp_path_factory):
+    """Issue #36 through TorchDistributor: four trials of 2 ranks, two pruned, the best rate found; trials 2-4 on trial
+    1's torchrun workers (sweep_checks.py)."""
+    check_a_sweep_reuses_its_workers("spark", spark_launcher, tmp_path_factory.mktemp("sweep"), tracking_uri)
+    assert_no_torchrun_left(spark_launcher)
 
 
 # -- --data: a Spark DataFrame, never collected (docs/data.md) ---------------------------------------------------

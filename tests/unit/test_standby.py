@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 import cloudpickle
 import pytest
@@ -17,6 +18,7 @@ from dtrain_magic.launchers.base import LaunchState
 from dtrain_magic.launchers.standby import (
     DEFAULT_KEEP_WARM_S,
     KEEP_WARM_ENV,
+    ClaimedRun,
     Placement,
     Standby,
     StandbyLaunch,
@@ -25,7 +27,8 @@ from dtrain_magic.launchers.standby import (
     environment_changes,
     keep_warm_s,
 )
-from dtrain_magic.launchers.waiting import job_of, wait_for_job
+from dtrain_magic.launchers.waiting import job_of, serve_jobs, wait_for_job
+from dtrain_magic.worker.checkpoints import count_save
 
 PLACEMENT = Placement("fake", (("processes", 2), ("GPU", False)))
 OTHER = Placement("fake", (("processes", 1), ("GPU", False)))
@@ -307,3 +310,82 @@ def test_environment_changes_leave_out_what_the_launchers_manage():
 def test_placement_difference_names_what_changed():
     assert PLACEMENT.difference(OTHER) == "processes 2 → 1"
     assert PLACEMENT.difference(PLACEMENT) == "the backend"
+
+
+# -- a sweep's trials reuse the workers (`Standby.reuse`, `launchers.waiting.serve_jobs`) ---------------------------
+@dataclass
+class Job:
+    name: str
+    reuse_workers: bool
+    fails: bool = False
+    saves_checkpoint: bool = False  # (Ray Train would hand it to the next job as that job's own)
+
+
+class ServingLaunch(FakeLaunch):
+    """Workers as threads running the real `serve_jobs`: each job's name is recorded per rank, with the thread."""
+
+    def __init__(self, standby: Standby):
+        self.ran: dict[int, list[tuple[str, int]]] = {}
+        super().__init__(standby)
+
+    def add_worker(self, rank: int) -> threading.Thread:
+        def run(order, job) -> bool:
+            self.ran.setdefault(rank, []).append((job.name, threading.get_ident()))
+            if job.saves_checkpoint:
+                count_save()
+            return not job.fails
+
+        thread = threading.Thread(target=lambda: self.orders.__setitem__(
+            rank, serve_jobs(self.standby.address, rank, run)), daemon=True)
+        MADE.append((self.standby, thread))
+        self.threads.append(thread)
+        thread.start()
+        return thread
+
+
+def serving_standby() -> Standby:
+    standby = make_standby(start_workers=False)
+    standby.launch = ServingLaunch(standby)
+    return standby
+
+
+def test_a_sweeps_trials_run_one_after_another_on_the_same_workers():
+    slot = StandbySlot()
+    standby = slot.ensure(PLACEMENT, 60, serving_standby)
+    first = slot.claim(PLACEMENT).start(Job("trial 1", reuse_workers=True), emit=lambda message: None)
+    assert first.early_release  # the run returns on its results: the workers do not end
+    launch = standby.launch
+    assert wait_until(lambda: all(len(launch.ran.get(rank, ())) == 1 for rank in (0, 1)))
+    first.release()  # every worker waits again: a spare, claimed before any new launch
+    assert slot.spares == [standby] and not launch.poll().finished
+    assert slot.ensure(PLACEMENT, 60, lambda: pytest.fail("launched beside a spare")) is standby
+    second = slot.claim(PLACEMENT)
+    assert second is not None and second.standby is standby and slot.reuses == 1 and slot.spares == []
+    running = second.start(Job("trial 2", reuse_workers=False), emit=lambda message: None)
+    assert wait_until(lambda: running.poll().finished)  # a job that does not ask for reuse ends them
+    assert {rank: [name for name, _ in ran] for rank, ran in launch.ran.items()} == {
+        0: ["trial 1", "trial 2"], 1: ["trial 1", "trial 2"]}  # each job once per rank, never the last one again
+    assert all(len({thread for _, thread in ran}) == 1 for ran in launch.ran.values())  # on the same worker
+    assert slot.launches == 1
+
+
+@pytest.mark.parametrize("how", [{"fails": True}, {"saves_checkpoint": True}], ids=["raised", "saved a checkpoint"])
+def test_workers_that_do_not_wait_again_end_the_launch_as_a_runs_and_no_spare_is_kept(how):
+    slot = StandbySlot()
+    standby = slot.ensure(PLACEMENT, 60, serving_standby)
+    running = slot.claim(PLACEMENT).start(Job("trial", reuse_workers=True, **how), emit=lambda message: None)
+    assert wait_until(lambda: standby.launch.poll().finished)  # a job that raised: its workers return
+    running.release()
+    assert slot.spares == [] and standby.released is not None
+    assert slot.claim(PLACEMENT) is None
+
+
+def test_the_spares_are_released_when_the_sweep_ends_and_their_workers_return():
+    slot = StandbySlot()
+    standby = slot.ensure(PLACEMENT, 60, serving_standby)
+    slot.claim(PLACEMENT).start(Job("trial", reuse_workers=True), emit=lambda message: None)
+    launch = standby.launch
+    assert wait_until(lambda: len(launch.ran) == 2)
+    ClaimedRun(standby, slot.take_back).release()
+    assert slot.release_spares("the sweep ended") == 1 and slot.spares == []
+    assert wait_until(lambda: launch.poll().finished) and standby.released == "the sweep ended"

@@ -34,6 +34,9 @@ class FakeLauncher:
     def capacity(self, config):
         return self._capacity
 
+    def release_reused(self, reason):
+        return 0
+
 
 @dataclass(frozen=True)
 class FakePlan:
@@ -54,6 +57,7 @@ class FakeRun:
     params: Any = field(default_factory=dict)
     parent_run_id: str | None = None
     log_mark: Any = None
+    reuse_workers: bool = False
     log: list = field(default_factory=list)  # (event, trial params, time)
 
     @property

@@ -308,7 +308,7 @@ class RayLauncher(Ray, Launcher):
         return Placement(Ray.name, items)
 
     def claim_standby(self, config: RunConfig) -> Claim | None:
-        if self.standbys.standby is None or self.instance.connected_for(config) is None:
+        if (self.standbys.standby is None and not self.standbys.spares) or self.instance.connected_for(config) is None:
             return None
         if config.data:  # never its placement; and Ray Data (the Dataset's count or tasks) needs the CPUs they hold
             self.standbys.release("a run with --data: Ray Data needs the CPUs they hold")
@@ -347,6 +347,9 @@ class RayLauncher(Ray, Launcher):
             return
         placement = self._placement(config)
         self.standbys.ensure(placement, keep_s, lambda: self._launch_standby(config, placement))
+
+    def release_reused(self, reason: str) -> int:
+        return self.standbys.release_spares(reason)
 
     def release_standby(self, reason: str) -> str | None:
         self.give_way.stop()  # released on purpose: nothing comes back

@@ -109,7 +109,11 @@ def _start_exit_watch() -> Any:
 
 def _train_loop(config: dict) -> None:
     """``train_loop_per_worker``: one Ray Train worker = one rank of the run."""
-    _run_job(config["job"], config.get("cwd"))
+    exit_watch = _start_exit_watch()
+    try:
+        _run_job(config["job"], config.get("cwd"))
+    finally:
+        watchdog.tell_done(exit_watch, wait=True)
 
 
 def _standby_loop(config: dict) -> None:
@@ -117,32 +121,32 @@ def _standby_loop(config: dict) -> None:
     and joined the process group; import what every run needs, then wait for the run's job and run it as
     `_train_loop` does, or return at once when released. A worker group Ray Train restarts during the run
     (``--max-restarts``) runs this again: the standby hands it the same job, and it resumes from Ray's
-    checkpoint as a restarted `_train_loop` would."""
+    checkpoint as a restarted `_train_loop` would. While a sweep reuses the workers, the next job follows on the
+    same worker (`serve_jobs`)."""
     import ray.train
 
     from ...worker import preload
-    from ..waiting import job_of, wait_for_job
+    from ..waiting import serve_jobs
+
+    def run(order: Any, job: Any) -> bool:
+        _run_job(job, order.cwd)
+        return True  # (a job that raised ends the loop with its exception)
 
     # Watched from the start: a signal that ends it between the job's arrival and run_worker's own handlers (the
     # job's unpickling, imports) is still named.
     exit_watch = _start_exit_watch()
-    preload(tuple(config.get("strategies", ())))
-    order = wait_for_job(config["standby"], ray.train.get_context().get_world_rank())
-    if order is None:
+    try:
+        preload(tuple(config.get("strategies", ())))
+        serve_jobs(config["standby"], ray.train.get_context().get_world_rank(), run)
+    finally:
         watchdog.tell_done(exit_watch, wait=True)
-        return  # released: nothing to run
-    _run_job(job_of(order), order.cwd, exit_watch)
 
 
-def _run_job(job: Any, cwd: str | None, exit_watch: Any = None) -> None:
-    """``run_worker(job)`` on this Ray Train worker, in the notebook's working directory (``exit_watch``: one
-    started already, else one now)."""
+def _run_job(job: Any, cwd: str | None) -> None:
+    """``run_worker(job)`` on this Ray Train worker, in the notebook's working directory."""
     import ray.train
 
     from ...worker import run_worker
-
-    if exit_watch is None:
-        exit_watch = _start_exit_watch()
 
     if cwd and os.path.isdir(cwd):  # same relative paths and imports as the notebook (and as --backend local)
         os.chdir(cwd)
@@ -168,7 +172,6 @@ def _run_job(job: Any, cwd: str | None, exit_watch: Any = None) -> None:
     try:
         run_worker(job, ranks, checkpoints=store)
     finally:
-        watchdog.tell_done(exit_watch, wait=True)
         builtins.print = printer
         for logger, level in zip(quiet, levels, strict=True):
             logger.setLevel(level)

@@ -601,6 +601,9 @@ class SparkLauncher(Spark, Launcher):
         standby = self.standbys.ensure(placement, keep, lambda: self._launch_standby(config, spark, placement))
         return standby.describe() if standby is not None else None
 
+    def release_reused(self, reason: str) -> int:
+        return self.standbys.release_spares(reason)
+
     def release_standby(self, reason: str) -> str | None:
         standby = self.standbys.release(reason)
         return None if standby is None else standby.where

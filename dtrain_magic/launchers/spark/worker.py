@@ -35,10 +35,17 @@ def _spark_standby_fn(standby: tuple, watch: tuple, strategies: tuple[str, ...],
                       follows_notebook: bool, process_group_backend: str) -> None:
     """TorchDistributor's train function for a standby (`dtrain_magic.launchers.standby`): the watchdog, the
     imports every run needs, the process group joined, then wait for the run's job and run it as
-    `_spark_train_fn` does; return at once when released. ``follows_notebook`` (local mode: the workers
-    inherited the notebook's environment and working directory at launch): apply what changed since."""
+    `_spark_train_fn` does (and the next, while a sweep reuses them: `serve_jobs`); return at once when released.
+    ``follows_notebook`` (local mode: the workers inherited the notebook's environment and working directory at
+    launch): apply what changed since."""
     from ...worker import join_process_group_ahead, leave_process_group, preload
-    from ..waiting import follow_notebook_directory, follow_notebook_environment, job_of, wait_for_job
+    from ..waiting import follow_notebook_directory, follow_notebook_environment, serve_jobs
+
+    def run(order: Any, job: WorkerJob) -> bool:
+        if follows_notebook:
+            follow_notebook_environment(order)
+            follow_notebook_directory(order)
+        return _run_job(job, order.tracking_uri)
 
     _gloo_on_loopback()
     rank = int(os.environ.get("RANK", "0"))
@@ -47,14 +54,7 @@ def _spark_standby_fn(standby: tuple, watch: tuple, strategies: tuple[str, ...],
     try:
         preload(strategies)
         join_process_group_ahead(process_group_backend, use_gpu)
-        order = wait_for_job(standby, rank)
-        if order is None:  # released: nothing to run
-            finished = True
-            return None
-        if follows_notebook:
-            follow_notebook_environment(order)
-            follow_notebook_directory(order)
-        finished = _run_job(job_of(order), order.tracking_uri)
+        finished = serve_jobs(standby, rank, run)
     finally:
         leave_process_group(use_gpu, finished)
         watchdog.tell_done(guard)
