@@ -159,7 +159,80 @@ SCORING = [
     ),
 ]
 
-NOTEBOOKS = {"quickstart": QUICKSTART, "scoring": SCORING}
+SWEEP = [
+    new_markdown_cell(
+        "# Sweeps: many configurations of one distributed function\n"
+        "\n"
+        "`%%distribute --sweep SPACE` runs the cell's training function once per *trial*, each trial a run of its "
+        "own (here 2 processes on this machine), with the trial's hyperparameters in `ctx.params`. "
+        "[Optuna](https://optuna.org) samples the trials and prunes the bad ones; MLflow gets one parent run with a "
+        "child per trial. On Spark and Ray the trials after the first run on the first trial's workers (no launch "
+        "between trials). The whole story: `docs/sweeps.md`."
+    ),
+    new_code_cell("%load_ext dtrain_magic"),
+    new_markdown_cell(
+        "A grid of learning rates and two strategies: 6 trials, as many at once as this machine's cores hold (here "
+        "one trial of 2 processes at a time on 2 cores). A name that is a run option (`strategy`, `zero`, "
+        "`precision`, `num_processes`, ...) sets the trial's run; any other is `ctx.params[NAME]`. While it runs, "
+        "the panel overlays every trial's `--metric` curve and lists the trials; at the end it draws the "
+        "parameters against the metric."
+    ),
+    new_code_cell(
+        '%%distribute -n 2 --cpu --seed 0 --metric loss --result sweep '
+        '--sweep "lr=grid(0.5,0.1,0.02) strategy=grid(ddp,fsdp)"\n'
+        "import torch\n"
+        "\n"
+        "x = torch.linspace(-1, 1, 64).unsqueeze(1)\n"
+        "y = 3 * x - 1\n"
+        "\n"
+        "def train(ctx):\n"
+        "    model = torch.nn.Linear(1, 1)\n"
+        "    lr = ctx.params['lr']                         # the trial's, the same on every rank\n"
+        "    opt = torch.optim.SGD(model.parameters(), lr=lr)\n"
+        "    model, opt = ctx.prepare(model, opt)          # DDP or FSDP: the trial's strategy\n"
+        "    for step in range(30):\n"
+        "        loss = torch.nn.functional.mse_loss(model(x), y)\n"
+        "        ctx.backward(loss)\n"
+        "        ctx.step()\n"
+        "        ctx.log(loss=loss.item())                 # --metric loss: the curve, and the pruner's"
+    ),
+    new_markdown_cell("The best trial, and every trial as a pandas DataFrame (Optuna's `trials_dataframe`):"),
+    new_code_cell(
+        'print(f"best: {sweep.best.params} loss={sweep.best.value:.3g} (MLflow run {sweep.best.run_id})")\n'
+        'sweep.trials[["number", "params_lr", "params_strategy", "value", "state"]]'
+    ),
+    new_markdown_cell(
+        "The same from plain Python, with a log-uniform learning rate sampled by Optuna's TPE and its median "
+        "pruner: a trial whose loss lags the median of the finished trials' at the same step is stopped, every rank "
+        "after the same step (rates above 1 diverge here). The steps are slowed down so that the pruner sees the "
+        "curves while they run."
+    ),
+    new_code_cell(
+        "import time\n"
+        "\n"
+        "import optuna\n"
+        "import dtrain_magic\n"
+        "\n"
+        "def train_slowly(ctx):\n"
+        "    model = torch.nn.Linear(1, 1)\n"
+        "    opt = torch.optim.SGD(model.parameters(), lr=ctx.params['lr'])\n"
+        "    model, opt = ctx.prepare(model, opt)\n"
+        "    for step in range(40):\n"
+        "        loss = torch.nn.functional.mse_loss(model(x), y)\n"
+        "        ctx.backward(loss)\n"
+        "        ctx.step()\n"
+        "        ctx.log(loss=min(loss.item(), 1e30))\n"
+        "        time.sleep(0.05)\n"
+        "\n"
+        "median = optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=5)\n"
+        'tpe = dtrain_magic.sweep(train_slowly, "lr=loguniform(1e-3,3)", trials=6, metric="loss",\n'
+        "                         num_processes=2, cpu=True, seed=3, pruner=median, ui=False)\n"
+        "print(f\"best: lr={tpe.best.params['lr']:.3g} loss={tpe.best.value:.3g}\")\n"
+        'tpe.trials[["number", "params_lr", "value", "state", "user_attrs_stopped_at_step"]]'
+    ),
+]
+
+NOTEBOOKS = {"quickstart": QUICKSTART, "scoring": SCORING, "sweep": SWEEP}
 FOLDER = Path(__file__).resolve().parent.parent / "notebooks"
 
 
