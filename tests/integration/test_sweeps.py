@@ -202,3 +202,29 @@ def test_pruned_trials_stop_on_every_rank_after_the_same_step(tmp_path, tracking
     total = sum(steps[0] for steps in made.values())
     assert total <= len(made) * PRUNE_STEPS / 2, made  # at most half the unpruned budget
     assert_nothing_left()
+
+
+def every_row_once(ctx):
+    """Reads ``--data train`` in batches; every row exactly once across the trial's ranks (checked on every rank)."""
+    import torch.distributed as dist
+
+    seen = []
+    for batch in ctx.data("train", batch_size=50):
+        seen += batch["id"].tolist()
+    every = [None] * ctx.world_size
+    dist.all_gather_object(every, seen)
+    assert sorted(i for part in every for i in part) == list(range(1000))
+    ctx.log(loss=ctx.params["lr"])
+
+
+def test_data_is_staged_once_for_trials_at_once_and_each_reads_every_row_once(tracking_uri, capsys):
+    import numpy as np
+    import pandas as pd
+
+    frame = pd.DataFrame({"x": np.arange(1000, dtype="float32"), "id": np.arange(1000)})
+    result = dtrain_magic.sweep(every_row_once, "lr=grid(0.1,0.2,0.3,0.4)", metric="loss", num_processes=1, cpu=True,
+                                tracking_uri=tracking_uri, ui=False, data={"train": frame}, parallel_trials=2)
+    assert set(result.trials["state"]) == {"COMPLETE"}
+    printed = capsys.readouterr().out
+    assert printed.count("data train: staging pandas DataFrame train") == 1, printed  # once for the four trials
+    assert printed.count("data train: reusing the copy") == 3, printed
