@@ -68,24 +68,40 @@ def sweep_from_args(args: Any, make_payload: Callable[[], Payload],
 
     result = _run(config, make_config, settings, make_payload, namespace, namespace, cell_model)
     if namespace is not None and result is not None:
-        best = result.best
-        if best is not None and best.result is not None:
-            namespace[runner.LAST_RESULT_NAME] = best.result
-        if config.result:
-            namespace[config.result] = result
+        bind_sweep_result(namespace, config, result)
     return result
 
 
-def _run(config: RunConfig, make_config: Callable[[Mapping[str, Any]], RunConfig], settings: SweepOptions,
-         make_payload: Callable[[], Payload], namespace: MutableMapping[str, Any] | None,
-         sources: Mapping[str, Any] | None, model: Callable[[str], Any] | None = None) -> SweepResult | None:
+def bind_sweep_result(namespace: MutableMapping[str, Any], config: RunConfig, result: SweepResult) -> None:
+    """A notebook's names for a sweep's result: ``_distribute_result`` the best trial's `RunResult`, ``--result NAME``
+    the `SweepResult`."""
+    best = result.best
+    if best is not None and best.result is not None:
+        namespace[runner.LAST_RESULT_NAME] = best.result
+    if config.result:
+        namespace[config.result] = result
+
+
+def prepare_sweep(config: RunConfig, make_config: Callable[[Mapping[str, Any]], RunConfig], settings: SweepOptions,
+                  make_payload: Callable[[], Payload], sources: Mapping[str, Any] | None,
+                  model: Callable[[str], Any] | None = None, **panel: Any) -> Sweep:
+    """Everything before the trials, in the one order every entry point uses: the space parsed (a bad one runs
+    nothing), the run checked and the cell captured once (`runner.prepare`), every combination of the space's run
+    options checked (`Sweep`). ``panel``: `Sweep`'s ``out`` and ``show_panel`` (the ``--configure`` panel's)."""
     space = parse_space(settings.space)  # before the capture: a bad space runs nothing
     if config.resume is not None:  # every trial would continue the same run
         raise ConfigError("--resume", "continues one run, not a sweep's trials; a sweep resumes by --sweep-name (its "
                                       "finished trials are not run again)")
     base = runner.prepare(config, make_payload, None, sources)
     cell_model = (lambda: model(base.payload.name)) if model is not None else None
-    sweep_run = Sweep(base, make_config, space, settings, sources, cell_model=cell_model)
+    return Sweep(base, make_config, space, settings, sources, cell_model=cell_model, **panel)
+
+
+def _run(config: RunConfig, make_config: Callable[[Mapping[str, Any]], RunConfig], settings: SweepOptions,
+         make_payload: Callable[[], Payload], namespace: MutableMapping[str, Any] | None,
+         sources: Mapping[str, Any] | None, model: Callable[[str], Any] | None = None) -> SweepResult | None:
+    sweep_run = prepare_sweep(config, make_config, settings, make_payload, sources, model)
+    space, base = sweep_run.space, sweep_run.base
     if config.dry_run:
         print(base.dry_run_text())
         trials = settings.trials or space.size or "?"

@@ -50,7 +50,9 @@ class Sweep:
 
     def __init__(self, base: Any, make_config: Callable[[Mapping[str, Any]], RunConfig], space: Space,
                  options: SweepOptions, sources: Mapping[str, Any] | None = None, out: TextIO | None = None,
-                 cell_model: Callable[[], Any] | None = None):
+                 cell_model: Callable[[], Any] | None = None, show_panel: Callable[[Any], None] | None = None):
+        """``show_panel(widget)``: where the sweep's panel goes (the ``--configure`` panel's own box); default:
+        displayed in the cell's output."""
         self.base, self.make_config, self.space, self.options = base, make_config, space, options
         self.sources, self._out = sources, out
         self._cell_model, self._model_lock = cell_model, threading.Lock()  # the model, counted once when first asked
@@ -63,6 +65,7 @@ class Sweep:
         self.failures: list[str] = []
         self.board = SweepBoard(options.metric, options.mode == "min")  # what the panel draws
         self.panel: Any = None
+        self._show_panel = show_panel
         self._stopped_from_panel = False
         self._stopped_by_hand: set[int] = set()  # trials stopped one by one from the panel
         self.check_options()
@@ -153,7 +156,10 @@ class Sweep:
             from ..ui.sweep_panel import SweepPanel
         except ImportError:  # no ipywidgets/plotly (the ui extra): the printed lines are the sweep's record
             return
-        self.panel = SweepPanel(self.board, on_stop=self.stop, on_stop_trial=self.stop_trial)
+        self.panel = SweepPanel(self.board, on_stop=self.stop, on_stop_trial=self.stop_trial,
+                                display=self._show_panel is None)
+        if self._show_panel is not None:
+            self._show_panel(self.panel.container)
 
     def _release_reused(self) -> None:
         """The trials' reused workers go (the launcher's spares) and, as after any run, the next run's are launched

@@ -41,6 +41,7 @@ from ..flagtable import APPEND, CHECKBOX, DROPDOWN, INT_BOX, TEXT, Flag, panel_r
 from ..payload import Payload
 from ..registry import STRATEGIES
 from ..strategies.memory import CellModel
+from .panel_sweep import SweepBox
 
 CONTROLS = tuple(row.field for row in panel_rows())  # the RunConfig fields the panel sets, from the flag table
 TEXT_LISTS = tuple(row.field for row in panel_rows() if row.kind == APPEND)  # shown as one line: "a=x b=y"
@@ -239,11 +240,13 @@ class PanelState:
             log_dropped(__name__, "memory_line", exc)
             return f"memory estimate unavailable: {type(exc).__name__}: {exc}"
 
-    def cell_text(self, body: str) -> str | None:
-        """The cell "Write cell" creates: the equivalent flag line over ``body`` (None while invalid)."""
+    def cell_text(self, body: str, extra: str = "") -> str | None:
+        """The cell "Write cell" creates: the equivalent flag line (with ``extra`` words: a sweep's) over ``body``
+        (None while invalid)."""
         line = self.flag_line()
         if line is None:
             return None
+        line += extra
         return f"{line}\n{body.strip(chr(10))}\n" if body.strip() else f"{line}\n"
 
 
@@ -340,6 +343,9 @@ class ConfigurePanel:
         if self.session_line is not None:  # a session has no cell to write
             self.writer.layout.display = "none"
         self.written: tuple[str, int | None] | None = None  # how the last "Write cell" was done
+        self.sweep_box = SweepBox(w, {"description_width": "150px"})
+        if no_cell_to_run or self.make_payload is None:
+            self.sweep_box.widget.layout.display = "none"
 
     def _make_outputs(self, w: Any) -> None:
         self.monitor_box = w.VBox([], layout=w.Layout(width="100%"))  # the run's monitor: a child, not display data
@@ -356,6 +362,9 @@ class ConfigurePanel:
                             names="value")
         self.run_button.on_click(lambda _: self.run())
         self.session_button.on_click(lambda _: self.start())
+        self.sweep_box.button.on_click(lambda _: self.run_sweep())
+        for control in (self.sweep_box.space, self.sweep_box.metric, self.sweep_box.trials):
+            control.observe(lambda _change: self.refresh(), names="value")
 
     def _layout(self, w: Any) -> Any:
         """The panel: heading, the two columns of controls, the readouts, the buttons, then the outputs."""
@@ -364,7 +373,8 @@ class ConfigurePanel:
             w.HTML(f"<b>dtrain_magic · configure the {'session' if self.session_line else 'run'}</b>"),
             w.HBox([w.VBox(columns[0]), w.VBox(columns[1] + [self.params])]),
             self.memory, self.data, self.problems, self.flag_line,
-            w.HBox([self.run_button, self.session_button, self.writer]), self.cell_output, self.monitor_box,
+            w.HBox([self.run_button, self.session_button, self.writer]), self.sweep_box.widget, self.cell_output,
+            self.monitor_box,
             self.output,
         ])
         widget.add_class("dtm-configure")
@@ -410,16 +420,18 @@ class ConfigurePanel:
         self.problems.value = ("".join(f"<div style='color:#cf222e'>⚠ {html.escape(p)}</div>" for p in problems)
                                if problems else "<div style='color:#1a7f37'>✓ ready to run</div>")
         self.run_button.disabled = bool(problems) or self.running
+        self.sweep_box.button.disabled = bool(problems) or self.running or not self.sweep_box.space.value.strip()
         self.session_button.disabled = bool(problems) or self.running or self.start_session is None
         line = self.equivalent_line()
         self.flag_line.value = line or "(fix the problems above to get the equivalent flag line)"
-        self.writer.text = self.state.cell_text(self.cell) or ""
+        self.writer.text = self.state.cell_text(self.cell, self.sweep_box.words()) or ""
 
     def equivalent_line(self) -> str | None:
         """The line that does what the panel would without it: ``%%distribute ...``, or for a session its
         ``%distribute_session start ...`` (None while the choice is invalid)."""
         if self.session_line is None:
-            return self.state.flag_line()
+            line = self.state.flag_line()
+            return line + self.sweep_box.words() if line is not None else None
         try:
             return self.session_line(self.state.to_config(ui=True))
         except DistributeError:
@@ -431,7 +443,7 @@ class ConfigurePanel:
         front-end that does not give widgets the notebook); the text, or None while the choice is invalid.
         The front-end shows it with the kernel's next reply to a cell run: a comm message (a click) has
         no reply that could carry it."""
-        text = self.state.cell_text(self.cell)
+        text = self.state.cell_text(self.cell, self.sweep_box.words())
         if text is None:
             return None
         self.shell.set_next_input(text, replace=False)
@@ -496,6 +508,58 @@ class ConfigurePanel:
         if wait:
             self.thread.join()
 
+
+    # -- Run sweep -------------------------------------------------------------------------------------------------
+    def run_sweep(self, wait: bool = False) -> None:
+        """Run the sweep box's sweep with the panel's settings as ``%%distribute --sweep`` would: the checks and the
+        cell's capture on this thread, the trials in a background thread, the sweep's panel (curves, trials, Stop)
+        under this one; the `SweepResult` bound to ``--result NAME`` and the best trial's to ``_distribute_result``."""
+        import dataclasses
+        import html
+
+        from ..sweep.entry import bind_sweep_result, prepare_sweep
+
+        if self.running:
+            return
+        if self.make_payload is None:
+            raise RuntimeError("this panel has no cell to run (make_payload); it configures and writes cells only")
+        config = self.state.to_config(ui=True)
+        self.output.outputs = ()
+        self.cell_output.clear_output()
+        text = _OutputWriter(self.output)
+        try:
+            settings = self.sweep_box.options()
+            text.write(f"running: {self.equivalent_line()}\n")
+            with self.cell_output:  # the cell runs in the notebook first: its own prints land here
+                sweep = prepare_sweep(config, lambda options: dataclasses.replace(config, **options), settings,
+                                      lambda: self.make_payload(config), self.shell.user_ns, out=text,
+                                      show_panel=lambda widget: setattr(self.monitor_box, "children", (widget,)))
+        except DistributeError as exc:
+            self.sweep_box.problem.value = f"<span style='color:#cf222e'>⚠ {html.escape(str(exc))}</span>"
+            text.close()
+            self.error = exc
+            return
+        self.sweep_box.problem.value = ""
+
+        def work() -> None:
+            try:
+                self.result = sweep.run()
+                bind_sweep_result(self.shell.user_ns, config, self.result)
+            except BaseException as exc:  # shown in the panel; the kernel goes on
+                self.error = exc
+                text.write(f"{type(exc).__name__}: {exc}\n", stream="stderr")
+            finally:
+                text.close()
+                self.running = False
+                self.refresh()
+
+        self.error, self.runs = None, self.runs + 1
+        self.thread = threading.Thread(target=work, name="dtrain-panel-sweep", daemon=True)
+        self.running = True
+        self.refresh()
+        self.thread.start()
+        if wait:
+            self.thread.join()
 
     # -- Start session ---------------------------------------------------------------------------------------------
     def start(self, wait: bool = False) -> None:

@@ -289,3 +289,52 @@ def test_configure_panel_shows_the_monitor_stops_and_runs_again(shell, mlflow):
     assert panel.observer is not obs and panel.monitor_box.children == (panel.observer.container,)
     assert panel.observer.widget.state == "finished" and panel.observer.stop_button.description == "Finished"
     assert shell.user_ns["_distribute_result"].values == [0, 1]
+
+
+SWEEP_BODY = """import torch
+
+def train(ctx):
+    torch.manual_seed(0)
+    x = torch.linspace(-1, 1, 64).unsqueeze(1)
+    model = torch.nn.Linear(1, 1)
+    model, opt = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=ctx.params["lr"]))
+    for step in range(20):
+        loss = torch.nn.functional.mse_loss(model(x), 3 * x - 1)
+        ctx.backward(loss)
+        ctx.step()
+        ctx.log(loss=loss.item())
+"""
+
+
+def test_configure_panel_runs_a_sweep_from_its_sweep_box(shell, mlflow):
+    """The panel's sweep box (issue #36): its space and metric make the equivalent line's --sweep words; Run sweep
+    runs the trials with the panel's settings, the sweep's panel under the configure panel, the results bound as the
+    magic binds them; a bad space is said in the box and runs nothing."""
+    from dtrain_magic.errors import ConfigError
+    from dtrain_magic.notebook import flags
+    from dtrain_magic.notebook.capture import payload_maker
+    from dtrain_magic.ui.panel import ConfigurePanel
+
+    config = flags.config_from_line("--backend local -n 2 --cpu --seed 0 --result swept", gpu_available=lambda: False)
+    panel = ConfigurePanel(config, SWEEP_BODY, shell, make_payload=payload_maker(SWEEP_BODY, shell))
+    box = panel.sweep_box
+    assert box.button.disabled  # no space yet
+    box.space.value, box.metric.value = "lr=grid(0.5,0.05)", "loss"
+    assert not box.button.disabled
+    assert panel.equivalent_line().endswith(" --sweep 'lr=grid(0.5,0.05)' --metric loss")
+    assert panel.writer.text.startswith(panel.equivalent_line() + "\n")
+
+    panel.run_sweep(wait=True)
+    assert panel.error is None, panel.error
+    result = shell.user_ns["swept"]
+    assert result is panel.result and result.best.params == {"lr": 0.5}
+    assert shell.user_ns["_distribute_result"] is result.best.result
+    assert result.best.result.config.num_processes == 2 and len(result.trials) == 2
+    (sweep_panel,) = panel.monitor_box.children
+    assert "dtm-sweep-panel" in sweep_panel._dom_classes  # the sweep's panel, a child of the configure panel
+    assert mlflow.get_run(result.parent_run_id).info.status == "FINISHED"
+
+    box.space.value = "lr=banana(1)"
+    panel.run_sweep(wait=True)
+    assert isinstance(panel.error, ConfigError) and "--sweep" in box.problem.value and "banana" in box.problem.value
+    assert panel.result is result  # nothing ran

@@ -302,3 +302,22 @@ def test_the_session_panel_is_the_sessions():
     assert panel.flag_line.value.startswith("%distribute_session start --backend local")
     assert panel.flag_line.value.endswith("--idle-timeout 60") and "%%distribute" not in panel.flag_line.value
     assert not panel.session_button.disabled
+
+
+def test_the_sweep_box_gives_the_sweep_flags_and_refuses_a_bad_space_naming_the_flag():
+    import ipywidgets as w
+
+    from dtrain_magic.ui.panel_sweep import SweepBox
+
+    box = SweepBox(w, {})
+    assert box.words() == ""
+    box.space.value, box.metric.value, box.trials.value = "lr=loguniform(1e-4,1e-1) batch=choice(16,32)", "val", 12
+    assert box.words() == " --sweep 'lr=loguniform(1e-4,1e-1) batch=choice(16,32)' --metric val --trials 12"
+    settings = box.options()
+    assert (settings.space, settings.metric, settings.trials) == (box.space.value, "val", 12)
+    box.metric.value = ""
+    with pytest.raises(ConfigError, match="--metric"):
+        box.options()
+    box.metric.value, box.space.value = "val", "lr=banana(1)"
+    with pytest.raises(ConfigError, match="--sweep"):
+        box.options()
