@@ -427,8 +427,9 @@ def test_panel_and_charts_in_jupyterlab(chromium, jupyterlab):
 
 def test_configure_panel_runs_with_the_live_monitor(chromium, jupyterlab):
     """--configure → deepspeed, ZeRO-2, bf16 → Run: the monitor and both charts under the panel, growing;
-    Stop → KILLED, the run's workers gone; Write cell → the equivalent cell; Run again → FINISHED;
-    %distribute_show of that run in a fresh kernel draws its charts."""
+    Stop → KILLED, the run's workers gone; Write cell → the equivalent cell; Run again → FINISHED; Run sweep (the
+    sweep box) → two trials FINISHED in the sweep's panel under it; %distribute_show of that run in a fresh kernel
+    draws its charts."""
     import psutil
     from mlflow import MlflowClient
     from playwright.sync_api import expect, sync_playwright
@@ -540,6 +541,22 @@ def test_configure_panel_runs_with_the_live_monitor(chromium, jupyterlab):
                 finished_charts = panel.locator(".dtm-monitor-panel .dtm-charts .js-plotly-plot")
                 expect(finished_charts).to_have_count(2, timeout=120_000)
                 shots.append(out / "panel_finished.png")
+                page.screenshot(path=str(shots[-1]), full_page=True)
+
+                # Run sweep: the sweep box's space and metric join the equivalent line; two trials (a seed each,
+                # the cell's settings) run with the sweep's panel under the configure panel, both FINISHED
+                panel.locator(".dtm-sweep-space input").fill("seed=grid(1,2)")
+                panel.locator(".dtm-sweep-metric input").fill("loss")
+                expect(panel.locator(".dtm-flag-line textarea")).to_have_value(
+                    line + " --sweep 'seed=grid(1,2)' --metric loss", timeout=30_000)
+                expect(panel.locator("button.dtm-run-sweep")).to_be_enabled()
+                panel.locator("button.dtm-run-sweep").click()
+                sweep_rows = panel.locator(".dtm-sweep-panel .dtm-sweep-table tbody tr")
+                expect(sweep_rows).to_have_count(2, timeout=120_000)
+                expect(sweep_rows.filter(has_text="FINISHED")).to_have_count(2, timeout=180_000)
+                expect(panel.locator(".dtm-sweep-panel .js-plotly-plot").first).to_be_attached(timeout=60_000)
+                timings["sweep_finished_s"] = time.monotonic() - t0
+                shots.append(out / "panel_sweep.png")
                 page.screenshot(path=str(shots[-1]), full_page=True)
 
                 # %distribute_show in a fresh kernel: the finished run's charts, from MLflow alone
