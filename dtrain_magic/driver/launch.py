@@ -49,10 +49,10 @@ class Launch:
         self.params = dict(params or {})
         self.started = time.monotonic()
         # Workers launched ahead for this placement (docs/warm-reruns.md): this launch takes them over.
-        self.claim = self.launcher.claim_standby(self.config)
         reuse_workers = reuse_workers and not self.config.max_restarts  # (a restart launches afresh)
+        self.claim = self.launcher.claim_standby(self.config, reuse_workers)
         if self.claim is None and reuse_workers and self.launcher.keep_warm(self.config) is not None:
-            self.claim = self.launcher.claim_standby(self.config)  # launched now, so that the next trial reuses them
+            self.claim = self.launcher.claim_standby(self.config, True)  # launched now: the next trial reuses them
         self.reuse_workers = reuse_workers and self.claim is not None
         self.checkpoint_root = resume.checkpoint_root if resume is not None else self._checkpoint_root()
         self.early = plan.starts_before_tracking

@@ -161,11 +161,13 @@ class Launcher(Backend, ABC):
     def start(self, job: WorkerJob, emit: Emit) -> RunningJob:
         """Start the workers and return at once."""
 
-    def claim_standby(self, config: RunConfig) -> "StandbyClaim | None":
+    def claim_standby(self, config: RunConfig, reuse: bool = False) -> "StandbyClaim | None":
         """A launch started ahead for a run with ``config``'s placement (a standby, docs/warm-reruns.md), now
         reserved for the caller's run; None when there is none. The runner names the run after it
         (`Claim.checkpoint_root`) and starts it with `Claim.start` instead of `start`, or gives it back
-        (`Claim.abandon`). Default: this backend launches nothing ahead."""
+        (`Claim.abandon`). ``reuse``: a sweep's trial, which may also take workers an earlier trial ran on (a
+        spare, `StandbySlot.spares`); any other run gets fresh processes. Default: this backend launches nothing
+        ahead."""
         return None
 
     def keep_warm(self, config: RunConfig) -> str | None:

@@ -353,12 +353,12 @@ class StandbySlot:
         self.launches = 0
         self.reuses = 0
 
-    def claim(self, placement: Placement) -> Claim | None:
+    def claim(self, placement: Placement, reuse: bool = False) -> Claim | None:
         """Reserve the standby for a run with ``placement``: it may still be starting (the run's job then goes
         to each worker as it connects). None when there is none, it is another placement's, or it is lost (then
-        it is released: a fresh launch replaces it). A spare of that placement first."""
+        it is released: a fresh launch replaces it). ``reuse`` (a sweep's trial): a spare of that placement first."""
         with self._lock:
-            spare = self._take_spare(placement)
+            spare = self._take_spare(placement) if reuse else None
             if spare is not None:
                 spare.claimed = True
                 self.claims += 1

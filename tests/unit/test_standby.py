@@ -359,7 +359,8 @@ def test_a_sweeps_trials_run_one_after_another_on_the_same_workers():
     first.release()  # every worker waits again: a spare, claimed before any new launch
     assert slot.spares == [standby] and not launch.poll().finished
     assert slot.ensure(PLACEMENT, 60, lambda: pytest.fail("launched beside a spare")) is standby
-    second = slot.claim(PLACEMENT)
+    assert slot.claim(PLACEMENT) is None  # a run that is not a sweep's trial gets fresh processes
+    second = slot.claim(PLACEMENT, reuse=True)
     assert second is not None and second.standby is standby and slot.reuses == 1 and slot.spares == []
     running = second.start(Job("trial 2", reuse_workers=False), emit=lambda message: None)
     assert wait_until(lambda: running.poll().finished)  # a job that does not ask for reuse ends them

@@ -307,13 +307,14 @@ class RayLauncher(Ray, Launcher):
             items += (("data", tuple(name for name, _ in config.data)),)
         return Placement(Ray.name, items)
 
-    def claim_standby(self, config: RunConfig) -> Claim | None:
-        if (self.standbys.standby is None and not self.standbys.spares) or self.instance.connected_for(config) is None:
+    def claim_standby(self, config: RunConfig, reuse: bool = False) -> Claim | None:
+        if (self.standbys.standby is None and not (reuse and self.standbys.spares)) \
+                or self.instance.connected_for(config) is None:
             return None
         if config.data:  # never its placement; and Ray Data (the Dataset's count or tasks) needs the CPUs they hold
             self.standbys.release("a run with --data: Ray Data needs the CPUs they hold")
             return None
-        return self.standbys.claim(self._placement(config))
+        return self.standbys.claim(self._placement(config), reuse)
 
     def keep_warm(self, config: RunConfig) -> str | None:
         """Launch the next run's workers on the Ray this kernel is connected to (held by default on this machine's

@@ -580,12 +580,12 @@ class SparkLauncher(Spark, Launcher):
             items.append(("import-time environment", _digest(import_time_environment())))
         return Placement(Spark.name, tuple(items))
 
-    def claim_standby(self, config: RunConfig) -> Claim | RestartingClaim | None:
+    def claim_standby(self, config: RunConfig, reuse: bool = False) -> Claim | RestartingClaim | None:
         spark = self._running_session(config)
         if spark is not None and _data_needs_the_slots(config):
             self.release_standby("a run with --data on a cluster: writing a DataFrame needs the slots they hold")
             return None
-        claim = None if spark is None else self.standbys.claim(self._placement(config, spark))
+        claim = None if spark is None else self.standbys.claim(self._placement(config, spark), reuse)
         if claim is None or not config.max_restarts:
             return claim
         return RestartingClaim(claim, self._launch)  # --max-restarts: later attempts are fresh launches
