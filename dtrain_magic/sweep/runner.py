@@ -106,15 +106,20 @@ class Sweep:
         its GPUs from 0 (`worker.process_group.device_for`), so trials at once would share them."""
         wanted = self.options.parallel_trials
         config = self.base.config
-        if self.base.plan.launcher.ranks_on_this_machine and config.use_gpu:
+        launcher = self.base.plan.launcher
+        if launcher.ranks_on_this_machine and config.use_gpu:
             if wanted not in ("auto", 1):
                 raise ConfigError("--parallel-trials", f"got {wanted}; local GPU trials run one at a time (each run's "
                                                        "ranks take GPUs from 0, so trials at once would share them)")
             return 1
         if wanted == "auto":
-            capacity = self.base.plan.launcher.capacity(config)
-            size = capacity[1] if capacity else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-                else (os.cpu_count() or 1)
+            capacity = launcher.capacity(config)
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            size = capacity[1] if capacity else cores
+            if capacity and not config.use_gpu and launcher.workers_share_files(config):
+                # every worker on this machine (the magic's own Ray, started with more logical CPUs than cores so that
+                # the next run's workers fit beside a run): its cores bound how many CPU trials run well at once
+                size = min(size, cores)
             most = max([prepared.config.num_processes for prepared in self._prepared.values()] + [1])
             wanted = max(1, size // most)
         return max(1, min(int(wanted), to_run))

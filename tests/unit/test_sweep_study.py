@@ -28,11 +28,14 @@ class FakeLauncher:
     name = "ray"
     ranks_on_this_machine = False
 
-    def __init__(self, capacity=None):
-        self._capacity = capacity
+    def __init__(self, capacity=None, one_machine=False):
+        self._capacity, self.one_machine = capacity, one_machine
 
     def capacity(self, config):
         return self._capacity
+
+    def workers_share_files(self, config):
+        return self.one_machine
 
     def release_reused(self, reason):
         return 0
@@ -196,6 +199,19 @@ def test_parallel_trials_auto_is_the_capacity_over_the_processes_a_trial_takes()
     assert s.slots(8) == 8 and s.slots(3) == 3
     s, *_ = sweep("lr=uniform(0,1)", quadratic, trials=8, parallel_trials=2)
     assert s.slots(8) == 2
+
+
+def test_parallel_trials_auto_on_a_backend_that_is_this_machine_is_bounded_by_its_cores(monkeypatch):
+    """The magic's own Ray has more logical CPUs than the machine's cores (room for the next run's workers):
+    CPU trials at once are as many as the cores hold."""
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    s, *_ = sweep("lr=uniform(0,1)", quadratic, trials=8, capacity=("CPUs of the local Ray instance", 4))
+    s.base = dataclasses.replace(s.base, plan=FakePlan(s.base.config, FakeLauncher(("CPUs", 4), one_machine=True)))
+    assert s.slots(8) == 2
+    s.base = dataclasses.replace(s.base, plan=FakePlan(s.base.config, FakeLauncher(("CPUs", 4), one_machine=False)))
+    assert s.slots(8) == 4  # a cluster's CPUs are its own
 
 
 def test_local_gpu_trials_run_one_at_a_time():
