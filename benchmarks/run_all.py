@@ -32,7 +32,7 @@ sys.path.insert(0, HERE)
 from workload import PART_LABELS, SUB_PARTS  # noqa: E402
 
 ORDER = ("local_n2", "local_n1", "spark", "ray", "chart_lag", "strategies", "ctx_log", "interrupt", "data", "outputs",
-         "big_mlp", "big_large")
+         "sweep", "big_mlp", "big_large")
 LOG_COST_LIMIT, LOG_COST_RATE = 0.02, 1500.0  # issue 25: ctx.log every step costs <= 2 % at >= 1500 steps/s
 
 
@@ -44,14 +44,14 @@ def benchmarks(args: argparse.Namespace) -> dict[str, tuple[str, list[str], floa
     # -n 1 runs about 3500 steps/s on a core: 3000 steps give it as long a steady-state window as -n 2's 1000.
     local_steps = {n: [], 1: ["--steps", "3000"]}
     small = {"local": [], "backend": [], "chart": [], "strategies": [], "log": [], "data": [], "outputs": [],
-             "big_mlp": [], "big_large": []}
+             "sweep": [], "big_mlp": [], "big_large": []}
     if args.quick:  # does everything run? (the numbers mean nothing)
         local_steps = {n: ["--steps", "200"], 1: ["--steps", "200"]}
         small = {"local": [], "backend": ["--steps", "50"], "chart": ["--steps", "40"],
                  "strategies": ["--only", "ddp,zero3", "--width", "256", "--steps", "4"],
                  "log": ["--seconds", "1", "--blocks", "4"],
                  "data": ["--gb", "0.05", "--ray-gb", "0.02", "--spark-rows", "300000", "--repeats", "1"],
-                 "outputs": ["--gb", "0.02"],
+                 "outputs": ["--gb", "0.02"], "sweep": ["--trials", "4", "--steps", "5", "--prune-steps", "30"],
                  "big_mlp": ["--width", "512", "--steps", "2"], "big_large": ["--width", "512", "--steps", "2"]}
     return {
         # setup (tracking DB, imports alone) + cold pairs (two fresh interpreters) + 3 kinds of warm calls
@@ -80,6 +80,10 @@ def benchmarks(args: argparse.Namespace) -> dict[str, tuple[str, list[str], floa
         "data": ("bench_data.py", ["--repeats", str(r), *small["data"]], 120 if args.quick else 420),
         # issue 39: 1 GiB of Parquet scored 4 ways (one process, ctx.write -n 2, Spark, Ray), each after a warm-up
         "outputs": ("bench_outputs.py", small["outputs"], 120 if args.quick else 360),
+        # issue 36: 8 trials on Ray (Ray's start + a first run ~30 s; the magic's sweep ~20 s, 8 back-to-back runs
+        # ~17 s each, Ray Tune ~60 s a trial: 20 reports, each waiting up to 2 s for Ray Train's controller), then
+        # two local sweeps of 8 trials (pruned and not, ~50 s)
+        "sweep": ("bench_sweep.py", small["sweep"], 360 if args.quick else 750),
         # issue 26: per-rank peak memory, CPU (8 runs of a 134 M-parameter MLP; 4 of a 0.5 B one, 8.5 GiB at -n 1)
         "big_mlp": ("bench_big_models.py", ["--part", "mlp", *small["big_mlp"]], 120 if args.quick else 600),
         "big_large": ("bench_big_models.py", ["--part", "large", *small["big_large"]], 120 if args.quick else 600),
@@ -384,6 +388,7 @@ def targets(results: dict, n: int) -> list[dict]:
                             missed_by="a failed cycle", reason=failure)
     data_targets(results, add)
     output_targets(results, add)
+    sweep_targets(results, add)
     big_model_targets(results, add)
     lags = _data(results, "chart_lag") or {}
     for key, which in (("chart_lag", "a kernel's first run"), ("chart_lag_later", "later runs")):
@@ -439,6 +444,34 @@ def output_targets(results: dict, add: callable) -> None:
         limit = limits.get(key)
         add(f"outputs: rows/s scoring {size:.2f} GiB (as tensors) of Parquet, ctx.write -n 2 / {what}",
             f"≥ {limit}" if limit else "≥ target", ratios.get(key), limit, True, "", rates, "{:.2f}")
+
+
+def sweep_targets(results: dict, add: callable) -> None:
+    """Issue 36's targets, from bench_sweep.py: a sweep's wall time on Ray against Ray Tune driving Ray Train, and the
+    optimizer steps a pruned sweep runs against the same sweep unpruned."""
+    data = _data(results, "sweep") or {}
+    ray, prune = data.get("ray") or {}, data.get("prune") or {}
+    ray_trials, prune_trials = len(ray.get("lrs") or []) or "?", len(prune.get("grid") or []) or "?"
+
+    def times() -> str:
+        sides = "; ".join(f"{name} {ray[name]['wall_s']:.1f} s (per trial median {ray[name]['median_trial_s']:.2f} s, "
+                          f"first {ray[name]['trial_s'][0]:.2f} s)"
+                          for name in ("sweep", "runs", "tune") if name in ray)
+        return (f"{sides}. The sweep launches Ray Train workers once (its first trial) and runs every later trial on "
+                "them; Ray Tune starts a trial actor, a Train controller and new worker actors for every trial.")
+
+    def steps() -> str:
+        pruned = prune["pruned"]
+        stopped = ", ".join(f"{lr}: {ranks[0]}" for lr, ranks in pruned["steps"].items())
+        return (f"{pruned['total_steps']} steps per rank pruned vs {prune['unpruned']['total_steps']} unpruned "
+                f"({prune['steps_per_trial']} a trial, {prune['pause_s']} s apart); steps per rate {stopped}; states "
+                f"{', '.join(pruned['states'])}. A pruned trial's ranks stop some steps after the decision (docs/"
+                "sweeps.md): the more steps a trial has, the more pruning saves.")
+
+    add(f"sweep on Ray, {ray_trials} trials of 2 workers one at a time: wall time, dtrain_magic.sweep / Ray Tune "
+        "driving Ray Train (a TorchTrainer.fit per trial)", "≤ 0.5", ray.get("sweep_vs_tune"), 0.5, False, "", times)
+    add(f"sweep, {prune_trials} trials, all but 2 diverging: optimizer steps with MedianPruner / unpruned (local, "
+        "2 ranks)", "≤ 0.5", prune.get("ratio"), 0.5, False, "", steps)
 
 
 def data_section(data: dict) -> list[str]:
