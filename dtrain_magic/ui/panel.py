@@ -487,11 +487,15 @@ class ConfigurePanel:
             return
         self.observer = MonitorObserver(config, text_out=text, display=False)
         self.monitor_box.children = (self.observer.container,)
-        self.runs += 1
+        self._in_background("dtrain-panel-run", lambda: prepared.execute(self.observer, self.observer.stop_event),
+                            text, wait)
 
-        def work() -> None:
+    def _in_background(self, name: str, work: Callable[[], Any], text: "_OutputWriter", wait: bool) -> None:
+        """Run's and Run sweep's background thread: ``work()``'s value is the panel's ``result``; an exception is
+        ``error``, said in the panel's text (the kernel goes on); the buttons come back when it ends."""
+        def body() -> None:
             try:
-                self.result = prepared.execute(self.observer, stop=self.observer.stop_event)
+                self.result = work()
             except BaseException as exc:  # shown in the panel; the kernel goes on
                 self.error = exc
                 text.write(f"{type(exc).__name__}: {exc}\n", stream="stderr")
@@ -500,14 +504,13 @@ class ConfigurePanel:
                 self.running = False
                 self.refresh()
 
-        self.error = None
-        self.thread = threading.Thread(target=work, name="dtrain-panel-run", daemon=True)
+        self.error, self.runs = None, self.runs + 1
+        self.thread = threading.Thread(target=body, name=name, daemon=True)
         self.running = True
-        self.run_button.disabled = True
+        self.refresh()
         self.thread.start()
         if wait:
             self.thread.join()
-
 
     # -- Run sweep -------------------------------------------------------------------------------------------------
     def run_sweep(self, wait: bool = False) -> None:
@@ -541,25 +544,12 @@ class ConfigurePanel:
             return
         self.sweep_box.problem.value = ""
 
-        def work() -> None:
-            try:
-                self.result = sweep.run()
-                bind_sweep_result(self.shell.user_ns, config, self.result)
-            except BaseException as exc:  # shown in the panel; the kernel goes on
-                self.error = exc
-                text.write(f"{type(exc).__name__}: {exc}\n", stream="stderr")
-            finally:
-                text.close()
-                self.running = False
-                self.refresh()
+        def work() -> Any:
+            result = sweep.run()
+            bind_sweep_result(self.shell.user_ns, config, result)
+            return result
 
-        self.error, self.runs = None, self.runs + 1
-        self.thread = threading.Thread(target=work, name="dtrain-panel-sweep", daemon=True)
-        self.running = True
-        self.refresh()
-        self.thread.start()
-        if wait:
-            self.thread.join()
+        self._in_background("dtrain-panel-sweep", work, text, wait)
 
     # -- Start session ---------------------------------------------------------------------------------------------
     def start(self, wait: bool = False) -> None:

@@ -23,10 +23,10 @@ SPACE = "lr=grid(0.3,0.2,1.5,1.8)"
 SEED = 5  # orders Optuna 4.6's grid 0.3, 0.2, 1.5, 1.8: the converging rates complete before the pruner decides
 
 
-def diverging_or_not(ctx: Any, out_dir: str, pause: float = 0.05) -> None:
-    """y = 3x - 1 by SGD at ``ctx.params["lr"]`` (above 1 it diverges), a step every ``pause`` s; each rank checks
-    that its peer holds the same params and writes its pid and how many ``ctx.step`` calls it made into
-    ``out_dir`` as it ends, however it ends."""
+def diverging_or_not(ctx: Any, out_dir: str, pause: float = 0.05, steps: int = STEPS) -> None:
+    """y = 3x - 1 by SGD at ``ctx.params["lr"]`` (above 1 it diverges), ``steps`` steps a ``pause`` apart; each rank
+    checks that its peers hold the same params and writes how many ``ctx.step`` calls it made and its pid into
+    ``out_dir`` as it ends, however it ends (`ended`)."""
     import os
     import time
 
@@ -42,7 +42,7 @@ def diverging_or_not(ctx: Any, out_dir: str, pause: float = 0.05) -> None:
     model, opt = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=ctx.params["lr"]))
     made = 0
     try:
-        for _ in range(40):  # STEPS
+        for _ in range(steps):
             loss = torch.nn.functional.mse_loss(model(x), 3 * x - 1)
             ctx.backward(loss)
             made += 1
@@ -52,6 +52,12 @@ def diverging_or_not(ctx: Any, out_dir: str, pause: float = 0.05) -> None:
     finally:
         with open(os.path.join(out_dir, f"lr{ctx.params['lr']}-rank{ctx.rank}"), "w") as handle:
             handle.write(f"{made} {os.getpid()}")
+
+
+def ended(out_dir: Path, lr: float, rank: int) -> tuple[int, int]:
+    """What rank ``rank`` of the trial at ``lr`` wrote as it ended: (``ctx.step`` calls, pid)."""
+    made, pid = (out_dir / f"lr{lr}-rank{rank}").read_text().split()
+    return int(made), int(pid)
 
 
 def check_a_sweep_reuses_its_workers(backend: str, launcher: Any, out_dir: Path, tracking_uri: str) -> None:
@@ -69,14 +75,14 @@ def check_a_sweep_reuses_its_workers(backend: str, launcher: Any, out_dir: Path,
     assert states == {0.3: "COMPLETE", 0.2: "COMPLETE", 1.5: "PRUNED", 1.8: "PRUNED"}, states
     assert result.best.params == {"lr": 0.3}
 
-    ends = {lr: [(out_dir / f"lr{lr}-rank{rank}").read_text().split() for rank in (0, 1)] for lr in states}
-    made = {lr: [int(steps) for steps, _ in ranks] for lr, ranks in ends.items()}
+    ends = {lr: [ended(out_dir, lr, rank) for rank in (0, 1)] for lr in states}
+    made = {lr: [steps for steps, _ in ranks] for lr, ranks in ends.items()}
     assert made[0.3] == made[0.2] == [STEPS, STEPS]
     for _, trial in frame[frame["state"] == "PRUNED"].iterrows():
         stopped = trial["user_attrs_stopped_at_step"]
         assert made[trial["params_lr"]] == [stopped, stopped], (made, stopped)  # every rank: the same last step
     # Every trial on the same two processes: the first trial's workers ran the next three (no launch between them)
-    pids = {lr: tuple(int(pid) for _, pid in ranks) for lr, ranks in ends.items()}
+    pids = {lr: tuple(pid for _, pid in ranks) for lr, ranks in ends.items()}
     assert len(set(pids.values())) == 1, pids
     assert launcher.standbys.reuses - reuses == 3
 

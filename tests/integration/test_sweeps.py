@@ -11,6 +11,7 @@ import optuna
 import pytest
 
 import dtrain_magic
+from sweep_checks import diverging_or_not, ended
 
 pytestmark = pytest.mark.slow
 
@@ -149,32 +150,6 @@ def test_a_failing_trial_is_failed_with_its_error_and_the_sweep_goes_on(tracking
 PRUNE_STEPS = 60
 
 
-def diverging_or_not(ctx, out_dir, pause=0.05):
-    """y = 3x - 1 by SGD at ``ctx.params["lr"]`` (above 1 it diverges), a step every ``pause`` s; each rank writes how
-    many ``ctx.step`` calls it made into ``out_dir`` as it ends, however it ends (the pruned trials' evidence)."""
-    import os
-    import time
-
-    import torch
-
-    torch.manual_seed(0)
-    x = torch.linspace(-1, 1, 64).unsqueeze(1)
-    model = torch.nn.Linear(1, 1)
-    model, opt = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=ctx.params["lr"]))
-    made = 0
-    try:
-        for _ in range(60):  # PRUNE_STEPS
-            loss = torch.nn.functional.mse_loss(model(x), 3 * x - 1)
-            ctx.backward(loss)
-            made += 1
-            ctx.step()  # a pruned trial's ranks stop in here, after the same step
-            ctx.log(loss=min(loss.item(), 1e30))
-            time.sleep(pause)
-    finally:
-        with open(os.path.join(out_dir, f"lr{ctx.params['lr']}-rank{ctx.rank}"), "w") as handle:
-            handle.write(str(made))
-
-
 def test_pruned_trials_stop_on_every_rank_after_the_same_step(tmp_path, tracking_uri):
     # 8 trials of 2 ranks, one at a time: 0.3 and 0.2 converge and come first (--seed 80 orders Optuna 4.6's grid),
     # the 6 above 1 diverge. Optuna's median pruner stops a trial whose best loss so far is worse than the median of
@@ -184,12 +159,12 @@ def test_pruned_trials_stop_on_every_rank_after_the_same_step(tmp_path, tracking
     out.mkdir()
     result = dtrain_magic.sweep(diverging_or_not, "lr=grid(0.3,0.2,1.5,1.6,1.7,1.8,1.9,2.0)", metric="loss",
                                 num_processes=2, cpu=True, seed=80, tracking_uri=tracking_uri, pruner=pruner,
-                                parallel_trials=1, ui=False, out_dir=str(out))
+                                parallel_trials=1, ui=False, out_dir=str(out), steps=PRUNE_STEPS)
     frame = result.trials.sort_values("number")
     assert list(frame["params_lr"][:2]) == [0.3, 0.2], frame["params_lr"]  # the seed's order (Optuna 4.6)
     states = dict(zip(frame["params_lr"], frame["state"], strict=True))
     assert states == {0.3: "COMPLETE", 0.2: "COMPLETE", **{lr: "PRUNED" for lr in (1.5, 1.6, 1.7, 1.8, 1.9, 2.0)}}
-    made = {lr: [int((out / f"lr{lr}-rank{rank}").read_text()) for rank in (0, 1)] for lr in states}
+    made = {lr: [ended(out, lr, rank)[0] for rank in (0, 1)] for lr in states}
     runs = {run.info.run_id: run for run in children(client(tracking_uri), result.parent_run_id)}
     for _, trial in frame[frame["state"] == "PRUNED"].iterrows():
         lr, stopped = trial["params_lr"], trial["user_attrs_stopped_at_step"]
