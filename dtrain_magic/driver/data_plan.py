@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -93,11 +94,17 @@ class DataPlan:
         return tuple(self.staged[source.name].source for source in self.sources)
 
     def _stage_one(self, area: Any, source: Source, note: Callable[[str], None]) -> Staged:
-        from .staging import remove
-
         if not source.stages(self.backend):
             return Staged(source.stage(Staging(self.backend, _no_directory, note, self.worker_cpus)))
         identity, where = source.identity(), self._copy_place(source)
+        # Runs at once (a sweep's trials) staging the same data: the first writes it, the others wait and reuse it
+        with _one_writer((source.name, repr(identity), where)):
+            return self._reuse_or_write(area, source, identity, where, note)
+
+    def _reuse_or_write(self, area: Any, source: Source, identity: Any, where: str | None,
+                        note: Callable[[str], None]) -> Staged:
+        from .staging import remove
+
         found = area.reuse(source.name, identity, where)
         if found is not None:
             staged, seconds = found
@@ -280,6 +287,18 @@ def check_data_dir(data_dir: str) -> None:
     if not os.path.isdir(data_dir) or not os.access(data_dir, os.W_OK | os.X_OK):
         raise ConfigError("--data-dir", f"got {data_dir!r}: not an existing directory this notebook can write; "
                                         f"{NOTHING}")
+
+
+
+
+_writers: dict[tuple, threading.Lock] = {}
+_writers_lock = threading.Lock()
+
+
+def _one_writer(key: tuple) -> threading.Lock:
+    """The lock of one copy's key (source name, data identity, place): one run writes it at a time."""
+    with _writers_lock:
+        return _writers.setdefault(key, threading.Lock())
 
 
 __all__ = ["DataPlan", "InMemory", "Staged", "check_data_dir", "describe", "resolve"]
