@@ -289,8 +289,6 @@ def check_data_dir(data_dir: str) -> None:
                                         f"{NOTHING}")
 
 
-
-
 _writers: dict[tuple, threading.Lock] = {}
 _writers_lock = threading.Lock()
 

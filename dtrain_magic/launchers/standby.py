@@ -123,7 +123,6 @@ class Standby:
         self._waiting: dict[int, _Waiting] = {}
         self._parked: dict[int, _Waiting] = {}  # reused workers that finished the current job: the next one's
         self._order: StandbyJob | None = None
-        self.jobs = 0  # jobs its workers ran (more than one: reused by a sweep's trials)
         self.all_ready = threading.Event()
         self._listener = AuthenticatedListener(host, self._serve, "dtrain-standby")
         self.address = (host, self._listener.port, self._listener.authkey)
@@ -186,7 +185,6 @@ class Standby:
         order = dataclasses.replace(self._order_for(job), token=uuid.uuid4().hex)
         with self._lock:
             self._order = order
-            self.jobs += 1
             for entry in self._waiting.values():
                 if not entry.answered:
                     self._answer(entry, order)
@@ -208,10 +206,7 @@ class Standby:
         launch = self.launch
         if launch is None:
             return
-        deadline = time.monotonic() + (grace_s if every_worker_waits else 0.0)
-        while time.monotonic() < deadline and not _finished(launch):
-            time.sleep(0.05)
-        if not _finished(launch):
+        if not _ends_within(launch, grace_s if every_worker_waits else 0.0):
             launch.cancel()
 
     def close(self) -> None:
@@ -267,6 +262,20 @@ def _finished(launch: RunningJob) -> bool:
         return True
 
 
+def _ends_within(launch: RunningJob, seconds: float) -> bool:
+    """Whether ``launch`` ends by itself within ``seconds`` (polled)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not _finished(launch):
+        time.sleep(0.05)
+    return _finished(launch)
+
+
+def _release_in_background(standby: Standby, reason: str, grace_s: float = _RELEASE_GRACE_S) -> None:
+    """`Standby.release` on a thread of its own: the caller goes on while the launch ends."""
+    threading.Thread(target=standby.release, args=(reason, grace_s), name="dtrain-standby-release",
+                     daemon=True).start()
+
+
 class ClaimedRun(RunningJob):
     """A claimed standby's launch as the run's `RunningJob`: the launch's own poll, release and cancel; the
     standby's listener closes when the run ends. ``reused(standby)``: where a standby whose workers wait again
@@ -289,12 +298,8 @@ class ClaimedRun(RunningJob):
                 self._reused(self.standby)
                 return
             self.standby.end_reuse("its workers were not all reused")
-            if not self.launch.early_release:  # (Ray's) its workers return: the launch ends by itself
-                deadline = time.monotonic() + _RELEASE_GRACE_S
-                while time.monotonic() < deadline and not _finished(self.launch):
-                    time.sleep(0.05)
-                if _finished(self.launch):
-                    return
+            if not self.launch.early_release and _ends_within(self.launch, _RELEASE_GRACE_S):
+                return  # (Ray's) its workers returned: the launch ended by itself
         try:
             self.launch.release()
         finally:
@@ -385,22 +390,31 @@ class StandbySlot:
     def release_spares(self, reason: str) -> int:
         """Release every spare (a sweep ended: later runs get fresh workers); how many."""
         with self._lock:
-            spares, self.spares = self.spares, []
-            for spare in spares:
-                self._cancel_spare_timer(spare)
+            spares = self._remove_spares(lambda spare: True)
         for spare in spares:
-            threading.Thread(target=spare.release, args=(reason,), name="dtrain-standby-release", daemon=True).start()
+            _release_in_background(spare, reason)
         return len(spares)
 
+    def _remove_spares(self, which: Callable[[Standby], bool]) -> list[Standby]:
+        """The spares ``which`` picks, no longer spares (their idle timers stopped); under the lock."""
+        removed = [spare for spare in self.spares if which(spare)]
+        for spare in removed:
+            self._drop_spare(spare)
+        return removed
+
+    def _drop_spare(self, spare: Standby) -> None:
+        self.spares.remove(spare)
+        self._cancel_spare_timer(spare)
+
     def _take_spare(self, placement: Placement) -> Standby | None:
+        """The first usable spare of ``placement``, no longer a spare; an unusable one met on the way is released."""
         for spare in list(self.spares):
-            if spare.placement == placement or not spare.usable():
-                self.spares.remove(spare)
-                self._cancel_spare_timer(spare)
-                if spare.usable():
-                    return spare
-                threading.Thread(target=spare.release, args=(spare.lost or "its launch ended while waiting",),
-                                 name="dtrain-standby-release", daemon=True).start()
+            if not spare.usable():
+                self._drop_spare(spare)
+                _release_in_background(spare, spare.lost or "its launch ended while waiting")
+            elif spare.placement == placement:
+                self._drop_spare(spare)
+                return spare
         return None
 
     def _start_spare_timer(self, spare: Standby, keep_s: float) -> None:
@@ -420,8 +434,7 @@ class StandbySlot:
         with self._lock:
             if spare not in self.spares or self._spare_timers.get(id(spare)) is not timer:
                 return
-            self.spares.remove(spare)
-            self._spare_timers.pop(id(spare), None)
+            self._drop_spare(spare)  # (cancelling the timer that fired is harmless)
         spare.release(f"idle for {_seconds(time.time() - spare.started_at)}")
 
     def give_back(self, standby: Standby) -> None:
@@ -464,9 +477,7 @@ class StandbySlot:
         launch ended, so the run never waits for what it holds (executor slots, Ray CPUs). A matching one stays
         (a second run at once launches beside it). The released standby, or None."""
         with self._lock:
-            for spare in [s for s in self.spares if s.placement != placement]:
-                self.spares.remove(spare)
-                self._cancel_spare_timer(spare)
+            for spare in self._remove_spares(lambda spare: spare.placement != placement):
                 spare.release(f"a run with another placement ({spare.placement.difference(placement)})")
             standby = self.standby
             if standby is None or standby.placement == placement:
@@ -478,9 +489,7 @@ class StandbySlot:
         """Release the waiting standby and the spares (``%distribute_release``, the kernel's exit, a session restart);
         the standby."""
         with self._lock:
-            spares, self.spares = self.spares, []
-            for spare in spares:
-                self._cancel_spare_timer(spare)
+            for spare in self._remove_spares(lambda spare: True):
                 spare.release(reason, grace_s)
             standby = self.standby
             if standby is None:
@@ -503,7 +512,7 @@ class StandbySlot:
                 except Exception as exc:  # the release below frees them anyway, later
                     log_dropped(__name__, "release_if", exc)
         # Its launch ends in the background (a run may claim the slot's next standby meanwhile)
-        threading.Thread(target=standby.release, args=(reason,), name="dtrain-standby-release", daemon=True).start()
+        _release_in_background(standby, reason)
         return True
 
     def _release_locked(self, reason: str, wait: bool, grace_s: float = _RELEASE_GRACE_S) -> None:
@@ -514,8 +523,7 @@ class StandbySlot:
         if wait:
             standby.release(reason, grace_s)
         else:
-            threading.Thread(target=standby.release, args=(reason, grace_s), name="dtrain-standby-release",
-                             daemon=True).start()
+            _release_in_background(standby, reason, grace_s)
 
     def _start_timer(self, standby: Standby, keep_s: float) -> None:
         self._cancel_timer()

@@ -469,12 +469,7 @@ class ConfigurePanel:
 
         if self.running:
             return
-        if self.make_payload is None:
-            raise RuntimeError("this panel has no cell to run (make_payload); it configures and writes cells only")
-        config = self.state.to_config(ui=True)
-        self.output.outputs = ()
-        self.cell_output.clear_output()
-        text = _OutputWriter(self.output)
+        config, text = self._fresh_start()
         text.write(f"running: {config.flag_line()}\n")
         namespace = self.shell.user_ns
         try:
@@ -489,6 +484,15 @@ class ConfigurePanel:
         self.monitor_box.children = (self.observer.container,)
         self._in_background("dtrain-panel-run", lambda: prepared.execute(self.observer, self.observer.stop_event),
                             text, wait)
+
+    def _fresh_start(self) -> tuple[RunConfig, "_OutputWriter"]:
+        """Run's and Run sweep's start: the chosen config, the outputs of the last one cleared, a new text writer."""
+        if self.make_payload is None:
+            raise RuntimeError("this panel has no cell to run (make_payload); it configures and writes cells only")
+        config = self.state.to_config(ui=True)
+        self.output.outputs = ()
+        self.cell_output.clear_output()
+        return config, _OutputWriter(self.output)
 
     def _in_background(self, name: str, work: Callable[[], Any], text: "_OutputWriter", wait: bool) -> None:
         """Run's and Run sweep's background thread: ``work()``'s value is the panel's ``result``; an exception is
@@ -524,12 +528,7 @@ class ConfigurePanel:
 
         if self.running:
             return
-        if self.make_payload is None:
-            raise RuntimeError("this panel has no cell to run (make_payload); it configures and writes cells only")
-        config = self.state.to_config(ui=True)
-        self.output.outputs = ()
-        self.cell_output.clear_output()
-        text = _OutputWriter(self.output)
+        config, text = self._fresh_start()
         try:
             settings = self.sweep_box.options()
             text.write(f"running: {self.equivalent_line()}\n")
