@@ -16,7 +16,9 @@ checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import ConfigError
 
@@ -88,3 +90,16 @@ def grown_world(current: int, bounds: tuple[int, int], room: int | None) -> int:
     limit), never below ``current``."""
     _, high = bounds
     return max(current, high if room is None else min(high, room))
+
+
+def resized_job(base_job: Any, current_job: Any, world: int) -> tuple[Any, Resize]:
+    """The next attempt's `WorkerJob` on ``world`` ranks, from the run as asked (``base_job``) and as the current
+    attempt runs it: the accumulation that keeps the run's global batch (``--train-batch`` with it), the
+    learning-rate factor where it cannot; and the `Resize` (its `Resize.note` is the cell's line). Every launcher
+    that resizes a run (local, Ray) builds its next job here."""
+    base, current = base_job.config, current_job.config
+    resize = recompute(base.num_processes, world, base.grad_accum)
+    resize = dataclasses.replace(resize, old=current.num_processes, old_accum=current.grad_accum)
+    train_batch = None if base.train_batch is None else (base.micro_batch or 0) * resize.accum * world or None
+    config = dataclasses.replace(current, num_processes=world, grad_accum=resize.accum, train_batch=train_batch)
+    return dataclasses.replace(base_job, config=config, lr_scale=resize.lr_scale), resize

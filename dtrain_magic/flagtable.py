@@ -460,11 +460,13 @@ FLAGS: tuple[Flag, ...] = (
              "(`--elastic`) from it: no step lost; `0`: a SIGTERM stops the worker at once "
              "(see [preemption](reliability.md#preemption-notice))"),
     Flag(("--elastic",), "elastic", RELIABILITY, type=str, default=None, placeholder="MIN:MAX",
-         help="local: a run that loses workers continues from its last checkpoint on the survivors if at least MIN "
-              "remain (global batch kept through gradient accumulation); later restarts grow it back toward MAX",
-         doc="local: a run that loses workers continues from its last checkpoint on the survivors if at least MIN "
-             "remain, the global batch kept by recomputing gradient accumulation and `ctx.data` re-split from the "
-             "checkpoint's sample position; later restarts grow it back toward MAX "
+         help="local, ray: a run that loses workers (local: its processes; ray: its nodes) continues from its last "
+              "checkpoint on the survivors if at least MIN remain (global batch kept through gradient "
+              "accumulation); later restarts grow it back toward MAX",
+         doc="local, ray: a run that loses workers (local: processes killed by a signal; ray: nodes that left the "
+             "Ray) continues from its last checkpoint on the survivors if at least MIN remain, the global batch "
+             "kept by recomputing gradient accumulation and `ctx.data` re-split from the checkpoint's sample "
+             "position; later restarts grow it back toward MAX "
              "(see [elastic runs](reliability.md#elastic-runs---elastic-minmax))", default_doc="off"),
     # -- DeepSpeed -------------------------------------------------------------------------------------
     # JSON text nearly always has spaces or quotes that a reader would trip over: always quoted on a line.

@@ -318,14 +318,9 @@ class LocalJob(RunningJob):
     def _resize(self, world: int) -> None:
         """The next attempt's job on ``world`` ranks: the accumulation that keeps the run's global batch, and the
         learning-rate factor where it cannot (said in the cell)."""
-        from ..elastic import recompute
+        from ..elastic import resized_job
 
-        base, current = self._base_job.config, self._job.config
-        resize = recompute(base.num_processes, world, base.grad_accum)
-        resize = dataclasses.replace(resize, old=self._num_processes, old_accum=current.grad_accum)
-        train_batch = None if base.train_batch is None else (base.micro_batch or 0) * resize.accum * world or None
-        config = dataclasses.replace(current, num_processes=world, grad_accum=resize.accum, train_batch=train_batch)
-        self._job = dataclasses.replace(self._base_job, config=config, lr_scale=resize.lr_scale)
+        self._job, resize = resized_job(self._base_job, self._job, world)
         self._num_processes = world
         self.last_resize = resize
         self._emit(Output(None, "stderr", resize.note()))

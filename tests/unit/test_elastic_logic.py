@@ -94,8 +94,7 @@ def test_elastic_bounds_and_worlds():
 
 
 @pytest.mark.parametrize("kwargs, flag, words", [
-    (dict(backend="spark", elastic="1:2"), "--elastic", "--backend local"),
-    (dict(backend="ray", elastic="1:2"), "--elastic", "--backend ray cannot"),
+    (dict(backend="spark", elastic="1:2"), "--elastic", "--backend local or ray"),
     (dict(backend="local", elastic="1:1"), "--elastic", "MIN <= -n <= MAX"),
     (dict(backend="local", elastic="1:2", strategy="deepspeed"), "--elastic", "--strategy fsdp"),
     (dict(backend="ray", preempt_grace=5), "--preempt-grace", "--backend local does"),
@@ -329,3 +328,83 @@ def test_a_run_results_world_size_is_its_last_attempts():
     grown = RunResult(value=1, values=[1, 1], run_id="r", config=RunConfig(num_processes=1), wall_time_s=1.0,
                       world_size=2, printed={1: "hi"})
     assert grown.output(1) == "hi"  # rank 1 ran (after the run grew), though the run started on 1
+
+
+# -- Ray: one fit() per attempt, sized to the Ray's nodes (launchers/ray/elastic.py) --------------------------------
+class _Fit:
+    """A `RayJob` as `ElasticRayRun` sees it: running until ``end`` is set, then these failures."""
+
+    def __init__(self, job):
+        self.job, self.end, self.cancelled = job, None, False
+
+    def poll(self):
+        from dtrain_magic.launchers.base import LaunchState
+
+        return LaunchState(False, [], errors_final=False) if self.end is None else LaunchState(True, self.end)
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def _elastic_ray_run(room, max_restarts=0, n=2, bounds="1:2", run_dir="/nonexistent"):
+    from dtrain_magic.launchers.ray.elastic import ElasticRayRun
+    from dtrain_magic.worker import WorkerJob
+
+    config = RunConfig(backend="ray", use_gpu=False, num_processes=n, elastic=bounds, max_restarts=max_restarts)
+    fits, said = [], []
+    job = WorkerJob(payload=b"", config=config, channel=("127.0.0.1", 0))
+    run = ElasticRayRun(job, lambda message: said.append(message.text), lambda job: fits.append(_Fit(job)) or fits[-1],
+                        lambda: room[0], run_dir)
+    return run, fits, said
+
+
+def test_a_ray_attempt_that_lost_a_node_goes_on_smaller_and_a_restart_grows_it_back():
+    from dtrain_magic.launchers.base import Failure
+
+    room = [2]
+    run, fits, said = _elastic_ray_run(room, max_restarts=1)
+    assert not run.poll().finished and not run.poll().errors_final  # running: Ray decides nothing, we wait
+    room[0] = 1  # its node left the Ray
+    fits[0].end = [Failure(1, "the Ray worker process died without reporting an error"), Failure(0, "gloo: closed")]
+    state = run.poll()
+    assert state.restarted and state.world_size == 1 and not state.finished
+    assert fits[1].job.config.num_processes == 1 and fits[1].job.config.grad_accum == 2  # the global batch kept
+    assert "rank 1 failed" in said[0] and "continuing on 1 of 2 worker(s)" in said[0] and "from the start" in said[0]
+    assert said[1] == "dtrain_magic: world size 2 -> 1: gradient accumulation 1 -> 2 (global batch kept)\n"
+    room[0] = 3  # a node came back (and more): the restart grows the run to MAX, no further
+    fits[1].end = [Failure(0, "RuntimeError: a bug")]
+    state = run.poll()
+    assert state.restarted and state.world_size == 2 and fits[2].job.config.grad_accum == 1
+    assert "restarting every worker on 2 from" in said[2] and "(restart 1, 0 left)" in said[2]
+    fits[2].end = [Failure(0, "RuntimeError: again")]  # no restart left, no node lost: the run fails
+    state = run.poll()
+    assert state.finished and state.failures[0].reason == "RuntimeError: again" and len(fits) == 3
+    run.cancel()
+    assert fits[2].cancelled
+
+
+@pytest.mark.parametrize("room, max_restarts, relaunched", [(0, 1, None), (2, 0, None), (1, 0, 1), (2, 1, 2)])
+def test_a_ray_attempts_next_world(room, max_restarts, relaunched):
+    """Fewer than MIN on the nodes fails; the same world needs a restart; a smaller one (>= MIN) needs none."""
+    from dtrain_magic.launchers.base import Failure
+
+    run, fits, _ = _elastic_ray_run([room], max_restarts=max_restarts)
+    fits[0].end = [Failure(0, "x")]
+    state = run.poll()
+    assert (state.world_size if state.restarted else None) == relaunched
+    assert len(fits) == (1 if relaunched is None else 2)
+
+
+def test_the_ray_resume_point_is_ray_trains_latest_checkpoint_and_its_noted_step(tmp_path):
+    import json
+
+    from dtrain_magic.launchers.ray.elastic import ray_resume_point
+    from dtrain_magic.worker.resume_point import note_step
+
+    assert ray_resume_point(str(tmp_path)).words() == "the start (no complete checkpoint yet)"
+    for name, step in (("checkpoint_2026-12-07_15-07-20.1", 8), ("checkpoint_2026-12-07_15-07-33.9", None)):
+        (tmp_path / name).mkdir()
+        note_step(str(tmp_path / name), {"step": step}, is_main=True)
+        (tmp_path / "checkpoint_manager_snapshot.json").write_text(json.dumps(
+            {"latest_checkpoint_result": {"checkpoint_dir_name": name}}))
+        assert ray_resume_point(str(tmp_path)).words() == (f"step {step}" if step is not None else name)

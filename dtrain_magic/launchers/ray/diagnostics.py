@@ -5,6 +5,8 @@ from __future__ import annotations
 from ...errors import summary
 from ..base import Failure
 
+DIED = "the Ray worker process died"
+
 
 def failures_from(error: BaseException) -> list[Failure]:
     """Ray's exception from fit() → one `Failure` per failed rank, each with a one-line reason."""
@@ -13,7 +15,8 @@ def failures_from(error: BaseException) -> list[Failure]:
     if isinstance(worker_failures, dict) and worker_failures:
         for rank in sorted(worker_failures):
             failures.append(Failure(rank, _worker_reason(worker_failures[rank])))
-        return failures
+        # a rank that died comes first: its peers' errors (gloo's "connection closed by peer") are its consequences
+        return sorted(failures, key=lambda failure: not failure.reason.startswith(DIED))
     cause = getattr(error, "controller_failure", None) or error
     return [Failure(None, f"Ray Train failed: {summary(cause, limit=300)}")]
 
@@ -33,7 +36,7 @@ def _worker_reason(exc: BaseException) -> str:
         # replaces the guess in parentheses with what the worker's machine says, when it says something: a fatal
         # signal Python caught (its stack file), an out-of-memory kill (kernel log, cgroup).
         return (
-            "the Ray worker process died without reporting an error "
+            f"{DIED} without reporting an error "
             "(killed, e.g. by SIGKILL or the OOM killer, or crashed in native code: Ray does not say which)"
         )
     return summary(exc, limit=300)

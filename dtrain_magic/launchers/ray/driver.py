@@ -79,7 +79,8 @@ class RayJob(StandbyLaunch):
             run_config=ray.train.RunConfig(
                 name=self.name,
                 storage_path=self.storage,
-                failure_config=ray.train.FailureConfig(max_failures=config.max_restarts),
+                # --elastic: each attempt is its own fit(), sized by the launcher (`ElasticRayRun`)
+                failure_config=ray.train.FailureConfig(max_failures=0 if config.elastic else config.max_restarts),
             ),
             datasets=datasets or None,
         )
@@ -284,6 +285,18 @@ class RayLauncher(Ray, Launcher):
         how = self._connect(job.config)
         self.standbys.make_way(self._placement(job.config))  # another placement's workers go first
         self._make_room(job.config, how)
+        if job.config.elastic is None:
+            return self._fit(job, emit)
+        if without_trainer_datasets(job.data)[1]:
+            raise ConfigError("--elastic", "a Ray Dataset given to --data goes to Ray Train, which reads it from its "
+                                           "start in every fit(): an elastic run's relaunch would read rows twice; "
+                                           "drop --elastic, or give the data as Parquet or a pandas/Spark DataFrame")
+        from .elastic import ElasticRayRun
+
+        return ElasticRayRun(job, emit, lambda attempt: self._fit(attempt, emit), lambda: self._room(job.config),
+                             os.path.join(storage_path(job.config.storage), os.path.basename(job.checkpoint_root)))
+
+    def _fit(self, job: WorkerJob, emit: Emit) -> RayJob:
         try:
             running = RayJob.for_job(job, emit, self.workers_share_files(job.config))
         except (ConfigError, LaunchError):
@@ -292,6 +305,13 @@ class RayLauncher(Ray, Launcher):
             raise LaunchError(f"could not start Ray Train: {summary(exc, limit=300)}") from None
         self._jobs.add(running)
         return running
+
+    def _room(self, config: RunConfig) -> int:
+        """How many of ``config``'s workers (one CPU, or one GPU with ``--gpu``, each: Ray Train's default) the Ray's
+        alive nodes hold in all, whatever else they run now: an elastic run's next attempt (`ElasticRayRun`)."""
+        import ray
+
+        return int(ray.cluster_resources().get("GPU" if config.use_gpu else "CPU", 0))
 
     # -- standbys (docs/warm-reruns.md) -------------------------------------------------------------------
     def _placement(self, config: RunConfig) -> Placement:
@@ -314,6 +334,8 @@ class RayLauncher(Ray, Launcher):
         if config.data:  # never its placement; and Ray Data (the Dataset's count or tasks) needs the CPUs they hold
             self.standbys.release("a run with --data: Ray Data needs the CPUs they hold")
             return None
+        if config.elastic is not None:  # each attempt is a fit() of its own size (`ElasticRayRun`)
+            return None
         return self.standbys.claim(self._placement(config), reuse)
 
     def keep_warm(self, config: RunConfig) -> str | None:
@@ -326,7 +348,7 @@ class RayLauncher(Ray, Launcher):
             # and Ray Data (the Dataset's count, its map tasks) needs the CPUs that other workers would hold
             self.give_way.stop()  # (nor do workers that gave way come back after it)
             self.standbys.release("a run with --data: Ray Data needs the CPUs they hold")
-        if how is None or config.data:
+        if how is None or config.data or config.elastic is not None:  # (an elastic run launches each attempt)
             return None
         # On a Ray that is not the magic's own, waiting workers give way to its own work (`GiveWay`), which needs the
         # GCS's view of what waits: where that cannot be read, they are held only when the cell asks, as on a cluster.
