@@ -140,6 +140,7 @@ class Ray(Backend):
     own_fields = ("ray_address",)  # --ray-address
     restarts_workers = True  # Ray Train's FailureConfig(max_failures)
     elastic = True  # --elastic: a fit() per attempt, sized to the Ray's nodes (launchers/ray/elastic.py)
+    resumes_runs = True  # --resume: a fit() with the run's name and storage restores Ray Train's latest checkpoint
     keeps_workers_warm = True
     storage_urls = True  # Ray Train's run storage: s3://, gs://
     ray_train = True

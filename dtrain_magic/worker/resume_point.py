@@ -61,6 +61,25 @@ class ResumePoint:
 
 
 def resume_point(root: str | None) -> ResumePoint:
-    """The newest complete checkpoint under ``root`` (`CheckpointStore.latest`) and its noted step."""
-    directory = CheckpointStore(root).latest() if root and "://" not in root else None
+    """The newest complete checkpoint under ``root`` and its noted step: the checkpoint store's own
+    (`CheckpointStore.latest`), or on Ray the one Ray Train restores in a new ``fit()`` of the same run
+    (`ray_train_latest`: the root is Ray Train's run directory)."""
+    directory = None
+    if root and "://" not in root:
+        directory = CheckpointStore(root).latest() or ray_train_latest(root)
     return ResumePoint(root or "", directory, checkpoint_step(directory) if directory else None)
+
+
+RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's checkpoint manager's state in its run directory
+
+
+def ray_train_latest(run_dir: str) -> str | None:
+    """The latest checkpoint Ray Train's snapshot in ``run_dir`` lists (it lists committed ones only): the checkpoint
+    a new ``TorchTrainer.fit()`` with this run's name and storage restores; None without one."""
+    try:
+        with open(os.path.join(run_dir, RAY_TRAIN_SNAPSHOT)) as handle:
+            latest = (json.load(handle).get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    directory = os.path.join(run_dir, latest) if isinstance(latest, str) and latest else None
+    return directory if directory and os.path.isdir(directory) else None

@@ -581,6 +581,31 @@ def test_sigkill_with_max_restarts_resumes_from_checkpoint(shell, mlflow, refere
     assert wait_dead(pids(tmp_path), 15) == []
 
 
+def test_a_failed_run_continues_with_resume_from_ray_trains_checkpoint_into_the_same_mlflow_run(
+        shell, mlflow, reference_weights, tmp_path, capsys):
+    """``--resume`` on Ray (issue #37; what a new kernel does after the old one died, whose death is test_resume.py's,
+    on local): a run whose rank 1 was SIGKILLed, without restarts, FAILED after its step-3 checkpoint; the same cell
+    with ``--resume`` continues it from Ray Train's checkpoint (a fit() with the run's name and storage), into the same
+    MLflow run, and ends with the uninterrupted run's weights."""
+    from dtrain_magic.errors import WorkerError
+
+    failed = shell.run(cell(kill=True))
+    assert isinstance(failed.error_in_exec, WorkerError) and failed.error_in_exec.rank == 1, failed.error_in_exec
+    run = ended_run(mlflow)
+    assert run.info.status == "FAILED"
+    capsys.readouterr()
+    result = shell.run(cell(flags="--resume", kill=True))
+    assert result.error_in_exec is None, result.error_in_exec
+    said = "".join(capsys.readouterr())
+    assert f"--resume: continuing MLflow run {run.info.run_id} (FAILED before) from step {EVERY - 1}" in said, said
+    assert f"resumed at step {EVERY}" in said
+    assert result.result.run_id == run.info.run_id
+    assert same_weights(result.result.value, reference_weights, atol=1e-5)
+    resumed = mlflow.get_run(run.info.run_id)
+    assert resumed.info.status == "FINISHED" and resumed.data.tags["dtrain_magic.resumes"] == "1"
+    assert {m.step for m in mlflow.get_metric_history(run.info.run_id, "loss")} == set(range(STEPS))
+
+
 # A Ray Train loop of its own (existing code, as above) with --max-restarts 1: here, it takes over the waiting
 # workers (--max-restarts 1) the run before leaves instead of launching afresh.
 def test_ray_train_loop_runs_unchanged_with_report_checkpoints_and_restarts(shell, mlflow, tmp_path, capsys):

@@ -395,16 +395,16 @@ def test_a_ray_attempts_next_world(room, max_restarts, relaunched):
     assert len(fits) == (1 if relaunched is None else 2)
 
 
-def test_the_ray_resume_point_is_ray_trains_latest_checkpoint_and_its_noted_step(tmp_path):
+def test_the_resume_point_of_a_ray_run_is_ray_trains_latest_checkpoint_and_its_noted_step(tmp_path):
+    """What a restart line names and what --resume continues from, on Ray: the latest in Ray Train's snapshot."""
     import json
 
-    from dtrain_magic.launchers.ray.elastic import ray_resume_point
-    from dtrain_magic.worker.resume_point import note_step
+    from dtrain_magic.worker.resume_point import note_step, resume_point
 
-    assert ray_resume_point(str(tmp_path)).words() == "the start (no complete checkpoint yet)"
+    assert resume_point(str(tmp_path)).words() == "the start (no complete checkpoint yet)"
     for name, step in (("checkpoint_2026-12-07_15-07-20.1", 8), ("checkpoint_2026-12-07_15-07-33.9", None)):
         (tmp_path / name).mkdir()
         note_step(str(tmp_path / name), {"step": step}, is_main=True)
         (tmp_path / "checkpoint_manager_snapshot.json").write_text(json.dumps(
             {"latest_checkpoint_result": {"checkpoint_dir_name": name}}))
-        assert ray_resume_point(str(tmp_path)).words() == (f"step {step}" if step is not None else name)
+        assert resume_point(str(tmp_path)).words() == (f"step {step}" if step is not None else name)

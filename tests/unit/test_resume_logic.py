@@ -34,8 +34,7 @@ def test_the_flag_alone_is_this_cells_last_run_and_a_value_is_a_run_id():
     assert api.config_from_options({"resume": True, "backend": "local", "use_gpu": False}).resume == "latest"
     with pytest.raises(ConfigError, match="--resume: got 'a b'; give it alone"):
         RunConfig(backend="local", resume="a b")
-    with pytest.raises(ConfigError, match="--resume: --backend ray cannot resume a run in a new kernel yet"):
-        RunConfig(backend="ray", resume=True)
+    assert RunConfig(backend="ray", use_gpu=False, resume=True).resume == "latest"  # Ray Train restores by run name
     assert cli.parser().parse_args(["run", "m:f", "--resume"]).resume == "latest"
     with pytest.raises(ConfigError, match="--resume: continues one run, not a sweep's trials"):
         dtrain_magic.sweep(train, "lr=uniform(0.1,1)", trials=1, metric="loss", backend="local", resume=True)

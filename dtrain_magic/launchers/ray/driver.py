@@ -91,13 +91,16 @@ class RayJob(StandbyLaunch):
     def for_job(cls, job: WorkerJob, emit: Emit, one_machine: bool = False) -> "RayJob":
         """Launch ``job``'s workers now. Ray Train's run directory is the run's checkpoint root, so its
         checkpoints and ctx's are one place."""
+        # (--resume: the resumed run's root, wherever its --storage was: the same name and storage make Ray Train
+        # restore its latest checkpoint)
         name = os.path.basename(job.checkpoint_root) if job.checkpoint_root else f"dtrain_{uuid.uuid4().hex}"
+        storage = os.path.dirname(job.checkpoint_root) if job.checkpoint_root else storage_path(job.config.storage)
         # Ray Datasets go to Ray Train itself (each worker reads ray.train.get_dataset_shard); the job keeps where
         # the rest is, never a Dataset object.
         sources, datasets = without_trainer_datasets(job.data)
         job = dataclasses.replace(job, data=sources)
-        return cls(job.config, emit, _train_loop, {"job": job, "cwd": os.getcwd()}, name,
-                   storage_path(job.config.storage), datasets, one_machine)
+        return cls(job.config, emit, _train_loop, {"job": job, "cwd": os.getcwd()}, name, storage, datasets,
+                   one_machine)
 
     @classmethod
     def for_standby(cls, config: RunConfig, standby: Standby, strategies: tuple[str, ...],
@@ -294,7 +297,7 @@ class RayLauncher(Ray, Launcher):
         from .elastic import ElasticRayRun
 
         return ElasticRayRun(job, emit, lambda attempt: self._fit(attempt, emit), lambda: self._room(job.config),
-                             os.path.join(storage_path(job.config.storage), os.path.basename(job.checkpoint_root)))
+                             job.checkpoint_root)
 
     def _fit(self, job: WorkerJob, emit: Emit) -> RayJob:
         try:
@@ -334,8 +337,8 @@ class RayLauncher(Ray, Launcher):
         if config.data:  # never its placement; and Ray Data (the Dataset's count or tasks) needs the CPUs they hold
             self.standbys.release("a run with --data: Ray Data needs the CPUs they hold")
             return None
-        if config.elastic is not None:  # each attempt is a fit() of its own size (`ElasticRayRun`)
-            return None
+        if config.elastic is not None or config.resume is not None:  # each attempt a fit() of its own size
+            return None  # (`ElasticRayRun`); a resumed run's fit() has its run's name (Ray Train restores by it)
         return self.standbys.claim(self._placement(config), reuse)
 
     def keep_warm(self, config: RunConfig) -> str | None:

@@ -15,29 +15,13 @@ storage, so Ray Train restores its latest checkpoint (its checkpoint manager's s
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any, Callable, Mapping
 
 from ...channel import Output
 from ...elastic import resized_job
 from ...worker import WorkerJob
-from ...worker.resume_point import ResumePoint, checkpoint_step
+from ...worker.resume_point import resume_point
 from ..base import Emit, Failure, LaunchState, RunningJob
-
-SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's checkpoint manager's state in the run's directory
-
-
-def ray_resume_point(run_dir: str) -> ResumePoint:
-    """The checkpoint a new ``fit()`` in ``run_dir`` (storage path / run name) restores: the latest in Ray Train's
-    snapshot, with the step ``ctx.save_checkpoint(step=...)`` noted beside it."""
-    try:
-        with open(os.path.join(run_dir, SNAPSHOT)) as handle:
-            latest = (json.load(handle).get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
-    except (OSError, ValueError, AttributeError):
-        latest = None
-    directory = os.path.join(run_dir, latest) if isinstance(latest, str) and latest else None
-    return ResumePoint(run_dir, directory, checkpoint_step(directory) if directory else None)
 
 
 class ElasticRayRun(RunningJob):
@@ -79,7 +63,7 @@ class ElasticRayRun(RunningJob):
         shrink = world < current
         if not shrink:
             self._restarts_left -= 1
-        where = ray_resume_point(self._run_dir).words()
+        where = resume_point(self._run_dir).words()
         what = (f"continuing on {world} of {current} worker(s) (the Ray's nodes hold {world}) from {where} "
                 f"(--elastic {self._job.config.elastic})" if shrink
                 else f"restarting every worker{f' on {world}' if world != current else ''} from {where} (restart "
