@@ -793,6 +793,39 @@ def test_cluster_mode_trains_on_two_executors(spark_launcher, shell, mlflow):
     assert len(held_jobs(spark_launcher)[0]) == 1
 
 
+def test_cluster_mode_max_restarts_resubmits_after_a_killed_rank_and_ends_with_the_same_weights(spark_launcher, shell,
+                                                                                                 mlflow, capsys):
+    """--max-restarts 1 with --cluster (issue #37): rank 1's process (a torchrun worker in an executor JVM's Python
+    worker) is SIGKILLed mid-run; the launcher cancels the barrier job, has every rank's watchdog end its worker,
+    and submits a new job, which resumes from the step-3 checkpoint and ends with the uninterrupted run's weights;
+    nothing of the failed attempt is left running."""
+    import torch
+
+    if not RESTART_REFERENCE:  # (this test alone)
+        reference = shell.run(restart_cell("local"))
+        assert reference.error_in_exec is None, reference.error_in_exec
+        RESTART_REFERENCE.update(reference.result.value)
+    capsys.readouterr()
+    for stale in ("killed", "pid_0", "pid_1"):  # (an earlier restart test's, in this module's directory)
+        if os.path.exists(stale):
+            os.remove(stale)
+    cell = restart_cell("spark", flags=f"--max-restarts 1 --cluster --spark-master {CLUSTER_MASTER}", kill=True)
+    restarted = shell.run(cell)
+    assert restarted.error_in_exec is None, restarted.error_in_exec
+    assert spark_launcher._session.sparkContext.master == CLUSTER_MASTER
+    said = "".join(capsys.readouterr())
+    assert "dtrain_magic: rank 1 lost (" in said and f"restarting from step {EVERY - 1}, 1 of 1" in said, said
+    assert f"[rank 0] resumed at step {EVERY}" in said, said
+    for name, value in RESTART_REFERENCE.items():
+        assert torch.allclose(value, restarted.result.value[name], atol=1e-6, rtol=0), name
+    run = mlflow.get_run(restarted.result.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["dtrain_magic.restarts"] == "1"
+    first_attempt = [int(open(f"pid_{rank}").read().split()[0]) for rank in (0, 1)]
+    assert not any(alive(pid) for pid in first_attempt), first_attempt
+    assert_no_torchrun_left(spark_launcher)
+    assert_no_spark_job_running(spark_launcher)
+
+
 def test_cluster_mode_interrupt_cancels_the_job_group_within_10_s(spark_launcher, shell, mlflow, tmp_path):
     marker = tmp_path / "running"
     sent = interrupt_when_running(marker, wait_s=240)
