@@ -794,7 +794,8 @@ def test_cluster_mode_trains_on_two_executors(spark_launcher, shell, mlflow):
 
 
 def test_cluster_mode_max_restarts_resubmits_after_a_killed_rank_and_ends_with_the_same_weights(spark_launcher, shell,
-                                                                                                 mlflow, capsys):
+                                                                                                 mlflow, capsys,
+                                                                                                 tmp_path):
     """--max-restarts 1 with --cluster (issue #37): rank 1's process (a torchrun worker in an executor JVM's Python
     worker) is SIGKILLed mid-run; the launcher cancels the barrier job, has every rank's watchdog end its worker,
     and submits a new job, which resumes from the step-3 checkpoint and ends with the uninterrupted run's weights;
@@ -806,10 +807,10 @@ def test_cluster_mode_max_restarts_resubmits_after_a_killed_rank_and_ends_with_t
         assert reference.error_in_exec is None, reference.error_in_exec
         RESTART_REFERENCE.update(reference.result.value)
     capsys.readouterr()
-    for stale in ("killed", "pid_0", "pid_1"):  # (an earlier restart test's, in this module's directory)
-        if os.path.exists(stale):
-            os.remove(stale)
+    # (an executor's working directory is its own: the markers go where every attempt's ranks find them)
     cell = restart_cell("spark", flags=f"--max-restarts 1 --cluster --spark-master {CLUSTER_MASTER}", kill=True)
+    cell = cell.replace('"killed"', repr(str(tmp_path / "killed"))).replace('f"pid_', f'f"{tmp_path}/pid_')
+    assert str(tmp_path / "killed") in cell and f"{tmp_path}/pid_" in cell
     restarted = shell.run(cell)
     assert restarted.error_in_exec is None, restarted.error_in_exec
     assert spark_launcher._session.sparkContext.master == CLUSTER_MASTER
@@ -820,7 +821,7 @@ def test_cluster_mode_max_restarts_resubmits_after_a_killed_rank_and_ends_with_t
         assert torch.allclose(value, restarted.result.value[name], atol=1e-6, rtol=0), name
     run = mlflow.get_run(restarted.result.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["dtrain_magic.restarts"] == "1"
-    first_attempt = [int(open(f"pid_{rank}").read().split()[0]) for rank in (0, 1)]
+    first_attempt = [int(open(tmp_path / f"pid_{rank}").read().split()[0]) for rank in (0, 1)]
     assert not any(alive(pid) for pid in first_attempt), first_attempt
     assert_no_torchrun_left(spark_launcher)
     assert_no_spark_job_running(spark_launcher)
