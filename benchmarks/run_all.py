@@ -32,7 +32,7 @@ sys.path.insert(0, HERE)
 from workload import PART_LABELS, SUB_PARTS  # noqa: E402
 
 ORDER = ("local_n2", "local_n1", "spark", "ray", "chart_lag", "strategies", "ctx_log", "interrupt", "data", "outputs",
-         "sweep", "big_mlp", "big_large")
+         "sweep", "restart", "big_mlp", "big_large")
 LOG_COST_LIMIT, LOG_COST_RATE = 0.02, 1500.0  # issue 25: ctx.log every step costs <= 2 % at >= 1500 steps/s
 
 
@@ -44,7 +44,7 @@ def benchmarks(args: argparse.Namespace) -> dict[str, tuple[str, list[str], floa
     # -n 1 runs about 3500 steps/s on a core: 3000 steps give it as long a steady-state window as -n 2's 1000.
     local_steps = {n: [], 1: ["--steps", "3000"]}
     small = {"local": [], "backend": [], "chart": [], "strategies": [], "log": [], "data": [], "outputs": [],
-             "sweep": [], "big_mlp": [], "big_large": []}
+             "sweep": [], "restart": [], "big_mlp": [], "big_large": []}
     if args.quick:  # does everything run? (the numbers mean nothing)
         local_steps = {n: ["--steps", "200"], 1: ["--steps", "200"]}
         small = {"local": [], "backend": ["--steps", "50"], "chart": ["--steps", "40"],
@@ -52,6 +52,7 @@ def benchmarks(args: argparse.Namespace) -> dict[str, tuple[str, list[str], floa
                  "log": ["--seconds", "1", "--blocks", "4"],
                  "data": ["--gb", "0.05", "--ray-gb", "0.02", "--spark-rows", "300000", "--repeats", "1"],
                  "outputs": ["--gb", "0.02"], "sweep": ["--trials", "4", "--steps", "5", "--prune-steps", "30"],
+                 "restart": ["--steps", "30", "--kill-at", "15"],
                  "big_mlp": ["--width", "512", "--steps", "2"], "big_large": ["--width", "512", "--steps", "2"]}
     return {
         # setup (tracking DB, imports alone) + cold pairs (two fresh interpreters) + 3 kinds of warm calls
@@ -84,6 +85,9 @@ def benchmarks(args: argparse.Namespace) -> dict[str, tuple[str, list[str], floa
         # ~17 s each, Ray Tune ~60 s a trial: 20 reports, each waiting up to 2 s for Ray Train's controller), then
         # two local sweeps of 8 trials (pruned and not, ~50 s)
         "sweep": ("bench_sweep.py", small["sweep"], 360 if args.quick else 750),
+        # issue 37: rank 1 SIGKILLed once, six sides (local, local elastic, Spark, Ray, Ray elastic, raw Ray Train's
+        # elastic restart), ~155 s with Spark's and Ray's starts
+        "restart": ("bench_restart.py", small["restart"], 240 if args.quick else 300),
         # issue 26: per-rank peak memory, CPU (8 runs of a 134 M-parameter MLP; 4 of a 0.5 B one, 8.5 GiB at -n 1)
         "big_mlp": ("bench_big_models.py", ["--part", "mlp", *small["big_mlp"]], 120 if args.quick else 600),
         "big_large": ("bench_big_models.py", ["--part", "large", *small["big_large"]], 120 if args.quick else 600),
@@ -389,6 +393,7 @@ def targets(results: dict, n: int) -> list[dict]:
     data_targets(results, add)
     output_targets(results, add)
     sweep_targets(results, add)
+    restart_targets(results, add)
     big_model_targets(results, add)
     lags = _data(results, "chart_lag") or {}
     for key, which in (("chart_lag", "a kernel's first run"), ("chart_lag_later", "later runs")):
@@ -472,6 +477,27 @@ def sweep_targets(results: dict, add: callable) -> None:
         "driving Ray Train (a TorchTrainer.fit per trial)", "≤ 0.5", ray.get("sweep_vs_tune"), 0.5, False, "", times)
     add(f"sweep, {prune_trials} trials, all but 2 diverging: optimizer steps with MedianPruner / unpruned (local, "
         "2 ranks)", "≤ 0.5", prune.get("ratio"), 0.5, False, "", steps)
+
+
+def restart_targets(results: dict, add: callable) -> None:
+    """Issue 37's targets, from bench_restart.py: on the same Ray, the seconds from a lost worker to the next step and
+    the steps lost, the magic's restart against Ray Train's own elastic restart."""
+    sides = (_data(results, "restart") or {}).get("sides") or {}
+    ray, raw = sides.get("ray") or {}, sides.get("ray_train") or {}
+
+    def ratio(key: str) -> float | None:
+        mine, theirs = ray.get(key), raw.get(key)
+        return None if mine is None or not theirs else mine / theirs
+
+    def every_side() -> str:
+        return "; ".join(f"{name} {side['recovery_s']:.2f} s, {side['steps_lost']} steps lost (resumed at step "
+                         f"{side['resumed_at_step']})" if "recovery_s" in side else f"{name}: {side.get('error')}"
+                         for name, side in sides.items())
+
+    add("a lost worker on Ray (2 workers, rank 1 SIGKILLed): seconds to the next step, the magic's restart / Ray "
+        "Train's elastic restart", "≤ 1.0", ratio("recovery_s"), 1.0, False, "", every_side)
+    add("a lost worker on Ray: steps lost, the magic / Ray Train (a checkpoint every 10 steps)", "≤ 1.0",
+        ratio("steps_lost"), 1.0, False, "", every_side)
 
 
 def data_section(data: dict) -> list[str]:
