@@ -141,6 +141,8 @@ class Ray(Backend):
     restarts_workers = True  # Ray Train's FailureConfig(max_failures)
     elastic = True  # --elastic: a fit() per attempt, sized to the Ray's nodes (launchers/ray/elastic.py)
     resumes_runs = True  # --resume: a fit() with the run's name and storage restores Ray Train's latest checkpoint
+    # the notice is Ray's own: Ray Train's preemption watcher tells every worker when Ray drains a node of the run
+    preemption_notice = True
     keeps_workers_warm = True
     storage_urls = True  # Ray Train's run storage: s3://, gs://
     ray_train = True

@@ -34,6 +34,14 @@
 - `unpatched_print` (``launchers/ray/worker.py``): ``ray.train.v2._internal.logging.patch_print._original_print``.
   **Fallback** when missing: Ray Train's own ``print``, which also tees each line into its logger (each worker
   line then shows twice).
+- `preemption_noticed` (``launchers/ray/worker.py``, a run's ``ctx.step()``): the worker's own copy of Ray Train's
+  preemption notice (``ray.train.v2._internal.execution.context.get_train_context().preemption_context``, which Ray
+  Train's preemption watcher sets when Ray drains a node of the run), read without the barrier of the public
+  ``ray.train.get_preemption_info()`` (every rank would have to call it together: the ranks agree through the
+  magic's own all-reduce instead). **Gated**: on an unknown version, or when missing, no notice is seen (a drained
+  node's workers die at its deadline, as without the notice).
+- `draining_nodes` (``launchers/ray/driver.py``, an ``--elastic`` run's room): ``ray._private.state.state.
+  get_draining_nodes()``. **Gated**: unknown, no node counts as draining.
 
 The rest of Ray Train used (``TorchTrainer``, ``ScalingConfig``, ``RunConfig``, ``FailureConfig``,
 ``ray.train.report`` / ``get_context`` / ``get_checkpoint``) is public.
@@ -330,3 +338,31 @@ def started_by_this_process() -> bool:
     except Exception as exc:  # Ray's private worker module: any failure reads as joined, the safe answer
         log_dropped(__name__, "started_by_this_process", exc)
         return False
+
+
+def preemption_noticed() -> bool:
+    """In a Ray Train worker: has Ray Train's preemption watcher told this worker that a node of the run is being
+    drained (a spot instance's reclaim)? False where this Ray's parts are unknown or missing."""
+    if not RAY.allowed():
+        return False
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return get_train_context().preemption_context.preemption_info is not None
+    except Exception as exc:  # not in a Ray Train worker, or Ray's private context changed: no notice
+        log_dropped(__name__, "preemption_noticed", exc)
+        return False
+
+
+def draining_nodes() -> set[str]:
+    """The ids (hex) of the nodes Ray is draining (a preemption, ``ray drain-node``): leaving soon. Empty where this
+    Ray's parts are unknown or fail."""
+    if not RAY.allowed():
+        return set()
+    try:
+        from ray._private.state import state
+
+        return set(state.get_draining_nodes())
+    except Exception as exc:  # Ray's private state API: any change or failure reads as none draining
+        log_dropped(__name__, "draining_nodes", exc)
+        return set()

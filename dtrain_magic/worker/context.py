@@ -151,6 +151,13 @@ class TrainContext:
         return self.strategy.data_parallel_size
 
     @property
+    def optimizer_steps(self) -> int:
+        """The optimizer steps the run has made so far (``ctx.step()`` calls that stepped), over every attempt:
+        `load_checkpoint` restores it, whatever each attempt's accumulation (``--elastic``), also from a checkpoint
+        a preemption notice wrote. A loop that counts optimizer steps resumes at ``ctx.optimizer_steps``."""
+        return self._optimizer_steps
+
+    @property
     def data_parallel_rank(self) -> int:
         """This process's model replica (0 .. data_parallel_size - 1); its loaders' shard."""
         return self.strategy.data_parallel_rank
@@ -364,7 +371,8 @@ class TrainContext:
 
             self.save_checkpoint(**{**self._last_state, "step": self._steps - 1})
             self._preemption.close()
-            raise Preempted(f"preempted (SIGTERM): every rank checkpointed after step {self._steps - 1} "
+            raise Preempted(f"preempted ({self._preemption.source}): every rank checkpointed after step "
+                            f"{self._steps - 1} "
                             f"(ctx.step() call {self._steps} of the run); the run continues from it when restarted")
         if self._pulse is not None:
             self._pulse.check_stop()

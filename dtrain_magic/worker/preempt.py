@@ -10,6 +10,10 @@ same boundary, checkpoints there (``ctx.save_checkpoint``) and leaves with `Pree
 the run from that checkpoint (``--max-restarts``). The all-reduce costs no wait on the training thread. With one rank
 there is nothing to agree on: the flag is read directly. The launcher's own SIGTERMs (a stop,
 an interrupt) are told apart by a file it creates first (``$DTRAIN_MAGIC_STOP_FILE``): they end the worker at once.
+
+A backend that tells its workers of a preemption its own way gives a ``poll`` instead of the SIGTERM handler: on Ray,
+Ray Train's preemption watcher marks every worker of a run when Ray drains one of its nodes (`_compat.ray.
+preemption_noticed`); the flag is then this rank's SIGTERM or the poll's answer, agreed on the same way.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 CHECK_EVERY_S = 0.05  # how often the ranks check for a notice together (a tiny all-reduce: no cost to speak of)
 MAX_INTERVAL = 1000  # boundaries between two checks at most
@@ -36,16 +40,26 @@ class Preempted(BaseException):
 class PreemptionNotice:
     """This rank's SIGTERM flag and the ranks' agreement on it (see the module docstring)."""
 
-    def __init__(self, grace_s: float, world_size: int):
+    def __init__(self, grace_s: float, world_size: int, poll: Callable[[], bool] | None = None,
+                 source: str = "SIGTERM"):
+        """``poll``: the backend's own notice, asked at each check (None: a SIGTERM handler, main thread only);
+        ``source``: what the notice is, in the `Preempted` message."""
         self.grace_s = grace_s
         self.world_size = world_size
-        self.noticed = False  # this rank got a SIGTERM
+        self.source = source
+        self._poll = poll
+        self.noticed = False  # this rank got a SIGTERM (or the backend's notice)
         self._pending: Any = None  # (work, tensor) of the all-reduce started at the last check
         self._boundary = 0  # optimizer step boundaries so far (the same count on every rank)
         self._next_check = 1
         self._checked_at, self._checked_boundary = time.monotonic(), 0
         self._timer: threading.Timer | None = None
-        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm) if poll is None else None
+
+    def _noticed(self) -> bool:
+        if not self.noticed and self._poll is not None and self._poll():
+            self.noticed = True
+        return self.noticed
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         if os.path.exists(os.environ.get(STOP_FILE_ENV) or "\0"):  # the launcher stopping the run: die as before
@@ -67,7 +81,7 @@ class PreemptionNotice:
         the interval from its step time inside the check itself (the all-reduce is a MAX over ``[flag, proposal]``,
         the others proposing 0), so every rank counts the same boundaries to the next check."""
         if self.world_size <= 1:
-            return self.noticed
+            return self._noticed()
         self._boundary += 1
         if self._boundary < self._next_check:
             return False
@@ -79,7 +93,7 @@ class PreemptionNotice:
             work, values = self._pending
             work.wait()
             seen, interval = bool(values[0].item()), max(1, int(values[1].item()))
-        values = torch.tensor([1 if self.noticed else 0, self._proposal()], dtype=torch.int64)
+        values = torch.tensor([1 if self._noticed() else 0, self._proposal()], dtype=torch.int64)
         self._pending = (dist.all_reduce(values, op=dist.ReduceOp.MAX, async_op=True), values)
         self._next_check = self._boundary + interval
         return seen
@@ -99,16 +113,20 @@ class PreemptionNotice:
         """Put the previous SIGTERM handler back and disarm the timer (the checkpoint is written)."""
         if self._timer is not None:
             self._timer.cancel()
+        if self._poll is not None:
+            return
         try:
             signal.signal(signal.SIGTERM, self._previous)
         except (ValueError, TypeError):  # not the main thread, or a handler Python did not install: leave ours
             pass
 
 
-def install(config: Any, world_size: int, backend_notice: bool) -> PreemptionNotice | None:
-    """The rank's notice when the backend acts on one and ``--preempt-grace`` is not 0 (main thread only)."""
+def install(config: Any, world_size: int, backend_notice: bool, poll: Callable[[], bool] | None = None,
+            source: str = "SIGTERM") -> PreemptionNotice | None:
+    """The rank's notice when the backend acts on one and ``--preempt-grace`` is not 0: a SIGTERM handler (main
+    thread only), or the backend's ``poll`` (any thread)."""
     if not backend_notice or not config.preempt_grace:
         return None
-    if threading.current_thread() is not threading.main_thread():
+    if poll is None and threading.current_thread() is not threading.main_thread():
         return None  # signal handlers can only be set there
-    return PreemptionNotice(float(config.preempt_grace), world_size)
+    return PreemptionNotice(float(config.preempt_grace), world_size, poll, source)

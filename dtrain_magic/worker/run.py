@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import cloudpickle
 
@@ -43,11 +43,13 @@ class _Rank:
     stacks: StackDump | None = None
 
 
-def run_worker(job: WorkerJob, ranks: RankInfo | None = None, checkpoints: Any = None) -> Any:
+def run_worker(job: WorkerJob, ranks: RankInfo | None = None, checkpoints: Any = None,
+               preemption: tuple[Callable[[], bool], str] | None = None) -> Any:
     """Run the user's function on this rank; returns its value, raises its exception after reporting it.
 
     ``checkpoints``: a backend's own checkpoint store for ``ctx`` (Ray Train's); default: plain files
-    under ``job.checkpoint_root``.
+    under ``job.checkpoint_root``. ``preemption``: a backend's own preemption notice (a poll, and what it is in
+    words: Ray's drain), instead of a SIGTERM (`worker.preempt`).
     """
     rank = _connect(job, ranks or rank_from_env())
     ctx = None
@@ -55,7 +57,7 @@ def run_worker(job: WorkerJob, ranks: RankInfo | None = None, checkpoints: Any =
         device = _join(rank)
         if job.config.seed is not None:
             seed_everything(job.config.seed)
-        ctx = _build_context(rank, device, checkpoints)
+        ctx = _build_context(rank, device, checkpoints, preemption)
         try:
             value = _call(rank, ctx)
         except StopAtStep as stopped:  # every rank stops after this step, as the notebook asked: a clean end
@@ -118,7 +120,7 @@ def _join(rank: _Rank) -> Any:
     return device
 
 
-def _build_context(rank: _Rank, device: Any, checkpoints: Any) -> Any:
+def _build_context(rank: _Rank, device: Any, checkpoints: Any, preemption: tuple | None = None) -> Any:
     """The strategy and the `TrainContext` the user's function gets; integrations installed around it."""
     from ..data.outputs import outputs_root
     from .checkpoints import checkpoint_store
@@ -135,7 +137,7 @@ def _build_context(rank: _Rank, device: Any, checkpoints: Any) -> Any:
         data=job.data,
         params=job.params,
         lr_scale=job.lr_scale,
-        preemption=_preemption_notice(job, ranks.world_size),
+        preemption=_preemption_notice(job, ranks.world_size, preemption),
         outputs_root=outputs_root(job.checkpoint_root, job.config.data_dir) if job.checkpoint_root else None,
     )
     # Existing code runs unchanged: its own init/destroy_process_group adopt the run's group, and
@@ -145,12 +147,15 @@ def _build_context(rank: _Rank, device: Any, checkpoints: Any) -> Any:
     return ctx
 
 
-def _preemption_notice(job: WorkerJob, world_size: int) -> Any:
+def _preemption_notice(job: WorkerJob, world_size: int, backend: tuple | None) -> Any:
     """This rank's preemption notice (`preempt.PreemptionNotice`) where the backend acts on one (the job says: the
-    worker's registry may not know a backend registered in the notebook)."""
+    worker's registry may not know a backend registered in the notebook): a SIGTERM, or ``backend``'s own (poll,
+    words)."""
     from .preempt import install
 
-    return install(job.config, world_size, job.preemption_notice)
+    if backend is None:
+        return install(job.config, world_size, job.preemption_notice)
+    return install(job.config, world_size, job.preemption_notice, *backend)
 
 
 def _call(rank: _Rank, ctx: Any) -> Any:

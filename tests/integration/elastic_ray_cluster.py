@@ -22,7 +22,7 @@ from ray.cluster_utils import Cluster
 
 import dtrain_magic
 
-ROWS, MICRO, EPOCHS, SAVE_EVERY, LOSE_AT, FAIL_AT = 64, 4, 3, 3, 10, 19
+ROWS, MICRO, EPOCHS, SAVE_EVERY, LOSE_AT, FAIL_AT, DRAIN_AT = 64, 4, 4, 3, 10, 19, 24
 
 
 def rows() -> dict:
@@ -43,8 +43,8 @@ def train(ctx, here: str):
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     model, opt = ctx.prepare(model, opt)
     loader = ctx.data("rows", batch_size=MICRO)
-    state = ctx.load_checkpoint()
-    done = first = state["done"] if state else 0  # first: where this attempt began
+    ctx.load_checkpoint()
+    done = first = ctx.optimizer_steps  # first: where this attempt began (also from a preemption's checkpoint)
     mark = os.path.join(here, f"began_{ctx.world_size}_{first}")
     open(mark, "w").write(str(time.time()))
     log = open(os.path.join(here, f"read_{os.getpid()}_{first}.txt"), "w")
@@ -66,6 +66,12 @@ def train(ctx, here: str):
                 if done == FAIL_AT and ctx.world_size == 1 and not os.path.exists(os.path.join(here, "raised")):
                     open(os.path.join(here, "raised"), "w").write(str(time.time()))
                     raise RuntimeError("a bug, once: the restart grows the run back")
+                if ctx.world_size == 2 and first > 0:  # the grown attempt: Ray drains a node at DRAIN_AT
+                    if done == DRAIN_AT and ctx.rank == 1:
+                        open(os.path.join(here, "drain"), "w").write(ray.get_runtime_context().get_node_id())
+                    # steps slower than the notice (Ray Train's watcher polls every 0.5 s here), all of them: the
+                    # ranks check for a notice every ~50 ms of steps, as long steps as the attempt's first ones
+                    time.sleep(0.25)
     return {"world": ctx.world_size, "weights": ctx.full_state_dict()}
 
 
@@ -77,6 +83,28 @@ def wait_for(path: str, within_s: float) -> str:
         time.sleep(0.1)
     time.sleep(0.1)  # (written and closed)
     return open(path).read()
+
+
+def drain(node_id: str, deadline_s: float) -> None:
+    """Ray's drain of a node for a preemption (what a cloud's spot reclaim notice becomes on a Ray cluster)."""
+    from ray.core.generated import autoscaler_pb2
+
+    gcs = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
+    accepted, why = gcs.drain_node(node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                                   "a spot instance reclaimed (test)", int(time.time() * 1000 + deadline_s * 1000))
+    assert accepted, why
+    open("drained", "w").write(str(time.time()))
+
+
+def wait_for_marker_after(here: str, prefix: str, since: float, within_s: float) -> None:
+    """Until an attempt on one worker began after ``since`` (its ``began_1_<step>`` marker)."""
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        for path in os.listdir(here):
+            if path.startswith(prefix) and float(open(os.path.join(here, path)).read() or 0) > since:
+                return
+        time.sleep(0.2)
+    raise TimeoutError("no attempt on one worker after the drain")
 
 
 def main() -> None:
@@ -107,8 +135,14 @@ def main() -> None:
     cluster.remove_node(nodes[lost])  # graceful: its raylet stops and tells the GCS, as a drained node does
     open(os.path.join(here, "removed"), "w").write(str(removed_at))
     wait_for(os.path.join(here, f"began_1_{LOSE_AT - LOSE_AT % SAVE_EVERY}"), 120)  # the survivor resumed
-    cluster.add_node(num_cpus=1)  # capacity comes back: the next relaunch (the restart) grows the run
+    node = cluster.add_node(num_cpus=1)  # capacity comes back: the next relaunch (the restart) grows the run
+    nodes[node.node_id] = node
     cluster.wait_for_nodes()
+    draining = wait_for(os.path.join(here, "drain"), 240)  # the grown run's rank 1: its node is reclaimed
+    drained_at = time.time()
+    drain(draining, deadline_s=120)
+    wait_for_marker_after(here, "began_1_", drained_at, 120)  # every rank checkpointed; the survivor goes on alone
+    cluster.remove_node(nodes[draining])  # the reclaimed node goes, as the cloud takes it at the deadline
     runner.join(300)
     torch.save(outcome, os.path.join(here, "outcome.pt"))
     ray.shutdown()

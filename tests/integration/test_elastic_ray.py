@@ -2,9 +2,10 @@
 (`ray.cluster_utils.Cluster`, two raylets), in a notebook process of its own (elastic_ray_cluster.py: this module
 cannot join another Ray than the one test_ray.py's module shares). Rank 1's node is removed mid-run: the run goes on
 on the other node from the last checkpoint, the global batch kept by gradient accumulation; a node is added back,
-and the restart after the survivor raises once grows the run back to two workers. The final weights are those of
-one plain process over the same global batches (fp32, 1e-5), every row is read exactly once in each epoch across
-both resizes, and the MLflow run records the world size over time."""
+and the restart after the survivor raises once grows the run back to two workers; then Ray drains rank 1's node (a
+preemption notice): every rank checkpoints at the next step they agree on and the run goes on alone, no step lost.
+The final weights are those of one plain process over the same global batches (fp32, 1e-5), every row is read
+exactly once in each epoch across the three resizes, and the MLflow run records the world size over time."""
 
 from __future__ import annotations
 
@@ -60,12 +61,13 @@ def _committed_reads(where) -> dict[int, list[int]]:
     return per_epoch
 
 
-def test_a_lost_node_shrinks_the_run_and_a_restart_grows_it_back_with_the_same_weights(tmp_path):
+def test_a_lost_node_shrinks_the_run_a_restart_grows_it_back_and_a_drain_shrinks_it_losing_no_step(tmp_path):
     from conftest import mlflow_client
 
     tag = new_tag()
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     env = tagged_env(tag, MLFLOW_TRACKING_URI=uri, RAY_USAGE_STATS_ENABLED="0",
+                     RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S="0.5",  # Ray Train's preemption watcher (5 s by default)
                      PYTHONPATH=os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")])))
     env.pop("RAY_ADDRESS", None)
     try:
@@ -83,7 +85,13 @@ def test_a_lost_node_shrinks_the_run_and_a_restart_grows_it_back_with_the_same_w
         assert re.search(r"rank 0 failed \(RuntimeError: a bug, once.*restarting every worker on 2 from checkpoint_\S+ "
                          r"\(restart 1, 0 left\)", proc.stderr), tail
         assert "world size 1 -> 2: gradient accumulation 2 -> 1 (global batch kept)" in proc.stderr, tail
-        assert outcome["world"] == 2 and outcome["values"] == 2
+        # Ray drained the grown run's rank-1 node (a spot reclaim's notice): every rank checkpointed at the step they
+        # agreed on, and the run went on on the other node from there, no step lost
+        drained = (r"every rank checkpointed for a preemption notice \(Ray is draining a node of the run\); "
+                   r"continuing on 1 of 2 worker\(s\) \(the Ray's nodes hold 1\) from step \d+")
+        assert re.search(drained, proc.stderr), tail
+        assert proc.stderr.count("world size 2 -> 1: gradient accumulation 1 -> 2 (global batch kept)") == 2, tail
+        assert outcome["world"] == 1 and outcome["values"] == 1
         # the survivor began from the last save before the node left, within 30 s of its removal (Ray Train starts a
         # worker group in 5-15 s on 2 cores; the issue asks 10 s, this machine is shared)
         resumed_after = float(open(tmp_path / f"began_1_{saved}").read()) - float(open(tmp_path / "removed").read())
@@ -95,8 +103,10 @@ def test_a_lost_node_shrinks_the_run_and_a_restart_grows_it_back_with_the_same_w
             assert torch.allclose(outcome["value"]["weights"][name], tensor, atol=ATOL, rtol=0), name
         client = mlflow_client(uri)
         history = sorted(client.get_metric_history(outcome["run_id"], "world_size"), key=lambda m: m.timestamp)
-        assert [m.value for m in history] == [2.0, 1.0, 2.0]
-        assert [m.value for m in client.get_metric_history(outcome["run_id"], "restarts")] == [1.0]
+        assert [m.value for m in history] == [2.0, 1.0, 2.0, 1.0]
+        assert [m.value for m in client.get_metric_history(outcome["run_id"], "restarts")] == [1.0]  # no shrink's
+        lost = sorted(client.get_metric_history(outcome["run_id"], "steps_lost"), key=lambda m: m.timestamp)
+        assert lost[-1].value == 0.0, [(m.step, m.value) for m in lost]  # the preemption's: none
         assert client.get_run(outcome["run_id"]).info.status == "FINISHED"
         assert wait_until_none_left(tag, within_s=45) == []
     finally:

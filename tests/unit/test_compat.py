@@ -307,12 +307,13 @@ def test_a_ray_run_without_datasets_gets_a_shard_provider_that_starts_no_actor()
 
 
 def test_the_controller_gets_the_given_ray_train_defaults_unless_the_notebook_set_them(monkeypatch):
-    """A one-machine Ray's defaults (`ONE_MACHINE_RAY_TRAIN_ENV`) reach the controller's environment, which Ray
-    Train hands on to the workers; a value the notebook's environment sets is kept."""
+    """A one-machine Ray's defaults (`ONE_MACHINE_RAY_TRAIN_ENV`, and a one-node Ray's: no preemption watcher) reach
+    the controller's environment, which Ray Train hands on to the workers; a value the notebook's environment sets
+    is kept."""
     import ray
     import ray.train
 
-    from dtrain_magic.launchers.ray.driver import ONE_MACHINE_RAY_TRAIN_ENV
+    from dtrain_magic.launchers.ray.driver import ONE_MACHINE_RAY_TRAIN_ENV, ONE_NODE_RAY_TRAIN_ENV
 
     given: dict = {}
 
@@ -333,9 +334,11 @@ def test_the_controller_gets_the_given_ray_train_defaults_unless_the_notebook_se
             trainer._initialize_and_run_controller()
         return dict(given)
 
-    one_machine = controller_env(ONE_MACHINE_RAY_TRAIN_ENV)
-    assert one_machine["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "3"  # the notebook's own
-    assert one_machine["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"
+    one_node = controller_env(ONE_NODE_RAY_TRAIN_ENV)
+    assert one_node["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "3"  # the notebook's own
+    assert one_node["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"
+    # several nodes on this machine (a notebook's own Ray of raylets): the watcher sees their drains
+    assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in controller_env(ONE_MACHINE_RAY_TRAIN_ENV)
     assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in controller_env(None)  # a cluster's: Ray's own defaults
 
 

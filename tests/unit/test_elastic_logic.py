@@ -97,7 +97,7 @@ def test_elastic_bounds_and_worlds():
     (dict(backend="spark", elastic="1:2"), "--elastic", "--backend local or ray"),
     (dict(backend="local", elastic="1:1"), "--elastic", "MIN <= -n <= MAX"),
     (dict(backend="local", elastic="1:2", strategy="deepspeed"), "--elastic", "--strategy fsdp"),
-    (dict(backend="ray", preempt_grace=5), "--preempt-grace", "--backend local does"),
+    (dict(backend="spark", preempt_grace=5), "--preempt-grace", "--backend local or ray does"),
     (dict(backend="local", preempt_grace=-1), "--preempt-grace", ">= 0"),
     (dict(backend="local", keep_checkpoints=0), "--keep-checkpoints", ">= 1"),
 ])
@@ -276,7 +276,7 @@ def test_an_agreed_notice_checkpoints_with_the_last_state_and_the_step_then_stop
     from dtrain_magic.worker.preempt import Preempted
 
     closed = []
-    notice = SimpleNamespace(agreed=lambda: True, close=lambda: closed.append(True))
+    notice = SimpleNamespace(agreed=lambda: True, close=lambda: closed.append(True), source="SIGTERM")
     strategy = SimpleNamespace(data_parallel_size=1, model=object(), step=lambda: True)
     ctx = _context(strategy, preemption=notice)
     saved = []
@@ -288,6 +288,30 @@ def test_an_agreed_notice_checkpoints_with_the_last_state_and_the_step_then_stop
     assert saved == [{"epoch": 3, "step": 41}] and closed == [True]
     ctx._preemption = SimpleNamespace(agreed=lambda: False)
     assert ctx.step() is True and ctx._steps == 43  # no notice: a step as any other
+
+
+def test_a_backends_own_notice_is_polled_at_the_checks_and_installs_no_signal_handler():
+    """On Ray the notice is Ray Train's (a node drained), asked at each check from the training thread; a SIGTERM
+    keeps its own meaning there (no handler is installed)."""
+    import signal
+    import threading
+
+    from dtrain_magic.worker.preempt import install
+
+    asked = []
+    config = SimpleNamespace(preempt_grace=30.0)
+    before = signal.getsignal(signal.SIGTERM)
+    notices = []
+    thread = threading.Thread(target=lambda: notices.append(install(config, 1, True, lambda: asked.append(1) or
+                                                                    len(asked) > 2, "Ray is draining a node")))
+    thread.start()
+    thread.join()
+    notice = notices[0]
+    assert notice is not None and signal.getsignal(signal.SIGTERM) is before  # (not the main thread, still one)
+    assert [notice.agreed() for _ in range(4)] == [False, False, True, True] and notice.source.startswith("Ray")
+    notice.close()
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert install(SimpleNamespace(preempt_grace=0), 1, True, lambda: True) is None  # --preempt-grace 0: off
 
 
 def test_a_session_refuses_elastic_and_takes_no_preemption_notice():

@@ -46,10 +46,26 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 # Ray Train's defaults for a Ray whose every node is this machine (the user's own settings win). Its controller polls
 # the workers every 2 s, and a run's end, each ``ray.train.report`` and each checkpoint wait for the next poll: every
-# 0.5 s instead, a few local calls more per second, ended two checkpoint tests here 22 s (18 %) sooner. The preemption
-# watcher (a Python process per launch, 3 s of CPU beside the starting workers on 2 cores) watches for nodes being
-# drained, which one machine's Ray has none of.
-ONE_MACHINE_RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+# 0.5 s instead, a few local calls more per second, ended two checkpoint tests here 22 s (18 %) sooner.
+ONE_MACHINE_RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+# And on a Ray of one node: the preemption watcher (a Python process per launch, 3 s of CPU beside the starting workers
+# on 2 cores) watches for nodes being drained (the preemption notice, docs/reliability.md), and a run cannot go on
+# without its one node anyway.
+ONE_NODE_RAY_TRAIN_ENV = {**ONE_MACHINE_RAY_TRAIN_ENV, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+
+
+def _train_env(one_machine: bool) -> dict[str, str] | None:
+    """The Ray Train settings of a trainer on this Ray (`ONE_MACHINE_RAY_TRAIN_ENV`, `ONE_NODE_RAY_TRAIN_ENV`)."""
+    import ray
+
+    if not one_machine:
+        return None
+    try:
+        one_node = sum(1 for node in ray.nodes() if node["Alive"]) == 1
+    except Exception as exc:  # cannot tell: keep the watcher
+        log_dropped(__name__, "the Ray's nodes", exc)
+        one_node = False
+    return ONE_NODE_RAY_TRAIN_ENV if one_node else ONE_MACHINE_RAY_TRAIN_ENV
 
 
 class RayJob(StandbyLaunch):
@@ -72,7 +88,7 @@ class RayJob(StandbyLaunch):
         self.storage, self.name = storage, name  # Ray Train's storage_path and run name
         if "://" not in self.storage:  # Ray Train would create it 0755: the run's files are the user's alone
             os.makedirs(os.path.join(self.storage, self.name), mode=0o700, exist_ok=True)
-        self.trainer = ray_compat.abortable_trainer_class(ONE_MACHINE_RAY_TRAIN_ENV if one_machine else None)(
+        self.trainer = ray_compat.abortable_trainer_class(_train_env(one_machine))(
             loop,
             train_loop_config=loop_config,
             scaling_config=ray.train.ScalingConfig(num_workers=config.num_processes, use_gpu=config.use_gpu),
@@ -311,10 +327,13 @@ class RayLauncher(Ray, Launcher):
 
     def _room(self, config: RunConfig) -> int:
         """How many of ``config``'s workers (one CPU, or one GPU with ``--gpu``, each: Ray Train's default) the Ray's
-        alive nodes hold in all, whatever else they run now: an elastic run's next attempt (`ElasticRayRun`)."""
+        alive nodes hold in all, whatever else they run now, those being drained left out (they leave soon): an elastic
+        run's next attempt (`ElasticRayRun`)."""
         import ray
 
-        return int(ray.cluster_resources().get("GPU" if config.use_gpu else "CPU", 0))
+        resource, draining = ("GPU" if config.use_gpu else "CPU"), ray_compat.draining_nodes()
+        return int(sum(node["Resources"].get(resource, 0) for node in ray.nodes()
+                       if node["Alive"] and node["NodeID"] not in draining))
 
     # -- standbys (docs/warm-reruns.md) -------------------------------------------------------------------
     def _placement(self, config: RunConfig) -> Placement:

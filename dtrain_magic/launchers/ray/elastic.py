@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping
 from ...channel import Output
 from ...elastic import resized_job
 from ...worker import WorkerJob
+from ...worker.preempt import Preempted
 from ...worker.resume_point import resume_point
 from ..base import Emit, Failure, LaunchState, RunningJob
 
@@ -44,7 +45,7 @@ class ElasticRayRun(RunningJob):
         world = self._next_world()
         if world is None:
             return state
-        note = self._relaunch(state.failures[0], world)
+        note = self._relaunch(state.failures, world)
         return LaunchState(False, [], errors_final=False, restarted=True, world_size=world, restart_note=note)
 
     def _next_world(self) -> int | None:
@@ -58,7 +59,7 @@ class ElasticRayRun(RunningJob):
             return world
         return None
 
-    def _relaunch(self, failure: Failure, world: int) -> str:
+    def _relaunch(self, failures: list[Failure], world: int) -> str:
         current = self._job.config.num_processes
         shrink = world < current
         if not shrink:
@@ -68,8 +69,12 @@ class ElasticRayRun(RunningJob):
                 f"(--elastic {self._job.config.elastic})" if shrink
                 else f"restarting every worker{f' on {world}' if world != current else ''} from {where} (restart "
                      f"{self._job.config.max_restarts - self._restarts_left}, {self._restarts_left} left)")
+        failure = failures[0]
         rank = "a rank" if failure.rank is None else f"rank {failure.rank}"
-        note = f"{rank} failed ({failure.reason}); {what}"
+        preempted = all(f.reason.startswith(Preempted.__name__) for f in failures)  # (every rank checkpointed)
+        why = ("every rank checkpointed for a preemption notice (Ray is draining a node of the run)" if preempted
+               else f"{rank} failed ({failure.reason})")
+        note = f"{why}; {what}"
         self._emit(Output(None, "stderr", f"dtrain_magic: {note}\n"))
         if world != current:
             self._job, resize = resized_job(self._base_job, self._job, world)

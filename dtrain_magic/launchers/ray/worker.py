@@ -16,6 +16,8 @@ from ...errors import log_dropped
 from ...worker import RankInfo
 from .. import watchdog
 
+DRAINING = "Ray is draining a node of the run"  # the preemption notice on Ray (Ray Train's preemption watcher)
+
 
 class RayCheckpointStore:
     """``ctx.save_checkpoint()`` / ``ctx.load_checkpoint()`` on Ray Train checkpoints.
@@ -170,7 +172,7 @@ def _run_job(job: Any, cwd: str | None) -> None:
         logger.setLevel(logging.WARNING)
     builtins.print = ray_compat.unpatched_print()  # Ray Train tees print() into its logger too: each line came twice
     try:
-        run_worker(job, ranks, checkpoints=store)
+        run_worker(job, ranks, checkpoints=store, preemption=(ray_compat.preemption_noticed, DRAINING))
     finally:
         builtins.print = printer
         for logger, level in zip(quiet, levels, strict=True):
