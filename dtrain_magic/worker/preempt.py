@@ -93,7 +93,8 @@ class PreemptionNotice:
             work, values = self._pending
             work.wait()
             seen, interval = bool(values[0].item()), max(1, int(values[1].item()))
-        values = torch.tensor([1 if self._noticed() else 0, self._proposal()], dtype=torch.int64)
+        values = torch.tensor([1 if self._noticed() else 0, self._proposal()], dtype=torch.int64,
+                              device=check_device(dist.get_backend()))
         self._pending = (dist.all_reduce(values, op=dist.ReduceOp.MAX, async_op=True), values)
         self._next_check = self._boundary + interval
         return seen
@@ -119,6 +120,16 @@ class PreemptionNotice:
             signal.signal(signal.SIGTERM, self._previous)
         except (ValueError, TypeError):  # not the main thread, or a handler Python did not install: leave ours
             pass
+
+
+def check_device(process_group_backend: str) -> str:
+    """Where the check's tensor lives: on the GPU under an NCCL-only process group (NCCL has no CPU tensors; the
+    local backend's and Ray Train's ``--gpu`` groups), else on the CPU (gloo, or ``cpu:gloo,cuda:nccl``)."""
+    if process_group_backend == "nccl":
+        import torch
+
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
 
 
 def install(config: Any, world_size: int, backend_notice: bool, poll: Callable[[], bool] | None = None,

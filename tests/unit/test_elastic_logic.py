@@ -314,6 +314,18 @@ def test_a_backends_own_notice_is_polled_at_the_checks_and_installs_no_signal_ha
     assert install(SimpleNamespace(preempt_grace=0), 1, True, lambda: True) is None  # --preempt-grace 0: off
 
 
+def test_the_ranks_check_on_the_gpu_under_nccl_alone(monkeypatch):
+    """NCCL has no CPU tensors: a --gpu run's check (the local backend's and Ray Train's NCCL groups) goes on its GPU;
+    gloo and the two-device form keep it on the CPU. (The GPU path itself needs a GPU: not run here.)"""
+    import torch
+
+    from dtrain_magic.worker.preempt import check_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert check_device("nccl") == "cuda:3"
+    assert check_device("gloo") == "cpu" and check_device("cpu:gloo,cuda:nccl") == "cpu"
+
+
 def test_a_session_refuses_elastic_and_takes_no_preemption_notice():
     from dtrain_magic.session import options
 
