@@ -124,6 +124,7 @@ def _notebook(root: Path) -> None:
         _train_cell(200, 0.1, nb / "release_train"),
         _train_cell(400, 0.05),
         _sweep_cell(root),
+        ELASTIC.replace("KILLED", repr(str(nb / "elastic_killed"))),
     ])
     (nb / "pids").mkdir()
     _write_notebook(nb / "panel.ipynb", [
@@ -153,6 +154,52 @@ def train(ctx):
         elif step == 15:
             open(MARK, "w").close()
 """
+
+
+# An elastic run (issue #37): rank 1 is SIGKILLed once at step 8, after the step-5 checkpoint; the run goes on on rank
+# 0 from there (the panel's third chart: the world size, 2 then 1, the steps the shrink lost).
+ELASTIC = """%%distribute --backend local -n 2 --cpu --elastic 1:2
+import os, signal, time, torch
+def train(ctx):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    model, opt = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    ctx.load_checkpoint()
+    for step in range(ctx.optimizer_steps, 30):
+        if step == 8 and ctx.rank == 1 and not os.path.exists(KILLED):
+            time.sleep(1.5)  # the notebook sees this step in the rank's pulse: the steps the shrink lost
+            open(KILLED, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss = model(torch.ones(8, 4)).pow(2).mean()
+        ctx.backward(loss)
+        ctx.step()
+        ctx.log(loss=loss.item(), step=step)
+        time.sleep(0.05)
+        if step % 3 == 2:
+            ctx.save_checkpoint()
+"""
+
+
+def _check_world_chart(page, cell: int, shot: Path) -> float:
+    """Run the elastic cell (number ``cell``): its monitor ends FINISHED with a third chart, the world size (2, then 1
+    from the step the survivor resumed at), titled with the restarts (none: a shrink uses none) and the steps lost.
+    Returns the seconds it took."""
+    from playwright.sync_api import expect
+
+    started = time.monotonic()
+    page.evaluate("() => { const nb = window.jupyterapp.shell.currentWidget.content; "
+                  f"nb.activeCellIndex = {cell}; window.jupyterapp.commands.execute('notebook:run-cell'); }}")
+    panel = page.locator(".dtm-monitor-panel").last
+    expect(panel.locator(".dtm-monitor")).to_have_attribute("data-state", "finished", timeout=120_000)
+    charts = panel.locator(".dtm-charts .js-plotly-plot")
+    expect(charts).to_have_count(3, timeout=60_000)
+    world = charts.nth(2)
+    expect(world).to_contain_text("World size: 0 restarts, 3 optimizer steps lost", timeout=30_000)
+    _wait_for(lambda: world.evaluate("(el) => el.data[0].y.slice(0, 2)") == [2, 1], 30, "the world size 2, then 1")
+    expect(world.locator(".scatterlayer .trace")).to_have_count(1)
+    panel.scroll_into_view_if_needed()
+    page.screenshot(path=str(shot), full_page=True)
+    return time.monotonic() - started
 
 
 def _sweep_cell(root: Path) -> str:
@@ -414,12 +461,14 @@ def test_panel_and_charts_in_jupyterlab(chromium, jupyterlab):
                 # the sweep in the same kernel (run-all stopped at the interrupted cell): its panel while it runs
                 sweep_shot = out / "browser_sweep.png"
                 timings["sweep_s"] = _check_sweep_panel(page, root, 3, sweep_shot)
+                world_shot = out / "browser_world_size.png"
+                timings["elastic_s"] = _check_world_chart(page, 4, world_shot)
             finally:
                 context.close()
     finally:
         shutil.rmtree(profile, ignore_errors=True)
     timings["total_s"] = time.monotonic() - t0
-    for shot in (running_shot, finished_shot, stopped_shot, sweep_shot):
+    for shot in (running_shot, finished_shot, stopped_shot, sweep_shot, world_shot):
         assert shot.stat().st_size > 10_000
         print(f"screenshot: {shot}")
     print("browser test timings:", {k: round(v, 1) for k, v in timings.items()})
