@@ -257,6 +257,8 @@ class LocalJob(RunningJob):
             Failure(rank, proc.error or describe_exit(code))
             for rank, (proc, code) in enumerate(zip(self.processes, codes, strict=True)) if code not in (None, 0)
         ]
+        # a rank killed by a signal first: its peers' exits (gloo's "connection closed by peer") are its consequences
+        failures.sort(key=lambda failure: not (codes[failure.rank] or 0) < 0)
         if failures and not self._cancelled:
             world = self._next_world(codes)
             if world is not None:

@@ -197,6 +197,9 @@ def _check_world_chart(page, cell: int, shot: Path) -> float:
     expect(world).to_contain_text("World size: 0 restarts, 2 optimizer steps lost", timeout=30_000)
     _wait_for(lambda: world.evaluate("(el) => el.data[0].y.slice(0, 2)") == [2, 1], 30, "the world size 2, then 1")
     expect(world.locator(".scatterlayer .trace")).to_have_count(1)
+    # the rank that was lost is named, not its peer (whose gloo error may end it first)
+    expect(panel.locator(".dtm-log")).to_contain_text("rank 1 failed (process was killed by SIGKILL); continuing on "
+                                                      "the 1 survivor(s)")
     panel.scroll_into_view_if_needed()
     page.screenshot(path=str(shot), full_page=True)
     return time.monotonic() - started
