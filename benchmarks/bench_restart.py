@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -40,7 +39,7 @@ import time
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workload import create_tracking_db, settle, write_json  # noqa: E402
+from workload import close_report, create_tracking_db, settle  # noqa: E402
 
 SIDES = ("local", "local_elastic", "spark", "ray", "ray_elastic", "ray_train")
 
@@ -202,12 +201,7 @@ def main() -> int:
                 report["sides"][side] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             print(f"{side:14s} {report['sides'][side]}", flush=True)
     finally:
-        report["seconds"] = time.monotonic() - began
-        report["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}
-        write_json(args.json, report)
-        os.chdir("/")
-        shutil.rmtree(workdir, ignore_errors=True)
-    print(f"({report['seconds']:.0f} s; load average {load_start:.1f} → {report['load_average']['end']:.1f})")
+        close_report(report, args.json, workdir, began, load_start)
     return 0
 
 

@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import io
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -44,7 +43,7 @@ import time
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workload import create_tracking_db, settle, summarize, write_json  # noqa: E402
+from workload import close_report, create_tracking_db, settle, summarize  # noqa: E402
 
 WORKERS = 2
 # lr=grid(...) and the seed that makes Optuna 4.6's grid sampler run the 2 converging rates first (test_sweeps.py,
@@ -350,12 +349,7 @@ def main() -> int:
             report["prune"] = prune_part(args, workdir, uri)
             print_prune(report["prune"])
     finally:
-        report["seconds"] = time.monotonic() - began
-        report["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}
-        write_json(args.json, report)
-        os.chdir("/")
-        shutil.rmtree(workdir, ignore_errors=True)
-    print(f"({report['seconds']:.0f} s; load average {load_start:.1f} → {report['load_average']['end']:.1f})")
+        close_report(report, args.json, workdir, began, load_start)
     return 0
 
 

@@ -492,3 +492,16 @@ def write_json(path: str | None, data: object, indent: int = 2) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as handle:
         json.dump(data, handle, indent=indent)
+
+
+def close_report(report: dict, json_path: str | None, workdir: str, began: float, load_start: float) -> None:
+    """A benchmark's end, whatever happened: its seconds and load average in ``report``, the JSON written, its temp
+    ``workdir`` removed (after leaving it), and the one line it ends with."""
+    import shutil
+
+    report["seconds"] = time.monotonic() - began
+    report["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}
+    write_json(json_path, report)
+    os.chdir("/")
+    shutil.rmtree(workdir, ignore_errors=True)
+    print(f"({report['seconds']:.0f} s; load average {load_start:.1f} → {report['load_average']['end']:.1f})")

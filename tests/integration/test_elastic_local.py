@@ -8,7 +8,6 @@ world size and the steps lost."""
 
 from __future__ import annotations
 
-import collections
 import glob
 import os
 import re
@@ -16,6 +15,8 @@ import re
 import numpy as np
 import pytest
 import torch
+
+from workloads import committed_reads
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -139,19 +140,6 @@ def _rows():
     return {"id": np.arange(ROWS, dtype=np.int64), "x": x.numpy(), "y": x.sum(1, keepdim=True).sin().numpy()}
 
 
-def _committed_reads() -> dict[int, list[int]]:
-    """Per epoch, the row ids read into optimizer steps that count: each attempt's up to the checkpoint the next one
-    resumed from (its later ones were redone), the last attempt's all."""
-    lines = [list(map(int, line.split())) for path in glob.glob("read_*.txt") for line in open(path)]
-    starts = sorted({line[0] for line in lines})
-    per_epoch: dict[int, list[int]] = collections.defaultdict(list)
-    for start, step, epoch, *ids in lines:
-        later = [s for s in starts if s > start]
-        if not later or step <= later[0]:
-            per_epoch[epoch] += ids
-    return per_epoch
-
-
 # DDP (the whole state on every rank) and FSDP (each rank's shards: torch.distributed.checkpoint reads them back for 1
 # rank, then for 2 again)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -188,7 +176,7 @@ def test_elastic_continues_on_the_survivor_and_grows_back_with_the_same_batches_
     charts.poll_once()
     assert charts.world_figure.layout.title.text == "World size: 1 restart, 2 optimizer steps lost"
     assert list(charts.world_figure.data[0].y) == [2.0, 1.0, 2.0, 2.0]
-    for epoch, ids in _committed_reads().items():  # every row exactly once in each epoch, across both resizes
+    for epoch, ids in committed_reads().items():  # every row exactly once in each epoch, across both resizes
         assert sorted(ids) == list(range(ROWS)), epoch
     # continued within 30 s of the kill (the issue asks 10; this machine is shared): the first read of the survivor
     killed_at = float(open("killed").read())

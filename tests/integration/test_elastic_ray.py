@@ -9,8 +9,6 @@ exactly once in each epoch across the three resizes, and the MLflow run records 
 
 from __future__ import annotations
 
-import collections
-import glob
 import os
 import re
 import subprocess
@@ -20,6 +18,7 @@ import pytest
 import torch
 
 from leftovers import kill_tagged, new_tag, tagged_env, wait_until_none_left
+from workloads import committed_reads
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 pytest.importorskip("ray")
@@ -47,18 +46,6 @@ def _one_process() -> dict:
             torch.nn.functional.mse_loss(model(x[index]), y[index]).backward()
             opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _committed_reads(where) -> dict[int, list[int]]:
-    """Per epoch, the row ids read into optimizer steps that count: each attempt's up to where the next resumed."""
-    lines = [list(map(int, line.split())) for path in glob.glob(str(where / "read_*.txt")) for line in open(path)]
-    starts = sorted({line[0] for line in lines})
-    per_epoch: dict[int, list[int]] = collections.defaultdict(list)
-    for start, step, epoch, *ids in lines:
-        later = [s for s in starts if s > start]
-        if not later or step <= later[0]:
-            per_epoch[epoch] += ids
-    return per_epoch
 
 
 def test_a_lost_node_shrinks_the_run_a_restart_grows_it_back_and_a_drain_shrinks_it_losing_no_step(tmp_path):
@@ -97,7 +84,7 @@ def test_a_lost_node_shrinks_the_run_a_restart_grows_it_back_and_a_drain_shrinks
         resumed_after = float(open(tmp_path / f"began_1_{saved}").read()) - float(open(tmp_path / "removed").read())
         print(f"the survivor resumed {resumed_after:.1f} s after its peer's node was removed")
         assert resumed_after < 30
-        for epoch, ids in _committed_reads(tmp_path).items():  # every row exactly once per epoch, across both resizes
+        for epoch, ids in committed_reads(str(tmp_path)).items():  # every row once per epoch, across every resize
             assert sorted(ids) == list(range(workload.ROWS)), epoch
         for name, tensor in _one_process().items():
             assert torch.allclose(outcome["value"]["weights"][name], tensor, atol=ATOL, rtol=0), name

@@ -465,11 +465,25 @@ def test_killed_worker_names_its_rank_and_signal(spark_launcher, shell, mlflow):
     assert_no_spark_job_running(spark_launcher)
 
 
+def assert_restarted_once_from_step_3(restarted, said: str, mlflow):
+    """A RESTART_CELL run with --max-restarts 1 whose rank 1 died once at step 6: the cell's restart line, the resume
+    from step 3's checkpoint, the uninterrupted run's weights (1e-6), one MLflow run FINISHED with one restart."""
+    import torch
+
+    assert restarted.error_in_exec is None, restarted.error_in_exec
+    assert "dtrain_magic: rank 1 lost (" in said and f"restarting from step {EVERY - 1}, 1 of 1" in said, said
+    assert f"[rank 0] resumed at step {EVERY}" in said, said
+    for name, value in RESTART_REFERENCE.items():
+        assert torch.allclose(value, restarted.result.value[name], atol=1e-6, rtol=0), name
+    run = mlflow.get_run(restarted.result.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["dtrain_magic.restarts"] == "1"
+    return run
+
+
 def test_max_restarts_resubmits_the_job_and_resumes_from_the_last_checkpoint(spark_launcher, shell, mlflow, capsys):
     """--max-restarts 1 on Spark (issue #37): rank 1's process exits (os._exit(1)) once mid-run; the launcher cancels
     the failed barrier job, sweeps its torchrun processes and submits a new one, which resumes from the newest
     complete checkpoint (step 3) and ends with the uninterrupted run's weights, in the same MLflow run."""
-    import torch
 
     if not RESTART_REFERENCE:  # (this test alone: the checkpoint test did not run first)
         reference = shell.run(restart_cell("local"))
@@ -480,14 +494,7 @@ def test_max_restarts_resubmits_the_job_and_resumes_from_the_last_checkpoint(spa
     cell = restart_cell("spark", flags="--max-restarts 1", kill=True).replace("os.kill(os.getpid(), signal.SIGKILL)",
                                                                              "os._exit(1)")
     restarted = shell.run(cell)
-    assert restarted.error_in_exec is None, restarted.error_in_exec
-    said = "".join(capsys.readouterr())
-    assert "dtrain_magic: rank 1 lost (" in said and f"restarting from step {EVERY - 1}, 1 of 1" in said, said
-    assert f"[rank 0] resumed at step {EVERY}" in said, said
-    for name, value in RESTART_REFERENCE.items():
-        assert torch.allclose(value, restarted.result.value[name], atol=1e-6, rtol=0), name
-    run = mlflow.get_run(restarted.result.run_id)
-    assert run.info.status == "FINISHED" and run.data.tags["dtrain_magic.restarts"] == "1"
+    run = assert_restarted_once_from_step_3(restarted, "".join(capsys.readouterr()), mlflow)
     assert run.data.tags["dtrain_magic.restart_1"].startswith("rank 1 lost (")
     assert [m.value for m in mlflow.get_metric_history(run.info.run_id, "restarts")] == [1.0]
     assert {m.step for m in mlflow.get_metric_history(run.info.run_id, "loss")} == set(range(STEPS))
@@ -800,7 +807,6 @@ def test_cluster_mode_max_restarts_resubmits_after_a_killed_rank_and_ends_with_t
     worker) is SIGKILLed mid-run; the launcher cancels the barrier job, has every rank's watchdog end its worker,
     and submits a new job, which resumes from the step-3 checkpoint and ends with the uninterrupted run's weights;
     nothing of the failed attempt is left running."""
-    import torch
 
     if not RESTART_REFERENCE:  # (this test alone)
         reference = shell.run(restart_cell("local"))
@@ -812,15 +818,8 @@ def test_cluster_mode_max_restarts_resubmits_after_a_killed_rank_and_ends_with_t
     cell = cell.replace('"killed"', repr(str(tmp_path / "killed"))).replace('f"pid_', f'f"{tmp_path}/pid_')
     assert str(tmp_path / "killed") in cell and f"{tmp_path}/pid_" in cell
     restarted = shell.run(cell)
-    assert restarted.error_in_exec is None, restarted.error_in_exec
+    assert_restarted_once_from_step_3(restarted, "".join(capsys.readouterr()), mlflow)
     assert spark_launcher._session.sparkContext.master == CLUSTER_MASTER
-    said = "".join(capsys.readouterr())
-    assert "dtrain_magic: rank 1 lost (" in said and f"restarting from step {EVERY - 1}, 1 of 1" in said, said
-    assert f"[rank 0] resumed at step {EVERY}" in said, said
-    for name, value in RESTART_REFERENCE.items():
-        assert torch.allclose(value, restarted.result.value[name], atol=1e-6, rtol=0), name
-    run = mlflow.get_run(restarted.result.run_id)
-    assert run.info.status == "FINISHED" and run.data.tags["dtrain_magic.restarts"] == "1"
     first_attempt = [int(open(tmp_path / f"pid_{rank}").read().split()[0]) for rank in (0, 1)]
     assert not any(alive(pid) for pid in first_attempt), first_attempt
     assert_no_torchrun_left(spark_launcher)

@@ -739,3 +739,22 @@ def everything_stored(mlflow, run_id: str) -> str:
                 with open(os.path.join(folder, name), errors="replace") as handle:
                     text += handle.read()
     return text
+
+
+def committed_reads(directory: str = ".") -> dict[int, list[int]]:
+    """An elastic run's ``read_*.txt`` logs (each line: the optimizer step its attempt began at, the step a batch went
+    into, the epoch, the batch's row ids) → per epoch, the row ids read into optimizer steps that count: each
+    attempt's up to where the next one resumed (its later ones were redone), the last attempt's all."""
+    import collections
+    import glob
+    import os
+
+    lines = [list(map(int, line.split())) for path in glob.glob(os.path.join(directory, "read_*.txt"))
+             for line in open(path)]
+    starts = sorted({line[0] for line in lines})
+    per_epoch: dict[int, list[int]] = collections.defaultdict(list)
+    for start, step, epoch, *ids in lines:
+        later = [s for s in starts if s > start]
+        if not later or step <= later[0]:
+            per_epoch[epoch] += ids
+    return per_epoch
