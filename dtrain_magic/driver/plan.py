@@ -129,9 +129,13 @@ def dry_run_text(plan: RunPlan, payload: Payload, model: Any = None, equivalent:
     if model is not None and model.found:
         facts = getattr(model, "facts", None)
         settings = get_strategy(config.strategy).memory_settings(config, facts) if facts is not None else None
+        activations = getattr(model, "activations", None)
         est = estimate(model.num_params, config.strategy, config.zero, config.precision, config.num_processes,
-                       tp=config.tp, pp=config.pp, facts=facts, settings=settings)
+                       tp=config.tp, pp=config.pp, facts=facts, settings=settings, activations=activations,
+                       ac=config.ac)
         lines += [f"  model: {model.num_params:,} parameters, {model.description}", f"  {est.line()}"]
+        if getattr(model, "sample_note", ""):
+            lines.append(f"  {model.sample_note}")
     elif model is not None:
         lines.append(f"  memory estimate: the model is not known before training ({model.description}); "
                      "each worker prints it at ctx.prepare")

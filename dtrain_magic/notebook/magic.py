@@ -49,7 +49,8 @@ class DistributeMagics(Magics):
             # the cell ran: its helpers and globals are in the namespace
             from ..strategies.model_of_cell import model_of_cell
 
-            return prepared.dry_run_text(model=model_of_cell(cell, namespace, prepared.payload.name))
+            return prepared.dry_run_text(model=model_of_cell(cell, namespace, prepared.payload.name,
+                                                             prepared.config.ac_module))
 
         return execute_prepared(prepared, dry_run_text)
 

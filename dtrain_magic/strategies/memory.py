@@ -91,6 +91,9 @@ class CellModel:
     num_params: int | None
     description: str
     facts: Any = None  # the model's `ModelFacts` (largest parameter and block, hidden size), when it was built
+    # measured from ``ctx.prepare(..., sample=...)`` when the sample is known before training (every --ac mode)
+    activations: Activations | None = None
+    sample_note: str = ""  # where the sample came from, or why its activations are not known before training
 
     @property
     def found(self) -> bool:

@@ -25,7 +25,8 @@ class _Unknown(Exception):
     """Why the model cannot be built here (shown to the user)."""
 
 
-def model_of_cell(cell: str, namespace: Mapping[str, Any] | None = None, fn: str | None = None) -> CellModel:
+def model_of_cell(cell: str, namespace: Mapping[str, Any] | None = None, fn: str | None = None,
+                  ac_module: str | None = None) -> CellModel:
     """Count the parameters of the model the cell's training function passes to ``ctx.prepare``.
 
     Static where it can be, without running the training: the function (``fn``, else the cell's last
@@ -36,7 +37,9 @@ def model_of_cell(cell: str, namespace: Mapping[str, Any] | None = None, fn: str
     That expression is evaluated under ``torch.device("meta")``: parameters have shapes but no storage,
     so even a large model costs no memory. The cell's top-level imports, ``def``s, ``class``es and
     constant assignments run in a scratch copy of the namespace (nothing is added to the notebook's).
-    Loading weights (``from_pretrained``) is not attempted.
+    Loading weights (``from_pretrained``) is not attempted. A ``sample=`` keyword of that call is followed back the
+    same way (a notebook's tensor, or an expression built on the meta device) and one micro-batch's activations are
+    measured from it (`worker.activations.measure`, blocks found as ``--ac-module ac_module`` finds them).
     """
     namespace = dict(namespace or {})
     try:
@@ -65,7 +68,27 @@ def model_of_cell(cell: str, namespace: Mapping[str, Any] | None = None, fn: str
         extra = f" ({'; '.join(problems)})" if problems else ""
         return CellModel(None, f"{exc}{extra}")
     facts = model_facts(model)
-    return CellModel(facts.num_params, how, facts)
+    activations, note = _activations(resolver, call, model, ac_module)
+    return CellModel(facts.num_params, how, facts, activations, note)
+
+
+def _activations(resolver: "_Resolver", call: ast.Call, model: Any, ac_module: str | None) -> tuple[Any, str]:
+    """One micro-batch's activations from ``ctx.prepare``'s ``sample=`` (followed back as the model is, built on the
+    meta device: no memory used), measured as the workers measure them; (None, why) when there is no sample or it
+    is known only when the function runs."""
+    sample = next((k.value for k in call.keywords if k.arg == "sample"), None)
+    if sample is None:
+        return None, ""
+    from ..worker.activations import measure
+
+    source = ast.unparse(sample)
+    try:
+        value = resolver.value(sample)
+        return measure(model, value, ac_module), f"activations from the sample `{source}`"
+    except _Unknown as exc:
+        return None, f"activations: not known before training ({exc})"
+    except (ValueError, RuntimeError, TypeError) as exc:  # a sample the model cannot take, measured on meta
+        return None, f"activations: the sample `{source}` did not go through the model on meta ({exc})"
 
 
 def _run_definitions(tree: ast.Module, func: ast.AST, scratch: dict) -> list[str]:
@@ -142,6 +165,19 @@ class _Resolver:
             raise _Unknown(f"`{source}` is a {type(value).__name__}, not a torch.nn.Module")
         built = ast.unparse(expr)
         return value, f"`{built}` from the cell, built on the meta device (no memory used, nothing trained)"
+
+    def value(self, expr: ast.expr) -> Any:
+        """What ``expr`` (not a model: a sample batch) stands for: a notebook's value, or built on the meta device."""
+        import torch
+
+        self.depth = 0
+        while isinstance(expr, ast.Name) and (local := self.local(expr.id)) is not None:
+            self.depth += 1
+            if self.depth > 10:
+                raise _Unknown(f"could not follow `{ast.unparse(expr)}` back to where it is made")
+            expr = local
+        with torch.device("meta"):
+            return self.evaluate(expr)
 
     def evaluate(self, expr: ast.expr, depth: int = 0) -> Any:
         """Evaluate a plain expression (calls, names, attributes, constants) with the function's locals."""

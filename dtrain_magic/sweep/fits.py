@@ -26,7 +26,8 @@ def skip_reason(model: Any, config: RunConfig, on_this_machine: bool) -> str | N
     facts = getattr(model, "facts", None)
     settings = STRATEGIES.facts(config.strategy).memory_settings(config, facts) if facts is not None else None
     est = memory.estimate(model.num_params, config.strategy, config.zero, config.precision, config.num_processes,
-                          tp=config.tp, pp=config.pp, facts=facts, settings=settings)
+                          tp=config.tp, pp=config.pp, facts=facts, settings=settings,
+                          activations=getattr(model, "activations", None), ac=config.ac)
     # a GPU per process; on the CPU the processes share the host's memory
     available = memory.device_memory_bytes("cuda" if config.use_gpu else None,
                                            1 if config.use_gpu else config.num_processes)

@@ -225,10 +225,12 @@ class PanelState:
                 except Exception as exc:  # a combination the panel shows as a problem: states only
                     log_dropped(__name__, "memory_line", exc)
                     facts = None
+            # the cell's sample batch, when known before training: one micro-batch's activations under the --ac chosen
+            activations = getattr(self.model, "activations", None) if self.size_source == "cell" else None
             est = memory.estimate(self.num_params, self.values["strategy"], self.values["zero"],
                                   self.values["precision"], int(self.values["num_processes"]),
                                   tp=int(self.values["tp"]), pp=int(self.values["pp"]), facts=facts,
-                                  settings=settings)
+                                  settings=settings, activations=activations, ac=self.values.get("ac") or "none")
             line = self.model_line() + "\n" + est.line()
             device = "cuda" if self.values["use_gpu"] else None
             per_device = 1 if self.values["use_gpu"] else int(self.values["num_processes"])

@@ -100,3 +100,56 @@ def test_dry_run_prints_the_estimate_for_the_cells_model(shell, capsys):
     unknown = shell.run("%%distribute --backend local -n 2 --dry-run --no-ui\ndef train(ctx):\n    return 1\n")
     assert unknown.error_in_exec is None
     assert "the model is not known before training (train() does not call ctx.prepare" in capsys.readouterr().out
+
+
+EIGHT_BLOCKS = """
+import torch
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(32, 128), torch.nn.Linear(128, 32)
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+def make_model():
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), *(Block() for _ in range(8)), torch.nn.Linear(32, 1))
+def train(ctx):
+    model = make_model()
+    batch = SAMPLE
+    model, opt = ctx.prepare(model, torch.optim.Adam(model.parameters()), sample=batch)
+"""
+
+
+def test_a_sample_known_before_training_gives_the_activations_the_workers_measure():
+    """``sample=`` followed back like the model (a local expression built on meta, or the notebook's tensor): one
+    micro-batch's activations, every --ac mode, as `worker.activations.measure` gives them for the real model."""
+    from dtrain_magic.worker.activations import measure
+
+    scratch: dict = {}
+    exec(EIGHT_BLOCKS.replace("SAMPLE", "0").split("def train")[0], scratch)
+    expected = measure(scratch["make_model"](), torch.randn(64, 8))
+    built = model_of_cell(EIGHT_BLOCKS.replace("SAMPLE", "torch.randn(64, 8)"), {})
+    held = model_of_cell(EIGHT_BLOCKS.replace("SAMPLE", "my_batch"), {"my_batch": torch.randn(64, 8)})
+    for found in (built, held):
+        assert found.activations is not None and found.activations.micro_batch == 64
+        assert dict(found.activations.kept) == dict(expected.kept) and found.activations.blocks == 8
+        assert found.sample_note.startswith("activations from the sample `")
+    assert expected.bytes("full") < 0.3 * expected.bytes("none")  # checkpointing keeps the blocks' inputs only
+    unknown = model_of_cell(EIGHT_BLOCKS.replace("SAMPLE", "next(iter(ctx.data('rows')))"), {})
+    assert unknown.found and unknown.activations is None and "exists only on the workers" in unknown.sample_note
+    wrong = model_of_cell(EIGHT_BLOCKS.replace("SAMPLE", "torch.randn(64, 5)"), {})
+    assert wrong.activations is None and "did not go through the model on meta" in wrong.sample_note
+
+
+def test_the_dry_run_adds_the_samples_activations_under_the_runs_ac():
+    from types import SimpleNamespace
+
+    from dtrain_magic.config import RunConfig
+    from dtrain_magic.driver.plan import check, dry_run_text
+
+    model = model_of_cell(EIGHT_BLOCKS.replace("SAMPLE", "torch.randn(64, 8)"), {})
+    payload = SimpleNamespace(call_text=None, name="train", takes_ctx=True)
+    plain = dry_run_text(check(RunConfig(backend="local", num_processes=2, use_gpu=False)), payload, model=model)
+    full = dry_run_text(check(RunConfig(backend="local", num_processes=2, use_gpu=False, ac="full")), payload,
+                        model=model)
+    assert "+ activations" in plain and "(activations: micro-batch 64, --ac none" in plain, plain
+    assert "(activations: micro-batch 64, --ac full" in full and "activations from the sample `batch`" in full

@@ -178,6 +178,25 @@ def test_panel_counts_the_cells_model():
     assert panel.state.num_params == 2_000_000 and "what-if: 2,000,000 parameters" in panel.memory.value
 
 
+def test_panel_and_sweep_fit_add_the_samples_activations():
+    """A cell whose ctx.prepare has a sample known before training: the panel's estimate and a sweep trial's fit count
+    one micro-batch's activations too (issue #38)."""
+    from dtrain_magic.strategies.model_of_cell import model_of_cell
+    from dtrain_magic.sweep.fits import skip_reason
+
+    cell = ("import torch\ndef train(ctx):\n    model = torch.nn.Linear(10, 5)\n"
+            "    model, opt = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), "
+            "sample=torch.randn(10_000_000_000, 10))\n")
+    config = flags.config_from_line("--backend local", gpu_available=lambda: False)
+    model = model_of_cell(cell, {}, config.fn)
+    assert model.activations is not None and model.activations.micro_batch == 10_000_000_000
+    panel = ConfigurePanel(config, cell, shell=None, checker=lambda c: None, model=model)
+    assert "+ activations" in panel.memory.value and "micro-batch 10000000000" in panel.memory.value
+    # 400 GB of inputs kept for the backward per process: a trial of it does not fit this machine
+    reason = skip_reason(model, RunConfig(backend="local", num_processes=2, use_gpu=False), on_this_machine=True)
+    assert reason is not None and "more than this machine's memory" in reason
+
+
 class _Shell:
     def __init__(self):
         self.user_ns: dict = {}
