@@ -49,7 +49,7 @@ def _one_process() -> dict:
 
 
 def test_a_lost_node_shrinks_the_run_a_restart_grows_it_back_and_a_drain_shrinks_it_losing_no_step(tmp_path):
-    from conftest import mlflow_client
+    from mlflow import MlflowClient
 
     tag = new_tag()
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -88,7 +88,7 @@ def test_a_lost_node_shrinks_the_run_a_restart_grows_it_back_and_a_drain_shrinks
             assert sorted(ids) == list(range(workload.ROWS)), epoch
         for name, tensor in _one_process().items():
             assert torch.allclose(outcome["value"]["weights"][name], tensor, atol=ATOL, rtol=0), name
-        client = mlflow_client(uri)
+        client = MlflowClient(tracking_uri=uri)
         history = sorted(client.get_metric_history(outcome["run_id"], "world_size"), key=lambda m: m.timestamp)
         assert [m.value for m in history] == [2.0, 1.0, 2.0, 1.0]
         assert [m.value for m in client.get_metric_history(outcome["run_id"], "restarts")] == [1.0]  # no shrink's
