@@ -303,6 +303,8 @@ class RayLauncher(Ray, Launcher):
     def start(self, job: WorkerJob, emit: Emit) -> RunningJob:
         how = self._connect(job.config)
         self.standbys.make_way(self._placement(job.config))  # another placement's workers go first
+        if job.config.elastic is not None or job.config.resume is not None:  # never claimed (`claim_standby`):
+            self.standbys.release("an elastic or resumed run launches its own")  # their CPUs are this run's
         self._make_room(job.config, how)
         if job.config.elastic is None:
             return self._fit(job, emit)
