@@ -191,8 +191,6 @@ class LocalJob(RunningJob):
         if job.checkpoint_root is None:  # a job not from the runner: ctx.save_checkpoint() still has a place
             job = dataclasses.replace(job, checkpoint_root=os.path.join(run_dir, "checkpoints"))
         self._base_job = self._job = job  # the run as asked, and as the current attempt runs it (--elastic)
-        self.world_sizes: list[int] = [self._num_processes]  # one per attempt: the MLflow run's world size
-        self.last_resize = None  # the last `elastic.Resize`
         self._note = ""  # the last relaunch's line
         self._job_file = os.path.join(run_dir, "job.pkl")
         self._write_job(job)
@@ -314,7 +312,6 @@ class LocalJob(RunningJob):
         self._stop_all()
         if world != self._num_processes:
             self._resize(world)
-        self.world_sizes.append(world)
         self._launch()
 
     def _resize(self, world: int) -> None:
@@ -324,7 +321,6 @@ class LocalJob(RunningJob):
 
         self._job, resize = resized_job(self._base_job, self._job, world)
         self._num_processes = world
-        self.last_resize = resize
         self._emit(Output(None, "stderr", resize.note()))
         self._note += "; " + resize.note().removeprefix("dtrain_magic: ").strip()
         self._job_file = os.path.join(self._run_dir, f"job_{self._attempt}.pkl")

@@ -54,6 +54,7 @@ class PreemptionNotice:
         self._next_check = 1
         self._checked_at, self._checked_boundary = time.monotonic(), 0
         self._timer: threading.Timer | None = None
+        self._device: str | None = None  # where the check's tensor lives (`check_device`), found at the first check
         self._previous = signal.signal(signal.SIGTERM, self._on_sigterm) if poll is None else None
 
     def _noticed(self) -> bool:
@@ -93,8 +94,9 @@ class PreemptionNotice:
             work, values = self._pending
             work.wait()
             seen, interval = bool(values[0].item()), max(1, int(values[1].item()))
-        values = torch.tensor([1 if self._noticed() else 0, self._proposal()], dtype=torch.int64,
-                              device=check_device(dist.get_backend()))
+        if self._device is None:  # (the process group's, fixed for the run)
+            self._device = check_device(dist.get_backend())
+        values = torch.tensor([1 if self._noticed() else 0, self._proposal()], dtype=torch.int64, device=self._device)
         self._pending = (dist.all_reduce(values, op=dist.ReduceOp.MAX, async_op=True), values)
         self._next_check = self._boundary + interval
         return seen

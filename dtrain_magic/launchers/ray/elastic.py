@@ -35,7 +35,6 @@ class ElasticRayRun(RunningJob):
         self._emit, self._launch, self._room, self._run_dir = emit, launch, room, run_dir
         self._restarts_left = job.config.max_restarts
         self._cancelled = False
-        self.world_sizes = [job.config.num_processes]
         self.current = launch(job)
 
     def poll(self) -> LaunchState:
@@ -80,7 +79,6 @@ class ElasticRayRun(RunningJob):
             self._job, resize = resized_job(self._base_job, self._job, world)
             self._emit(Output(None, "stderr", resize.note()))
             note += "; " + resize.note().removeprefix("dtrain_magic: ").strip()
-        self.world_sizes.append(world)
         self.current = self._launch(self._job)
         return note
 
