@@ -284,11 +284,13 @@ def test_configure_panel_shows_the_monitor_stops_and_runs_again(shell, mlflow):
     assert not panel.run_button.disabled  # the panel can run again
 
     panel.cell = _cell(5, 0.01).split("\n", 1)[1]
+    panel.make_payload = payload_maker(panel.cell, shell)  # Run captures through it: the short cell, not 1000 steps
     panel.run(wait=True)
     assert panel.error is None, panel.error
     assert panel.observer is not obs and panel.monitor_box.children == (panel.observer.container,)
     assert panel.observer.widget.state == "finished" and panel.observer.stop_button.description == "Finished"
     assert shell.user_ns["_distribute_result"].values == [0, 1]
+    assert len(mlflow.get_metric_history(panel.observer.widget.run_id, "loss")) == 5  # the new cell ran
 
 
 SWEEP_BODY = """import torch
