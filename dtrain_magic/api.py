@@ -160,14 +160,19 @@ def _with_ctx_first(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple:
         signature.bind(*args, **kwargs)
         return args
     except TypeError as exc:
+        error = exc
         first = next(iter(signature.parameters.values()), None)
         if first is not None and first.name == "ctx" and CTX not in args and "ctx" not in kwargs:
             try:
                 signature.bind(CTX, *args, **kwargs)
                 return (CTX, *args)
-            except TypeError:
-                pass
-        raise ConfigError("run()", f"the arguments do not fit {name}{signature}: {exc}; nothing was launched") from None
+            except TypeError as with_ctx:
+                error = with_ctx  # ctx is given to it: what is missing is something else
+        taken = [p for p in signature.parameters if p in OPTIONS and f"'{p}'" in str(error)]
+        hint = (f" ({taken[0]}= is an option of run(), not passed to {name}: give it as fn_kwargs={{{taken[0]!r}: ...}})"
+                if taken else "")
+        raise ConfigError("run()", f"the arguments do not fit {name}{signature}: {error}{hint}; nothing was "
+                                   "launched") from None
 
 
 def _shown(value: Any) -> str:

@@ -127,6 +127,21 @@ def test_payloads_bind_the_arguments_and_give_ctx_where_the_function_asks_for_it
         api.payload_of(3, (), {})
 
 
+def test_a_parameter_named_like_an_option_is_named_in_the_error_with_fn_kwargs():
+    """``run(train, lr=0.1, gpu=False)`` with ``def train(ctx, lr, gpu)``: ``gpu=`` is run()'s option, so train misses
+    it; the error says so (not "missing ctx": ctx is given) and how to pass it, before anything launches."""
+
+    def train(ctx, lr, gpu):
+        return lr
+
+    with pytest.raises(ConfigError) as caught:
+        api.run(train, lr=0.1, gpu=False, backend="local", dry_run=True)
+    text = str(caught.value)
+    assert "missing a required argument: 'gpu'" in text and "'ctx'" not in text.split(":", 2)[-1], text
+    assert "gpu= is an option of run(), not passed to train: give it as fn_kwargs={'gpu': ...}" in text
+    assert api.payload_of(train, (), {"lr": 0.1, "gpu": False}).call_text == "train(ctx, lr=0.1, gpu=False)"
+
+
 # -- the command line -------------------------------------------------------------------------------------------
 
 
