@@ -32,7 +32,7 @@ sys.path.insert(0, HERE)
 from workload import PART_LABELS, SUB_PARTS  # noqa: E402
 
 ORDER = ("local_n2", "local_n1", "spark", "ray", "chart_lag", "strategies", "ctx_log", "interrupt", "data", "outputs",
-         "sweep", "restart", "big_mlp", "big_large")
+         "sweep", "restart", "knobs", "big_mlp", "big_large")
 LOG_COST_LIMIT, LOG_COST_RATE = 0.02, 1500.0  # issue 25: ctx.log every step costs <= 2 % at >= 1500 steps/s
 
 
@@ -44,7 +44,7 @@ def benchmarks(args: argparse.Namespace) -> dict[str, tuple[str, list[str], floa
     # -n 1 runs about 3500 steps/s on a core: 3000 steps give it as long a steady-state window as -n 2's 1000.
     local_steps = {n: [], 1: ["--steps", "3000"]}
     small = {"local": [], "backend": [], "chart": [], "strategies": [], "log": [], "data": [], "outputs": [],
-             "sweep": [], "restart": [], "big_mlp": [], "big_large": []}
+             "sweep": [], "restart": [], "knobs": [], "big_mlp": [], "big_large": []}
     if args.quick:  # does everything run? (the numbers mean nothing)
         local_steps = {n: ["--steps", "200"], 1: ["--steps", "200"]}
         small = {"local": [], "backend": ["--steps", "50"], "chart": ["--steps", "40"],
@@ -52,7 +52,7 @@ def benchmarks(args: argparse.Namespace) -> dict[str, tuple[str, list[str], floa
                  "log": ["--seconds", "1", "--blocks", "4"],
                  "data": ["--gb", "0.05", "--ray-gb", "0.02", "--spark-rows", "300000", "--repeats", "1"],
                  "outputs": ["--gb", "0.02"], "sweep": ["--trials", "4", "--steps", "5", "--prune-steps", "30"],
-                 "restart": ["--steps", "30", "--kill-at", "15"],
+                 "restart": ["--steps", "30", "--kill-at", "15"], "knobs": ["--steps", "3", "--only", "zero3"],
                  "big_mlp": ["--width", "512", "--steps", "2"], "big_large": ["--width", "512", "--steps", "2"]}
     return {
         # setup (tracking DB, imports alone) + cold pairs (two fresh interpreters) + 3 kinds of warm calls
@@ -88,6 +88,9 @@ def benchmarks(args: argparse.Namespace) -> dict[str, tuple[str, list[str], floa
         # issue 37: rank 1 SIGKILLed once, six sides (local, local elastic, Spark, Ray, Ray elastic, raw Ray Train's
         # elastic restart), ~155 s with Spark's and Ray's starts
         "restart": ("bench_restart.py", small["restart"], 240 if args.quick else 300),
+        # issue 38: each knob on a small GPT-2, 2 processes, the magic against itself without it and against
+        # accelerate's FSDP / DeepSpeed plugins: 14 cases, two 2-process runs each (~4 min)
+        "knobs": ("bench_knobs.py", small["knobs"], 120 if args.quick else 300),
         # issue 26: per-rank peak memory, CPU (8 runs of a 134 M-parameter MLP; 4 of a 0.5 B one, 8.5 GiB at -n 1)
         "big_mlp": ("bench_big_models.py", ["--part", "mlp", *small["big_mlp"]], 120 if args.quick else 600),
         "big_large": ("bench_big_models.py", ["--part", "large", *small["big_large"]], 120 if args.quick else 600),
@@ -394,6 +397,7 @@ def targets(results: dict, n: int) -> list[dict]:
     output_targets(results, add)
     sweep_targets(results, add)
     restart_targets(results, add)
+    knob_targets(results, add)
     big_model_targets(results, add)
     lags = _data(results, "chart_lag") or {}
     for key, which in (("chart_lag", "a kernel's first run"), ("chart_lag_later", "later runs")):
@@ -498,6 +502,26 @@ def restart_targets(results: dict, add: callable) -> None:
         "Train's elastic restart", "≤ 1.0", ratio("recovery_s"), 1.0, False, "", every_side)
     add("a lost worker on Ray: steps lost, the magic / Ray Train (a checkpoint every 10 steps)", "≤ 1.0",
         ratio("steps_lost"), 1.0, False, "", every_side)
+
+
+def knob_targets(results: dict, add: callable) -> None:
+    """Issue 38's, from bench_knobs.py: what --ac full saves, and the magic's memory against accelerate's with the
+    same settings (ZeRO-3: its DeepSpeed plugin; on a CPU its FSDP plugin runs DDP, no like-for-like)."""
+    rows = {row["case"]: row for row in (_data(results, "knobs") or {}).get("rows", [])}
+
+    def described(cases: list[str], key: str) -> str:
+        return "; ".join(f"{case} {rows[case][key]:.2f}" for case in cases if (rows.get(case) or {}).get(key))
+
+    ac = [case for case in ("fsdp:ac_full", "zero3:ac_full") if (rows.get(case) or {}).get("peak_vs_none")]
+    add("GPT-2, 2 processes: --ac full peak per rank / the same strategy without it (FSDP, ZeRO-3: the larger)",
+        "≤ 0.9", max((rows[case]["peak_vs_none"] for case in ac), default=None), 0.9, False, "",
+        lambda: described(ac, "peak_vs_none"))
+    same = [case for case in ("zero3:none", "zero3:ac_full", "zero3:clip_grad", "zero3:lora")
+            if (rows.get(case) or {}).get("peak_vs_accelerate")]
+    add("GPT-2, 2 processes, ZeRO-3 with the same settings (none, --ac full, --clip-grad, LoRA): peak per rank, the "
+        "magic / accelerate's DeepSpeed plugin (the largest)", "≤ 1.05",
+        max((rows[case]["peak_vs_accelerate"] for case in same), default=None), 1.05, False, "",
+        lambda: described(same, "peak_vs_accelerate"))
 
 
 def data_section(data: dict) -> list[str]:
