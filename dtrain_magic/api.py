@@ -169,8 +169,8 @@ def _with_ctx_first(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple:
             except TypeError as with_ctx:
                 error = with_ctx  # ctx is given to it: what is missing is something else
         taken = [p for p in signature.parameters if p in OPTIONS and f"'{p}'" in str(error)]
-        hint = (f" ({taken[0]}= is an option of run(), not passed to {name}: give it as fn_kwargs={{{taken[0]!r}: ...}})"
-                if taken else "")
+        hint = (f" ({taken[0]}= is an option of run(), not passed to {name}: give it as "
+                f"fn_kwargs={{{taken[0]!r}: ...}})" if taken else "")
         raise ConfigError("run()", f"the arguments do not fit {name}{signature}: {error}{hint}; nothing was "
                                    "launched") from None
 
