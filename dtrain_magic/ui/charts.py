@@ -173,14 +173,15 @@ def _world_at(world: Series, stamp: int) -> float:
     return earlier[-1] if earlier else world.y[0]
 
 
-def draw_world(figure: Any, series: dict[str, Series]) -> bool:
+def draw_world(figure: Any, series: dict[str, Series], trained_to: float | None = None) -> bool:
     """Draw the world size chart of a run's `WORLD_KEYS` series into ``figure`` (its traces, shapes and annotations
-    replaced); False, and nothing drawn, when the run has no world size or restart (it was never relaunched)."""
+    replaced); False, and nothing drawn, when the run has no world size or restart (it was never relaunched). The
+    line goes on to ``trained_to`` (the last step of the run's own metrics), not only to its last relaunch."""
     if "world_size" not in series and "restarts" not in series:
         return False
     world = series.get("world_size") or Series([0], [float("nan")], [0])  # restarts alone: an unknown world
     restarts, lost = series.get("restarts", Series()), series.get("steps_lost", Series())
-    last = max([*world.x, *restarts.x, *lost.x])
+    last = max([*world.x, *restarts.x, *lost.x, *([] if trained_to is None else [trained_to])])
     shapes = [dict(type="line", x0=step, x1=step, y0=0, y1=1, xref="x", yref="paper",
                    line=dict(dash="dot", color="firebrick")) for step in restarts.x]
     notes = [dict(x=step, y=1, xref="x", yref="paper", text=f"restart {count:g}", showarrow=False, xanchor="left",
@@ -468,12 +469,15 @@ class RunCharts:
             self._apply_visibility()
             self._apply_y_scale()
             self._sync_metric_control()
-        if len(training) < len(changed):
+        if len(training) < len(changed) or (training and self.world_shown):  # its line follows the training
             self._draw_world()
 
     def _draw_world(self) -> None:
         """The world size chart from the run's `WORLD_KEYS` series, shown from its first point on."""
-        if draw_world(self.world_figure, {key: self.metrics[key] for key in WORLD_KEYS if key in self.metrics}):
+        trained_to = max((max(series.x) for key, series in self.metrics.items() if key not in WORLD_KEYS and series.x),
+                         default=None)
+        world = {key: self.metrics[key] for key in WORLD_KEYS if key in self.metrics}
+        if draw_world(self.world_figure, world, trained_to):
             self.world_shown = True
             self._stale.add("world")
             if "world" in self._outputs:

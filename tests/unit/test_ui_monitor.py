@@ -297,8 +297,9 @@ def test_a_relaunched_run_gets_a_world_size_chart_with_its_restart_and_the_steps
     assert charts.poll_once() and charts.world_shown
     figure = charts.world_figure
     assert figure.layout.title.text == "World size: 1 restart, 2 optimizer steps lost"
-    (line,) = figure.data  # a step line: 2 ranks from step 0, 1 from the shrink's resume at 12, 2 again from 18
-    assert (line.name, line.line.shape, list(line.x), list(line.y)) == ("world size", "hv", [0, 12, 18, 19],
+    # a step line: 2 ranks from step 0, 1 from the shrink's resume at 12, 2 again from 18 to the run's last step (23)
+    (line,) = figure.data
+    assert (line.name, line.line.shape, list(line.x), list(line.y)) == ("world size", "hv", [0, 12, 18, 23],
                                                                         [2.0, 1.0, 2.0, 2.0])
     assert [(shape.x0, shape.line.dash) for shape in figure.layout.shapes] == [(19, "dot")]  # not the shrink
     assert [(note.x, note.y, note.text) for note in figure.layout.annotations] == [
@@ -306,6 +307,8 @@ def test_a_relaunched_run_gets_a_world_size_chart_with_its_restart_and_the_steps
     assert charts.training_keys() == ["grad_accum", "loss"] and charts.shown_metric() == "loss"
     assert "world size" not in {trace.name for trace in charts.metrics_figure.data}
     assert charts.widget.children[1].children[2].layout.display is None  # the third chart is shown
+    client.log_metric(run_id, "loss", 0.01, step=30)  # training goes on after the last relaunch: the line with it
+    assert charts.poll_once() and list(charts.world_figure.data[0].x) == [0, 12, 18, 30]
 
 
 def test_a_run_never_relaunched_shows_no_world_size_chart(tmp_path, monkeypatch):
