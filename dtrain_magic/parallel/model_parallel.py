@@ -143,19 +143,21 @@ class ModelParallel:
         pp_group = self._get_mesh()["pp"].get_group() if self.dims.pp > 1 else None
         return gather_full_state(self.module, pp_group, self.to_plain)
 
-    def stream_full_state(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+    def stream_full_state(self, include: Callable[[str], bool] | None = None
+                          ) -> Iterator[tuple[str, torch.Tensor | None]]:
         """The whole plain model to rank 0, one tensor at a time (see `Strategy.stream_full_state`): each stage's
         tensors gathered within the stage (its tensor-parallel and FSDP shards), stage 0's kept by rank 0, the other
-        stages' sent to rank 0 by their first rank; every rank iterates it all."""
+        stages' sent to rank 0 by their first rank; every rank iterates it all. ``include``: only the plain names it
+        accepts are gathered and sent (the same on every rank)."""
         leader = self.coords["dp"] == 0 and self.coords["tp"] == 0  # of stage 0: rank 0
-        own = self._stage_items(keep=leader)
+        own = self._stage_items(keep=leader, include=include)
         # nccl sends only device tensors; gloo, CPU ones
         wire = self.device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
         if self.coords["pp"] == 0:
             yield from own
         else:
             if leader:
-                stage_keys = set(self._stage_keys())
+                stage_keys = set(self._stage_keys(include))
                 dist.send_object_list([[item for item in self.plain_keys if item[0] in stage_keys]], dst=0)
             for _, tensor in own:
                 if leader:
@@ -171,16 +173,18 @@ class ModelParallel:
                 dist.recv(tensor, src=source)
                 yield key, tensor.cpu()
 
-    def _stage_keys(self) -> list[str]:
-        """The plain model's state keys this rank's stage holds (under their plain names)."""
+    def _stage_keys(self, include: Callable[[str], bool] | None = None) -> list[str]:
+        """The plain model's state keys this rank's stage holds (under their plain names; those ``include`` accepts)."""
         state = self.module.state_dict(keep_vars=True)
-        return [key for key, _, _ in self.plain_keys if all(part in state for part in self.renames.get(key, [key]))]
+        return [key for key, _, _ in self.plain_keys if all(part in state for part in self.renames.get(key, [key]))
+                and (include is None or include(key))]
 
-    def _stage_items(self, keep: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """This stage's tensors gathered whole (a collective within the stage), in the plain layout; on the CPU where
-        ``keep``, else None."""
+    def _stage_items(self, keep: bool, include: Callable[[str], bool] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """This stage's tensors (those ``include`` accepts) gathered whole (a collective within the stage), in the
+        plain layout; on the CPU where ``keep``, else None."""
         state = self.module.state_dict(keep_vars=True)
-        for key in self._stage_keys():
+        for key in self._stage_keys(include):
             parts = {}
             for part in self.renames.get(key, [key]):
                 value = state[part]

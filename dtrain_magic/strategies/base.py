@@ -530,10 +530,9 @@ class TorchStrategy(Strategy):
     def stream_full_state(self, include: Callable[[str], bool] | None = None
                           ) -> Iterator[tuple[str, torch.Tensor | None]]:
         """As `Strategy.stream_full_state`: shards gathered one tensor at a time (every rank holds that one tensor
-        for the moment, rank 0 keeps it), pipeline stages sent to rank 0 (whole, then ``include`` picks)."""
+        for the moment, rank 0 keeps it), pipeline stages sent to rank 0; only what ``include`` accepts is gathered."""
         if self.parallel is not None:
-            yield from ((name, tensor) for name, tensor in self.parallel.stream_full_state()
-                        if include is None or include(name))
+            yield from self.parallel.stream_full_state(include)
         elif self.sharded_checkpoints:
             from ..weights.saving import stream
 

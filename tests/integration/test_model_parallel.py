@@ -89,9 +89,10 @@ def train(ctx):
         ctx.train_step(X[i:i + 16], Y[i:i + 16], torch.nn.functional.mse_loss)
     balanced = sorted(model.module.state_dict())
     final = ctx.full_state_dict()
+    picked = [(k, v) for k, v in ctx.strategy.stream_full_state(include=lambda k: k.startswith(("embed.", "head.")))]
     split = make()
     split, _ = ctx.prepare(split, torch.optim.Adam(split.parameters()), pp_split=["layers.3"])
-    return {"final": final, "balanced": balanced, "split": sorted(split.module.state_dict())}
+    return {"final": final, "balanced": balanced, "split": sorted(split.module.state_dict()), "picked": picked}
 """
 
 
@@ -111,6 +112,12 @@ def test_a_module_list_model_is_split_balanced_or_where_asked_and_matches_one_pr
     assert second[0] == "head.bias" and "layers.2.0.weight" in second  # names as in the whole model
     split_layers = [n for n in result.result.values[1]["split"] if n.startswith("layers")]
     assert split_layers == ["layers.3.0.bias", "layers.3.0.weight"]
+    # only the names asked for are gathered and sent: stage 0's embed and stage 1's head, on rank 0 (None elsewhere)
+    picked = dict(result.result.values[0]["picked"])
+    assert sorted(picked) == ["embed.bias", "embed.weight", "head.bias", "head.weight"]
+    for key, value in picked.items():
+        torch.testing.assert_close(value, result.result.value["final"][key], atol=0, rtol=0, msg=key)
+    assert all(value is None for _, value in result.result.values[1]["picked"])
 
 
 def test_hugging_face_gpt2_and_llama_tensor_parallel_match_one_process(shell):
