@@ -13,6 +13,7 @@ Measured times to first step are printed (``pytest -s``) and kept in ``TIMES``. 
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -724,12 +725,14 @@ def test_idle_release_and_distribute_release_free_everything(spark_launcher, she
     assert_no_torchrun_left(spark_launcher)
 
 
-def test_the_users_own_session_is_used_and_never_stopped(spark_launcher, shell, capsys):
+def test_the_users_own_session_is_used_and_never_stopped(spark_launcher, shell, capsys, monkeypatch, tmp_path):
     """Databricks, or a notebook that built its own SparkSession: the magic uses it as it is, starts none,
-    and never stops it."""
+    and never stops it. (Its Python workers' interpreter, fixed when it was built, must import dtrain_magic for
+    --cluster: one that cannot is refused before anything launches.)"""
     from pyspark.sql import SparkSession
 
     spark_launcher.shutdown()  # the module's session was the launcher's own
+    monkeypatch.setenv("PYSPARK_PYTHON", sys.executable)  # what the refusal below tells a user to do
     user = (
         SparkSession.builder.master("local[2]").appName("the-users-own")
         .config("spark.ui.enabled", "false").config("spark.driver.host", "127.0.0.1")
@@ -753,6 +756,16 @@ def test_the_users_own_session_is_used_and_never_stopped(spark_launcher, shell, 
         assert "wait for the next run" in out
         # Barrier tasks hold executor slots of the user's session: not held unless the cell says so.
         cluster = "%%distribute --backend spark --cluster -n 2 --no-ui {}\ndef train(ctx):\n    return ctx.rank\n"
+        bare = tmp_path / "bare-python"  # as if the session had been built without PYSPARK_PYTHON: no dtrain_magic
+        bare.write_text(f"#!/bin/sh\nexec {sys.base_prefix}/bin/python3 -S -I \"$@\"\n")
+        bare.chmod(0o755)
+        user.sparkContext.pythonExec = str(bare)
+        try:
+            refused = shell.run(cluster.format("")).error_in_exec
+        finally:
+            user.sparkContext.pythonExec = sys.executable
+        assert isinstance(refused, ConfigError) and "cannot import dtrain_magic" in str(refused), refused
+        assert user.sparkContext.statusTracker().getActiveJobsIds() == []  # nothing launched
         result = shell.run(cluster.format(""))
         assert result.error_in_exec is None and result.result.values == [0, 1], result.error_in_exec
         assert spark_launcher.standbys.standby is None and "wait for the next run" not in capsys.readouterr().out

@@ -126,3 +126,39 @@ def test_torchrun_root_cause_names_the_rank_and_the_signal():
     assert spark.torchrun_root_cause(CHILD_FAILED) == (1, "process was killed by SIGKILL")
     assert spark.torchrun_root_cause(CHILD_FAILED.replace("-9 (pid", "2 (pid")) == (1, "process exited with code 2")
     assert spark.torchrun_root_cause("no report here") is None
+
+
+# -- --cluster on a classic session: its Python workers' interpreter must import dtrain_magic ------------------------
+
+class _Context:
+    """What `check_cluster_python` reads of a classic SparkContext: its master and its workers' Python."""
+
+    def __init__(self, master: str, python: str):
+        self.master, self.pythonExec = master, python
+
+
+class _ClassicSession:
+    def __init__(self, master: str, python: str):
+        self.sparkContext = _Context(master, python)
+
+
+def test_cluster_on_a_local_session_whose_python_lacks_dtrain_magic_is_refused_with_the_fix(tmp_path, monkeypatch):
+    """A notebook that built ``SparkSession.builder.master("local[2]")`` without PYSPARK_PYTHON: its workers run
+    ``python3``, which here lacks dtrain_magic (a real interpreter is asked, from a directory without a checkout):
+    refused before launch, naming the flag, the interpreter and the fix. The notebook's own interpreter passes, and a
+    remote master's workers are not looked into."""
+    import sys
+
+    from dtrain_magic.errors import ConfigError
+    from dtrain_magic.launchers.spark import sessions
+
+    monkeypatch.chdir(tmp_path)
+    bare = tmp_path / "bare-python"  # an interpreter without dtrain_magic on its path, whatever the machine has
+    bare.write_text(f"#!/bin/sh\nexec {sys.base_prefix}/bin/python3 -S -I \"$@\"\n")
+    bare.chmod(0o755)
+    refused = r"^--cluster: .*run `.*bare-python`.*PYSPARK_PYTHON.*nothing was launched$"
+    for master in ("local[2]", "local-cluster[2,1,1024]"):
+        with pytest.raises(ConfigError, match=refused):
+            sessions.check_cluster_python(_ClassicSession(master, str(bare)))
+    sessions.check_cluster_python(_ClassicSession("local[2]", sys.executable))
+    sessions.check_cluster_python(_ClassicSession("spark://10.0.0.5:7077", str(bare)))  # not on this machine

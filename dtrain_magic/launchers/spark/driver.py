@@ -550,7 +550,7 @@ class SparkLauncher(Spark, Launcher):
         spark = self.session(config)
         self._distributor(config, spark)  # TorchDistributor's own checks (GPU settings) before anything runs
         if not config.local_mode:
-            sessions.check_connect_cluster_python(spark)
+            sessions.check_cluster_python(spark)
             self._wait_for_slots(spark, config.num_processes)
 
     # -- standbys (docs/warm-reruns.md) -------------------------------------------------------------------

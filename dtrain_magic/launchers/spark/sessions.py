@@ -105,6 +105,51 @@ def running_jobs(spark: Any, group: str) -> list[int]:
         return []
 
 
+def check_cluster_python(spark: Any) -> None:
+    """``--cluster``: the barrier tasks run the executors' Python, which must import dtrain_magic. Checked before
+    anything launches where that Python is on this machine (a Connect server this notebook started; a classic
+    session whose master is local or on loopback), refused with the fix; a remote cluster's is not looked into."""
+    if is_connect(spark):
+        check_connect_cluster_python(spark)
+        return
+    context = getattr(spark, "sparkContext", None)
+    if context is None or not is_loopback_master(getattr(context, "master", None)):
+        return
+    python = getattr(context, "pythonExec", None) or "python3"
+    if not _imports_dtrain_magic(python):
+        raise ConfigError(
+            "--cluster",
+            f"this SparkSession's Python workers run `{python}` (its PYSPARK_PYTHON when the SparkContext was "
+            "created: read then and never again), which cannot import dtrain_magic; set os.environ['PYSPARK_PYTHON'] "
+            "= sys.executable before building the SparkSession (stop this one and build it again), or leave out "
+            "--cluster (local mode runs this notebook's Python); nothing was launched",
+        )
+
+
+_IMPORTS: dict[tuple[str, str], bool] = {}  # (python, cwd) -> whether it imports dtrain_magic (asked once each)
+
+
+def _imports_dtrain_magic(python: str) -> bool:
+    """Whether ``python`` (a path, or a name on the PATH) imports dtrain_magic, run where a local master's workers
+    run (this process's directory). This interpreter itself is not asked."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    found = shutil.which(python)
+    if found and os.path.realpath(found) == os.path.realpath(sys.executable):
+        return True
+    key = (python, os.getcwd())
+    if key not in _IMPORTS:
+        try:
+            probe = subprocess.run([found or python, "-c", "import dtrain_magic"], capture_output=True, timeout=60)
+            _IMPORTS[key] = probe.returncode == 0
+        except (OSError, subprocess.TimeoutExpired):  # no such interpreter: its workers could not start either
+            _IMPORTS[key] = False
+    return _IMPORTS[key]
+
+
 def check_connect_cluster_python(spark: Any) -> None:
     """``--cluster`` on a Spark Connect server this notebook started (``builder.remote("local[...]")``): its barrier
     tasks run the Python its JVM was started with, read from ``PYSPARK_PYTHON`` then and never again (a server stopped
