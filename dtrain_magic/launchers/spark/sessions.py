@@ -138,8 +138,8 @@ def _imports_dtrain_magic(python: str) -> bool:
     import sys
 
     found = shutil.which(python)
-    if found and os.path.realpath(found) == os.path.realpath(sys.executable):
-        return True
+    if found and os.path.abspath(found) == os.path.abspath(sys.executable):  # not realpath: a venv's python links
+        return True  # to its base interpreter, which another venv (without dtrain_magic) shares
     key = (python, os.getcwd())
     if key not in _IMPORTS:
         try:
