@@ -407,8 +407,13 @@ class ConfigurePanel:
             # The label stays short (a longer one was cut off); the tooltip says why it may be greyed out.
             control.tooltip = (control.description if not control.disabled
                                else f"{owner} only: choose strategy {owner} to set {control.description}")
-        self.controls["precision"].options = self.state.options()["precision"]
-        self.controls["precision"].value = self.state.values["precision"]
+        precision = self.controls["precision"]
+        if tuple(precision.options) != tuple(self.state.options()["precision"]):
+            # only when they change: setting a Dropdown's options resets its index, a round trip to the browser
+            # that can cross the user's next choice there
+            precision.options = self.state.options()["precision"]
+        if precision.value != self.state.values["precision"]:
+            precision.value = self.state.values["precision"]
         memory = self.state.memory_line()
         self.memory.value = (f"<pre style='margin:0; white-space:pre-wrap'>{html.escape(memory)}</pre>" if memory
                              else "<i>memory estimate unavailable</i>")

@@ -505,16 +505,17 @@ def test_configure_panel_runs_with_the_live_monitor(chromium, jupyterlab):
                 # the estimate is for the cell's own model, counted without training
                 expect(panel.locator(".dtm-memory")).to_contain_text(f"model: {PANEL_PARAMS:,} parameters",
                                                                      timeout=30_000)
-                expect(panel.locator(".dtm-memory")).to_contain_text("from the cell")
-                expect(panel.locator(".dtm-control-zero select")).to_be_disabled()
+                expect(panel.locator(".dtm-memory")).to_contain_text("from the cell", timeout=30_000)
+                expect(panel.locator(".dtm-control-zero select")).to_be_disabled(timeout=30_000)
                 panel.locator(".dtm-control-strategy select").select_option(label="deepspeed")
                 expect(panel.locator(".dtm-control-zero select")).to_be_enabled(timeout=30_000)
                 panel.locator(".dtm-control-zero select").select_option(label="ZeRO-2")
                 panel.locator(".dtm-control-precision select").select_option(label="bf16")
                 line = "%%distribute --backend local --strategy deepspeed --zero 2 --precision bf16 -n 2 --cpu --ui"
                 expect(panel.locator(".dtm-flag-line textarea")).to_have_value(line, timeout=30_000)
-                expect(panel.locator(".dtm-memory")).to_contain_text("deepspeed ZeRO-2, bf16, 2 processes")
-                expect(panel.locator("button.dtm-run")).to_be_enabled()
+                expect(panel.locator(".dtm-memory")).to_contain_text("deepspeed ZeRO-2, bf16, 2 processes",
+                                                                     timeout=30_000)
+                expect(panel.locator("button.dtm-run")).to_be_enabled(timeout=30_000)
                 panel.locator("button.dtm-run").click()
                 timings["run_clicked_s"] = time.monotonic() - t0
 
@@ -522,17 +523,18 @@ def test_configure_panel_runs_with_the_live_monitor(chromium, jupyterlab):
                 # (the first DeepSpeed run of a fresh environment compiles a C++ op first: up to a minute or more)
                 monitor = panel.locator(".dtm-monitor-panel .dtm-monitor")
                 expect(monitor).to_have_attribute("data-state", "running", timeout=60_000)
-                expect(panel.locator(".dtm-plan")).to_contain_text("gloo process group")  # the backend in use
+                # the backend in use
+                expect(panel.locator(".dtm-plan")).to_contain_text("gloo process group", timeout=30_000)
                 charts = panel.locator(".dtm-monitor-panel .dtm-charts .js-plotly-plot")
                 expect(charts).to_have_count(2, timeout=300_000)
                 expect(charts.nth(0).locator(".scatterlayer .trace").first).to_be_attached(timeout=120_000)
                 expect(charts.nth(1).locator(".scatterlayer .trace").first).to_be_attached(timeout=60_000)
                 timings["charts_drawn_s"] = time.monotonic() - t0
                 expect(panel.locator(".dtm-progress")).to_contain_text("/6000", timeout=30_000)
-                expect(panel.locator(".dtm-progress")).to_contain_text("ETA")
+                expect(panel.locator(".dtm-progress")).to_contain_text("ETA", timeout=30_000)
                 expect(panel.locator(".dtm-rank-state")).to_have_text(["running", "running"], timeout=30_000)
-                expect(charts.nth(0).locator(".legendtext", has_text="loss")).to_have_count(1)
-                expect(charts.nth(1)).to_contain_text("CPU / RAM")
+                expect(charts.nth(0).locator(".legendtext", has_text="loss")).to_have_count(1, timeout=30_000)
+                expect(charts.nth(1)).to_contain_text("CPU / RAM", timeout=30_000)
                 # points are added while it trains (the run goes on until Stop: no race with its length)
                 first = _wait_for(lambda: _points(charts.nth(0)), 60, "the first loss points in the browser")
                 grown = _wait_for(lambda: (n := _points(charts.nth(0))) > first and n, 60, "more loss points")
