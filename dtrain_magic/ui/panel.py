@@ -407,11 +407,11 @@ class ConfigurePanel:
             # The label stays short (a longer one was cut off); the tooltip says why it may be greyed out.
             control.tooltip = (control.description if not control.disabled
                                else f"{owner} only: choose strategy {owner} to set {control.description}")
-        precision = self.controls["precision"]
-        if tuple(precision.options) != tuple(self.state.options()["precision"]):
+        precision, allowed = self.controls["precision"], self.state.options()["precision"]
+        if tuple(precision.options) != tuple(allowed):
             # only when they change: setting a Dropdown's options resets its index, a round trip to the browser
             # that can cross the user's next choice there
-            precision.options = self.state.options()["precision"]
+            precision.options = allowed
         if precision.value != self.state.values["precision"]:
             precision.value = self.state.values["precision"]
         memory = self.state.memory_line()

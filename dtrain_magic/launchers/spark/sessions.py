@@ -8,7 +8,11 @@ case the launcher lets Spark decide rather than guess.
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 from typing import Any
 
 from ..._compat import spark as spark_compat
@@ -132,11 +136,6 @@ _IMPORTS: dict[tuple[str, str], bool] = {}  # (python, cwd) -> whether it import
 def _imports_dtrain_magic(python: str) -> bool:
     """Whether ``python`` (a path, or a name on the PATH) imports dtrain_magic, run where a local master's workers
     run (this process's directory). This interpreter itself is not asked."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-
     found = shutil.which(python)
     if found and os.path.abspath(found) == os.path.abspath(sys.executable):  # not realpath: a venv's python links
         return True  # to its base interpreter, which another venv (without dtrain_magic) shares
