@@ -26,6 +26,7 @@ from dtrain_magic.config import RunConfig
 from dtrain_magic.driver.staging import staging_area
 from dtrain_magic.errors import CaptureError, ConfigError, RunInterrupted, RunTimeout, WorkerError
 from dtrain_magic.launchers import get_launcher
+from interpreters import bare_python
 from sweep_checks import check_a_sweep_reuses_its_workers
 from workloads import (
     EVERY,
@@ -756,10 +757,8 @@ def test_the_users_own_session_is_used_and_never_stopped(spark_launcher, shell, 
         assert "wait for the next run" in out
         # Barrier tasks hold executor slots of the user's session: not held unless the cell says so.
         cluster = "%%distribute --backend spark --cluster -n 2 --no-ui {}\ndef train(ctx):\n    return ctx.rank\n"
-        bare = tmp_path / "bare-python"  # as if the session had been built without PYSPARK_PYTHON: no dtrain_magic
-        bare.write_text(f"#!/bin/sh\nexec {sys.base_prefix}/bin/python3 -S -I \"$@\"\n")
-        bare.chmod(0o755)
-        user.sparkContext.pythonExec = str(bare)
+        # as if the session had been built without PYSPARK_PYTHON: its workers' Python lacks dtrain_magic
+        user.sparkContext.pythonExec = str(bare_python(tmp_path))
         try:
             refused = shell.run(cluster.format("")).error_in_exec
         finally:

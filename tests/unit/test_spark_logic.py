@@ -8,6 +8,7 @@ import pytest
 from dtrain_magic.config import RunConfig
 from dtrain_magic.errors import MissingDependencyError
 from dtrain_magic.launchers import spark
+from interpreters import bare_python
 
 
 @pytest.mark.parametrize(
@@ -153,9 +154,7 @@ def test_cluster_on_a_local_session_whose_python_lacks_dtrain_magic_is_refused_w
     from dtrain_magic.launchers.spark import sessions
 
     monkeypatch.chdir(tmp_path)
-    bare = tmp_path / "bare-python"  # an interpreter without dtrain_magic on its path, whatever the machine has
-    bare.write_text(f"#!/bin/sh\nexec {sys.base_prefix}/bin/python3 -S -I \"$@\"\n")
-    bare.chmod(0o755)
+    bare = bare_python(tmp_path)  # an interpreter without dtrain_magic on its path, whatever the machine has
     refused = r"^--cluster: .*run `.*bare-python`.*PYSPARK_PYTHON.*nothing was launched$"
     for master in ("local[2]", "local-cluster[2,1,1024]"):
         with pytest.raises(ConfigError, match=refused):
