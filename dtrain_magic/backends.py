@@ -116,6 +116,9 @@ class Spark(Backend):
     # launcher submits a new job per attempt, resuming from the run's checkpoints (launchers/spark/restarts.py)
     restarts_workers = True
     resumes_runs = True  # --resume: as on local (the checkpoint root is a path every worker reads)
+    # a SIGTERM to a rank (a machine shutting down SIGTERMs every process): the rank is a torchrun worker's main
+    # thread, its handler the worker's; the launcher's own stops kill through the ranks' watchdogs (SIGKILL)
+    preemption_notice = True
     keeps_workers_warm = True
     output_table = "spark"  # spark.read.parquet of the committed parts: never collected
 

@@ -453,11 +453,11 @@ FLAGS: tuple[Flag, ...] = (
          default_doc="all"),
     Flag(("--preempt-grace",), "preempt_grace", RELIABILITY, type=seconds, default=DEFAULT_PREEMPT_GRACE_S,
          placeholder="S",
-         help="local: a SIGTERM to a worker (a preemption notice) makes every rank checkpoint at the next step "
+         help="local, spark: a SIGTERM to a worker (a preemption notice) makes every rank checkpoint at the next step "
               "boundary, within S seconds, then the run restarts from it when it may restart; 0: a SIGTERM stops it; "
               "ray: the notice is Ray draining a node (its deadline), 0 turns it off",
-         doc="local: a SIGTERM to a worker (the cloud's preemption notice) makes every rank checkpoint at the next "
-             "optimizer step boundary within S seconds, then the run restarts (`--max-restarts`) or shrinks "
+         doc="local, spark: a SIGTERM to a worker (the cloud's preemption notice) makes every rank checkpoint at "
+             "the next optimizer step boundary within S seconds, then the run restarts (`--max-restarts`) or shrinks "
              "(`--elastic`) from it: no step lost; `0`: a SIGTERM stops the worker at once; ray: the notice is Ray "
              "draining a node of the run (the drain's deadline applies), `0` turns it off "
              "(see [preemption](reliability.md#preemption-notice))"),

@@ -348,7 +348,8 @@ class TrainContext:
         """Optimizer step and zero_grad at each ``--grad-accum`` boundary. True if the optimizer stepped. Not under
         ``--pp`` (`train_step` steps).
 
-        On the local backend, after a SIGTERM to any rank (a preemption notice, ``--preempt-grace``), the step boundary
+        After a preemption notice (``--preempt-grace``: a SIGTERM to any rank on local and Spark, Ray draining a node
+        of the run on Ray), the step boundary
         the ranks agree on writes a checkpoint (the last ``save_checkpoint``'s ``client_state``, ``step`` set to this
         call's index over the run) and raises `dtrain_magic.worker.preempt.Preempted`: the run restarts from there.
 

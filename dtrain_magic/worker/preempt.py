@@ -8,8 +8,9 @@ slow step; an interval rank 0 proposes inside the same all-reduce for fast ones)
 where it has long completed: every rank runs the same sequence of these all-reduces, so every rank sees the flag at the
 same boundary, checkpoints there (``ctx.save_checkpoint``) and leaves with `Preempted`; the launcher then restarts
 the run from that checkpoint (``--max-restarts``). The all-reduce costs no wait on the training thread. With one rank
-there is nothing to agree on: the flag is read directly. The launcher's own SIGTERMs (a stop,
-an interrupt) are told apart by a file it creates first (``$DTRAIN_MAGIC_STOP_FILE``): they end the worker at once.
+there is nothing to agree on: the flag is read directly. The local launcher's own SIGTERMs (a stop, an interrupt) are
+told apart by a file it creates first (``$DTRAIN_MAGIC_STOP_FILE``): they end the worker at once. The Spark launcher
+stops its ranks through their watchdogs (a SIGKILL); a notice a rank got from torchrun on the way changes nothing.
 
 A backend that tells its workers of a preemption its own way gives a ``poll`` instead of the SIGTERM handler: on Ray,
 Ray Train's preemption watcher marks every worker of a run when Ray drains one of its nodes (`_compat.ray.
@@ -30,6 +31,7 @@ PREEMPTED_EXIT = 75  # EX_TEMPFAIL: what a rank that checkpointed for a preempti
 # A file the launcher creates before it SIGTERMs its own workers (a stop, an interrupt, a restart's survivors): that
 # SIGTERM is no notice, and ends the worker at once as it always did
 STOP_FILE_ENV = "DTRAIN_MAGIC_STOP_FILE"
+PREEMPTION_SOURCE = "SIGTERM"  # the notice where the backend has none of its own, in words
 
 
 class Preempted(BaseException):
@@ -41,7 +43,7 @@ class PreemptionNotice:
     """This rank's SIGTERM flag and the ranks' agreement on it (see the module docstring)."""
 
     def __init__(self, grace_s: float, world_size: int, poll: Callable[[], bool] | None = None,
-                 source: str = "SIGTERM"):
+                 source: str = PREEMPTION_SOURCE):
         """``poll``: the backend's own notice, asked at each check (None: a SIGTERM handler, main thread only);
         ``source``: what the notice is, in the `Preempted` message."""
         self.grace_s = grace_s
@@ -135,7 +137,7 @@ def check_device(process_group_backend: str) -> str:
 
 
 def install(config: Any, world_size: int, backend_notice: bool, poll: Callable[[], bool] | None = None,
-            source: str = "SIGTERM") -> PreemptionNotice | None:
+            source: str = PREEMPTION_SOURCE) -> PreemptionNotice | None:
     """The rank's notice when the backend acts on one and ``--preempt-grace`` is not 0: a SIGTERM handler (main
     thread only), or the backend's ``poll`` (any thread)."""
     if not backend_notice or not config.preempt_grace:

@@ -12,6 +12,7 @@ Measured times to first step are printed (``pytest -s``) and kept in ``TIMES``. 
 """
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -30,6 +31,7 @@ from interpreters import bare_python
 from sweep_checks import check_a_sweep_reuses_its_workers
 from workloads import (
     EVERY,
+    KILL_AT,
     KILL_RANK1_CELL,
     MIXED_CELL,
     PP_WIDTHS,
@@ -503,6 +505,39 @@ def test_max_restarts_resubmits_the_job_and_resumes_from_the_last_checkpoint(spa
     first_attempt = [int(open(f"pid_{rank}").read().split()[0]) for rank in (0, 1)]
     assert not any(alive(pid) for pid in first_attempt), first_attempt  # the failed attempt's workers are gone
     assert_taken_over(spark_launcher, waiting)
+    assert_no_torchrun_left(spark_launcher)
+    assert_no_spark_job_running(spark_launcher)
+
+
+def test_a_sigterm_to_a_rank_checkpoints_every_rank_and_the_restart_loses_no_step(spark_launcher, shell, mlflow,
+                                                                                  capsys):
+    """The preemption notice on Spark (issue #37): rank 1 gets a SIGTERM before step 6 (between the checkpoints of
+    steps 3 and 7) with a 5 s grace: every rank checkpoints at the boundary they agree on, the job ends, and the
+    restart resumes right after it: 0 steps lost, the uninterrupted run's weights (1e-6), nothing of the first
+    attempt left."""
+    import torch
+
+    if not RESTART_REFERENCE:  # (this test alone)
+        reference = shell.run(restart_cell("local"))
+        assert reference.error_in_exec is None, reference.error_in_exec
+        RESTART_REFERENCE.update(reference.result.value)
+    capsys.readouterr()
+    cell = restart_cell("spark", flags="--max-restarts 1 --preempt-grace 5", kill=True, signal="SIGTERM", pause=0.05)
+    result = shell.run(cell)
+    said = "".join(capsys.readouterr())
+    assert result.error_in_exec is None, result.error_in_exec
+    found = re.search(r"every rank checkpointed for a preemption notice \(SIGTERM\): restarting from step (\d+), "
+                      r"1 of 1", said)
+    assert found, said
+    saved_at = int(found.group(1))
+    assert KILL_AT <= saved_at < STEPS - 1 and f"[rank 0] resumed at step {saved_at + 1}" in said, said
+    for name, value in RESTART_REFERENCE.items():
+        assert torch.allclose(value, result.result.value[name], atol=1e-6, rtol=0), name
+    run_id = result.result.run_id
+    assert [m.value for m in mlflow.get_metric_history(run_id, "steps_lost")] == [0.0]
+    assert [m.value for m in mlflow.get_metric_history(run_id, "restarts")] == [1.0]
+    first_attempt = [int(open(f"pid_{rank}").read().split()[0]) for rank in (0, 1)]
+    assert not any(alive(pid) for pid in first_attempt), first_attempt
     assert_no_torchrun_left(spark_launcher)
     assert_no_spark_job_running(spark_launcher)
 

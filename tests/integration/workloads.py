@@ -58,8 +58,8 @@ STEPS, EVERY, KILL_AT = 12, 4, 6
 # One training function for every backend: checkpoints every EVERY steps (on Ray), resumes from the
 # latest one, and rank 1 SIGKILLs itself once at KILL_AT when KILL is set (a marker file makes it once).
 RESTART_CELL = """%%distribute --backend {backend} -n 2 --no-ui {flags}
-import os, signal, torch
-STEPS, EVERY, KILL_AT, KILL, SAVE = {steps}, {every}, {kill_at}, {kill}, {save}
+import os, signal, time, torch
+STEPS, EVERY, KILL_AT, KILL, SAVE, PAUSE = {steps}, {every}, {kill_at}, {kill}, {save}, {pause}
 def train(ctx):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
@@ -75,10 +75,11 @@ def train(ctx):
     for step in range(start, STEPS):
         if KILL and step == KILL_AT and ctx.rank == 1 and not os.path.exists("killed"):
             open("killed", "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.{signal})
         loss = (model(data[step, ctx.rank]) - target[step, ctx.rank]).pow(2).mean()
         ctx.backward(loss)
         ctx.step()
+        time.sleep(PAUSE)
         ctx.log({{"loss": loss.item()}}, step=step)
         if SAVE and step % EVERY == EVERY - 1:
             ctx.save_checkpoint(step=step)
@@ -86,9 +87,13 @@ def train(ctx):
 """
 
 
-def restart_cell(backend: str, flags: str = "", kill: bool = False, save: bool = True, steps: int = STEPS) -> str:
+def restart_cell(backend: str, flags: str = "", kill: bool = False, save: bool = True, steps: int = STEPS,
+                 signal: str = "SIGKILL", pause: float = 0.0) -> str:
+    """``kill``: rank 1 sends itself ``signal`` before step KILL_AT (once); ``pause``: seconds after each step (a
+    step as long as the ranks' preemption check interval, `worker.preempt.CHECK_EVERY_S`: a SIGTERM is acted on
+    within the run)."""
     return RESTART_CELL.format(backend=backend, flags=flags, steps=steps, every=EVERY, kill_at=KILL_AT, kill=kill,
-                               save=save)
+                               save=save, signal=signal, pause=pause)
 
 
 

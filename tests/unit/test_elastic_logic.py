@@ -97,7 +97,6 @@ def test_elastic_bounds_and_worlds():
     (dict(backend="spark", elastic="1:2"), "--elastic", "--backend local or ray"),
     (dict(backend="local", elastic="1:1"), "--elastic", "MIN <= -n <= MAX"),
     (dict(backend="local", elastic="1:2", strategy="deepspeed"), "--elastic", "--strategy fsdp"),
-    (dict(backend="spark", preempt_grace=5), "--preempt-grace", "--backend local or ray does"),
     (dict(backend="local", preempt_grace=-1), "--preempt-grace", ">= 0"),
     (dict(backend="local", keep_checkpoints=0), "--keep-checkpoints", ">= 1"),
 ])
@@ -107,10 +106,12 @@ def test_bad_reliability_flags_name_the_flag_and_what_is_allowed(kwargs, flag, w
     assert info.value.flag == flag and words in str(info.value)
 
 
-@pytest.mark.parametrize("backend", ["spark", "ray"])
-def test_no_notice_is_every_backends_own_behaviour(backend):
-    """``--preempt-grace 0`` (what a session sets for its ranks) asks nothing of a backend: accepted everywhere."""
-    assert RunConfig(backend=backend, use_gpu=False, preempt_grace=0.0).preempt_grace == 0.0
+@pytest.mark.parametrize("backend", ["local", "spark", "ray"])
+@pytest.mark.parametrize("grace", [0.0, 5.0])
+def test_every_backend_acts_on_a_notice_or_none(backend, grace):
+    """``--preempt-grace 0`` (what a session sets for its ranks) asks nothing of a backend; every backend acts on a
+    notice (local and Spark: a SIGTERM; Ray: a drain)."""
+    assert RunConfig(backend=backend, use_gpu=False, preempt_grace=grace).preempt_grace == grace
 
 
 # -- the data position re-split ---------------------------------------------------------------------------------

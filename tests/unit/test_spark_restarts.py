@@ -89,6 +89,21 @@ def test_a_reported_error_alone_restarts_once_the_attempt_ended_or_after_the_wai
     assert running.poll().restart_note.startswith("the job lost (an unreadable message)")
 
 
+def test_every_rank_preempted_is_a_notice_not_a_lost_rank(tmp_path):
+    """Every rank checkpointed for a preemption notice and returned (`Preempted` over the channel, the job ended):
+    the restart line says so; one rank's `Preempted` beside another's failure is that failure's."""
+    checkpoint(tmp_path, 0, 8)
+    running, attempts, said = job(tmp_path)
+    for rank in (1, 0):
+        running.worker_failed(rank, "Preempted: preempted (SIGTERM): every rank checkpointed after step 8")
+    attempts[0].state = LaunchState(True)
+    note = "every rank checkpointed for a preemption notice (SIGTERM): restarting from step 8, 1 of 2"
+    assert running.poll().restart_note == note and said[-1].text == f"dtrain_magic: {note}\n"
+    running.worker_failed(0, "Preempted: preempted (SIGTERM): every rank checkpointed after step 8")
+    attempts[1].state = LaunchState(True, [Failure(1, "process was killed by SIGKILL")])
+    assert running.poll().restart_note.startswith("rank 1 lost (process was killed by SIGKILL)")
+
+
 def test_nothing_restarts_once_the_run_is_released_or_cancelled(tmp_path):
     running, attempts, _ = job(tmp_path)
     running.release()

@@ -11,6 +11,11 @@ same for every attempt), as on the local backend. The cell says what happens::
 
     dtrain_magic: rank 1 lost (process was killed by SIGKILL): restarting from step 3, 1 of 2
 
+A SIGTERM to a rank is a preemption notice (`worker.preempt`): every rank checkpoints at the same step boundary,
+raises `Preempted` and returns; the job ends, and the restart resumes right after that checkpoint::
+
+    dtrain_magic: every rank checkpointed for a preemption notice (SIGTERM): restarting from step 9, 1 of 1
+
 The attempt's `LaunchState` says ``restarted`` once, with that line as its ``restart_note``: the pump forgets the
 failed attempt (its connections are retired) and the MLflow run, the same for every attempt, gets a ``restarts``
 metric and a ``dtrain_magic.restart_<n>`` tag per restart.
@@ -24,6 +29,7 @@ from typing import Any, Callable
 
 from ...channel import Output
 from ...errors import log_dropped
+from ...worker.preempt import PREEMPTION_SOURCE, Preempted
 from ...worker.resume_point import resume_point
 from ..base import Emit, Failure, LaunchState, RunningJob
 
@@ -59,8 +65,9 @@ class RestartingJob(RunningJob):
             if cause is None or self.restarts_left == 0 or self._stopped:
                 return LaunchState(state.finished, state.failures, errors_final=self.restarts_left == 0)
             self.restarts_left -= 1
+            preempted = self._preempted(state)
             self._reported = []
-        note = self._restart(cause)
+        note = self._restart(cause, preempted)
         return LaunchState(False, [], errors_final=False, restarted=True, restart_note=note)
 
     def _cause(self, state: LaunchState) -> Failure | None:
@@ -74,12 +81,19 @@ class RestartingJob(RunningJob):
             return self._reported[0]
         return None
 
-    def _restart(self, cause: Failure) -> str:
+    def _preempted(self, state: LaunchState) -> bool:
+        """Did this attempt end because every rank checkpointed for a preemption notice (`worker.preempt`)? Each
+        rank then raised `Preempted` (said over the channel) and returned: no rank died, the job ended."""
+        return (state.finished and not state.failures and bool(self._reported)
+                and all(f.reason.startswith(Preempted.__name__) for f in self._reported))
+
+    def _restart(self, cause: Failure, preempted: bool) -> str:
         """Stop the failed attempt (nothing of it left running), say so in the cell, launch the next one."""
         attempt = self.restarts - self.restarts_left
         who = f"rank {cause.rank}" if cause.rank is not None else "the job"
-        note = (f"{who} lost ({_short(cause.reason)}): restarting from {resume_point(self._root).words()}, "
-                f"{attempt} of {self.restarts}")
+        why = (f"every rank checkpointed for a preemption notice ({PREEMPTION_SOURCE})" if preempted
+               else f"{who} lost ({_short(cause.reason)})")
+        note = f"{why}: restarting from {resume_point(self._root).words()}, {attempt} of {self.restarts}"
         self._emit(Output(None, "stderr", f"dtrain_magic: {note}\n"))
         try:
             self.current.cancel()  # the job group, this machine's torchrun trees, the rank watch (remote workers)
