@@ -193,9 +193,6 @@ class RunConfig:
         if not bounds[0] <= self.num_processes <= bounds[1]:
             raise ConfigError("--elastic", f"{self.elastic} does not hold -n {self.num_processes}: the run starts on "
                                            f"-n workers, so MIN <= -n <= MAX; use -n {bounds[1]} or widen the range")
-        refusal = STRATEGIES.facts(self.strategy).elastic_refusal
-        if refusal:
-            raise ConfigError("--elastic", f"is not supported with --strategy {self.strategy}: {refusal}")
         if self.tp > 1 or self.pp > 1:
             raise ConfigError("--elastic", "is not supported with --tp/--pp yet (a resize must keep whole model "
                                            "replicas); drop --elastic or --tp/--pp")

@@ -14,13 +14,24 @@ DeepSpeed documents no accessor for that. Both uses fall back, so no DeepSpeed v
   gathered with the public ``deepspeed.zero.GatheredParameters`` and rank 0 writes it whole (every rank holds that one
   parameter for the moment, and rank 0 reads it all).
 
+- `saved_dp_world`, `to_universal`, `loading_universal`: a ZeRO checkpoint written on another number of ranks (an
+  ``--elastic`` resize) loads through DeepSpeed's universal checkpoint: its own conversion (the ``ds_to_universal``
+  command line's ``main``, given the arguments its parser would make) and ``checkpoint.load_universal``, which the
+  engine reads from its config object (``engine._config``) at load time, set for that one load. The files' names
+  (``*zero_pp_rank_<dp>_mp_rank_<mp>_optim_states.pt``) say how many ranks wrote a checkpoint. **No fallback**: the
+  resized run fails with DeepSpeed's error at ``ctx.load_checkpoint()``.
+
 Everything else (``deepspeed.initialize``, the engine, ``deepspeed.utils.safe_get_full_fp32_param``,
 ``deepspeed.zero.GatheredParameters``, ``get_accelerator().create_op_builder``) is public.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import io
+import os
+import re
+from typing import Any, Iterator
 
 from . import Library
 
@@ -87,3 +98,39 @@ def share_fp32_partitions(optimizer: Any) -> int:
         hp_groups[index] = lp
         freed += hp.numel() * hp.element_size()
     return freed
+
+
+_OPTIM_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+
+
+def saved_dp_world(folder: str) -> int | None:
+    """How many data-parallel ranks wrote the ZeRO checkpoint in ``folder`` (one DeepSpeed tag): its ranks' optimizer
+    partition files. None without any (ZeRO-0: whole states, which load on any number of ranks)."""
+    ranks = {m.group(1) for name in os.listdir(folder) if (m := _OPTIM_FILE.search(name))}
+    return len(ranks) or None
+
+
+def to_universal(folder: str, output: str) -> None:
+    """Convert the checkpoint in ``folder`` into a universal one in ``output`` (loadable on any number of ranks), in
+    this process (one worker: no process pool inside a training rank), DeepSpeed's printing and progress bars kept
+    out of the cell."""
+    import argparse
+
+    from deepspeed.checkpoint.ds_to_universal import main
+
+    args = argparse.Namespace(input_folder=folder, output_folder=output, num_extract_workers=1, num_merge_workers=1,
+                              keep_temp_folder=False, strict=True, inject_missing_state=True)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        main(args)
+
+
+@contextlib.contextmanager
+def loading_universal(engine: Any) -> Iterator[None]:
+    """``engine.load_checkpoint`` inside reads a universal checkpoint (``checkpoint.load_universal``, for this load)."""
+    settings = engine._config
+    before = settings.load_universal_checkpoint
+    settings.load_universal_checkpoint = True
+    try:
+        yield
+    finally:
+        settings.load_universal_checkpoint = before

@@ -56,8 +56,6 @@ class Strategy(ABC):
     panel_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType({})
     #: why ``--tp``/``--pp`` cannot be used with this strategy (None: they can)
     model_parallel_refusal: ClassVar[str | None] = None
-    #: why ``--elastic`` cannot be used with this strategy (None: its checkpoints load on another world size)
-    elastic_refusal: ClassVar[str | None] = None
 
     @classmethod
     def validate(cls, config: RunConfig) -> None:

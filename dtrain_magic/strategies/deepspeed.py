@@ -263,9 +263,6 @@ class DeepSpeedStrategy(Strategy):
         "DeepSpeed's own tensor/pipeline engines need models written for them. Use --strategy fsdp with it (FSDP "
         "over the data-parallel ranks, ZeRO-3-like) or --strategy ddp"
     )
-    elastic_refusal = ("DeepSpeed's checkpoints load only on the world size that wrote them (its universal "
-                       "checkpoints are not used yet); use --strategy fsdp (resharded by torch.distributed.checkpoint) "
-                       "or ddp with --elastic")
 
     @classmethod
     def validate(cls, config: RunConfig) -> None:
@@ -489,12 +486,40 @@ class DeepSpeedStrategy(Strategy):
         self.engine.save_checkpoint(directory, client_state={"dtrain_client_state": dict(client_state or {})})
 
     def load_checkpoint(self, directory: str) -> dict | None:
-        if not os.path.exists(os.path.join(directory, "latest")):
+        """DeepSpeed's own load; a ZeRO checkpoint written on another number of ranks (an ``--elastic`` resize)
+        through its universal checkpoint (`_load_resharded`)."""
+        latest = os.path.join(directory, "latest")
+        if not os.path.exists(latest):
             return None
-        path, client = self.engine.load_checkpoint(directory)
+        with open(latest) as handle:
+            tag = handle.read().strip()
+        saved = deepspeed_compat.saved_dp_world(os.path.join(directory, tag))
+        if saved is not None and saved != self.world_size:
+            path, client = self._load_resharded(directory, tag)
+        else:
+            path, client = self.engine.load_checkpoint(directory)
         if path is None:
             return None
         return (client or {}).get("dtrain_client_state", {})
+
+    def _load_resharded(self, directory: str, tag: str) -> tuple[Any, Any]:
+        """Rank 0 converts the checkpoint ``tag`` into DeepSpeed's universal format once (``<tag>_universal`` beside
+        it, complete before it gets that name), then every rank loads it: DeepSpeed repartitions the fp32 weights
+        and the optimizer state for this world."""
+        import shutil
+
+        import torch.distributed as dist
+
+        universal = f"{tag}_universal"
+        target = os.path.join(directory, universal)
+        if self.rank == 0 and not os.path.isdir(target):
+            partial = target + ".partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            deepspeed_compat.to_universal(os.path.join(directory, tag), partial)
+            os.rename(partial, target)
+        dist.barrier()
+        with deepspeed_compat.loading_universal(self.engine):
+            return self.engine.load_checkpoint(directory, tag=universal)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 weights of the whole model on every rank: ZeRO partitions and ZeRO-3 shards are gathered

@@ -2,9 +2,9 @@
 store): a SIGTERM to a rank (the preemption notice) makes every rank checkpoint at the same step and the run restarts
 from it with no step lost; ``--elastic 1:2`` continues a run that lost a worker (SIGKILL) on the survivor from the last
 checkpoint, the global batch kept by gradient accumulation and ``ctx.data`` re-split from the checkpoint's sample
-position, and a later restart grows it back (DDP and FSDP, 2 -> 1 -> 2 ranks). All end with the weights of an
-uninterrupted run (fp32 on CPU, 1e-5), computed here in one plain process; the MLflow run records the restart, the
-world size and the steps lost."""
+position, and a later restart grows it back (DDP, FSDP, ZeRO-2 and ZeRO-3, 2 -> 1 -> 2 ranks). All end with the
+weights of an uninterrupted run (fp32 on CPU, 1e-5), computed here in one plain process; the MLflow run records the
+restart, the world size and the steps lost."""
 
 from __future__ import annotations
 
@@ -140,9 +140,9 @@ def _rows():
     return {"id": np.arange(ROWS, dtype=np.int64), "x": x.numpy(), "y": x.sum(1, keepdim=True).sin().numpy()}
 
 
-# DDP (the whole state on every rank) and FSDP (each rank's shards: torch.distributed.checkpoint reads them back for 1
-# rank, then for 2 again)
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+# DDP (the whole state on every rank), FSDP (each rank's shards: torch.distributed.checkpoint reads them back for 1
+# rank, then for 2 again) and ZeRO-2/3 (each rank's partitions: DeepSpeed's universal checkpoint repartitions them)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed --zero 2", "deepspeed --zero 3"])
 def test_elastic_continues_on_the_survivor_and_grows_back_with_the_same_batches_and_weights(strategy, shell, mlflow,
                                                                                                capsys):
     rows = _rows()

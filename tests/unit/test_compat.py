@@ -365,3 +365,14 @@ def test_a_ray_train_controller_that_cannot_be_killed_is_a_warning(monkeypatch, 
         assert ray_compat.abort(Controller(), wait_s=0.0) is False
     assert [r.levelname for r in caplog.records] == ["WARNING"]
     assert "could not kill Ray Train's run controller" in caplog.text and "the GCS does not answer" in caplog.text
+
+
+def test_a_zero_checkpoints_ranks_are_its_optimizer_partition_files(tmp_path):
+    """How many ranks wrote a DeepSpeed tag folder (an --elastic resize converts it when that differs): the ranks of
+    its ZeRO optimizer files, bf16's too; none (ZeRO-0: whole states) is None."""
+    (tmp_path / "mp_rank_00_model_states.pt").touch()
+    assert deepspeed_compat.saved_dp_world(str(tmp_path)) is None
+    for rank in (0, 1, 2):
+        (tmp_path / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").touch()
+        (tmp_path / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt").touch()  # ZeRO-3's per-rank model files
+    assert deepspeed_compat.saved_dp_world(str(tmp_path)) == 3

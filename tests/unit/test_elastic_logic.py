@@ -96,7 +96,7 @@ def test_elastic_bounds_and_worlds():
 @pytest.mark.parametrize("kwargs, flag, words", [
     (dict(backend="spark", elastic="1:2"), "--elastic", "--backend local or ray"),
     (dict(backend="local", elastic="1:1"), "--elastic", "MIN <= -n <= MAX"),
-    (dict(backend="local", elastic="1:2", strategy="deepspeed"), "--elastic", "--strategy fsdp"),
+    (dict(backend="local", elastic="1:2", tp=2), "--elastic", "--tp/--pp"),
     (dict(backend="local", preempt_grace=-1), "--preempt-grace", ">= 0"),
     (dict(backend="local", keep_checkpoints=0), "--keep-checkpoints", ">= 1"),
 ])
