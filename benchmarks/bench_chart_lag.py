@@ -20,7 +20,8 @@ from workload import write_json
 CELL = """%%distribute --backend local -n 2 --ui --experiment bench_chart_lag
 import time, torch
 def train(ctx):
-    model, opt = ctx.prepare(torch.nn.Linear(8, 1), torch.optim.SGD(torch.nn.Linear(8, 1).parameters(), lr=0.1))
+    model = torch.nn.Linear(8, 1)
+    model, opt = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     ctx.set_total(STEPS)
     for step in range(STEPS):
         ctx.log(loss=1.0 / (step + 1))

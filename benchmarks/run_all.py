@@ -14,6 +14,8 @@ one after the other.
     .venv/bin/python benchmarks/run_all.py --report-to docs/benchmark-report.md       # also write the committed report
     .venv/bin/python benchmarks/run_all.py --report-from benchmarks/results/results.json \\
         --report-to docs/benchmark-report.md
+    # a part again, the other benchmarks' results kept from docs/benchmark-report.json:
+    .venv/bin/python benchmarks/run_all.py --only ctx_log,sweep --merge --report-to docs/benchmark-report.md
 """
 
 from __future__ import annotations
@@ -101,12 +103,13 @@ def run(name: str, script: str, extra: list[str]) -> dict:
     out = os.path.join(RESULTS, f"{name}.json")
     if os.path.exists(out):
         os.remove(out)
-    started = time.monotonic()
+    started, measured_at, load_before = time.monotonic(), _now(), os.getloadavg()[0]
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, script), *extra, "--json", out],
         capture_output=True, text=True, timeout=3600,
     )
-    entry = {"script": script, "args": extra, "seconds": round(time.monotonic() - started, 1), "rc": proc.returncode}
+    entry = {"script": script, "args": extra, "seconds": round(time.monotonic() - started, 1), "rc": proc.returncode,
+             "measured_at": measured_at, "load": [load_before, os.getloadavg()[0]]}
     summary = [line for line in proc.stdout.splitlines()
                if not line.startswith(("[rank", "dtrain_magic:", "step ", "Out[", "VBox("))]
     entry["summary"] = summary[-60:]
@@ -652,13 +655,48 @@ def scaling_table(results: dict, n: int) -> list[str]:
             "|---|---|---|---|---|---|---|---|", *rows]
 
 
+def _now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+
+
+def saved_results_path(report_to: str | None) -> str:
+    """Where the results of the report being written are kept: beside the committed report (``--report-to X.md``:
+    ``X.json``), else under benchmarks/results."""
+    if report_to:
+        return os.path.splitext(report_to)[0] + ".json"
+    return os.path.join(RESULTS, "results.json")
+
+
+def merged(new: dict, total_s: float, report_to: str | None) -> tuple[dict, float]:
+    """``--merge``: the earlier results (`saved_results_path`) with this run's benchmarks replacing theirs: a report
+    built in parts, each benchmark saying when it was measured."""
+    path = saved_results_path(report_to)
+    if not os.path.exists(path):
+        return new, total_s
+    with open(path) as handle:
+        earlier = json.load(handle)
+    kept = {name: entry for name, entry in earlier["benchmarks"].items() if name not in new}
+    return {**kept, **new}, total_s + sum(entry.get("seconds", 0.0) for entry in kept.values())
+
+
 def run_meta(args: argparse.Namespace) -> dict:
     """When, where and how the numbers are measured: kept in results.json, so a report rewritten from it
     (--report-from) says when the numbers were measured, not when the report was written."""
-    return {"measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    return {"measured_at": _now(),
             "command": " ".join(["benchmarks/run_all.py", *sys.argv[1:]]),
             "cpu_count": os.cpu_count(), "gpu": bool(args.gpu), "quick": bool(args.quick),
             "num_processes": args.num_processes}
+
+
+def measured_in_parts(results: dict) -> str:
+    """For a report merged from several runs (``--merge``): when each benchmark was measured, and the load then."""
+    times = {entry.get("measured_at") for entry in results.values()}
+    if len(times) <= 1:
+        return ""
+    parts = [f"{name} at {entry.get('measured_at') or 'an unknown time'}"
+             + (f" (load {entry['load'][0]:.1f} to {entry['load'][1]:.1f})" if entry.get("load") else "")
+             for name, entry in results.items()]
+    return " Measured in parts (`--merge`): " + "; ".join(parts) + "."
 
 
 def markdown(results: dict, rows: list[dict], meta: dict, total_s: float, load: tuple) -> str:
@@ -672,7 +710,8 @@ def markdown(results: dict, rows: list[dict], meta: dict, total_s: float, load: 
              f"took {total_s / 60:.1f} min; load average {load[0]:.1f} at the start, {load[1]:.1f} at the end. "
              "Values are medians with (min-max); a shared 2-core machine is noisy, so rerun before drawing conclusions."
              + (" **--quick: one sample of each and few steps, a check that everything runs; "
-                "the numbers mean nothing.**" if meta.get("quick") else ""),
+                "the numbers mean nothing.**" if meta.get("quick") else "")
+             + measured_in_parts(results),
              "", "## Targets", "", "| target | wanted | measured | met? |", "|---|---|---|---|"]
     for row in rows:
         met = "not measured" if row["met"] is None else ("yes" if row["met"] else "**no**")
@@ -799,6 +838,9 @@ def main() -> None:
                              "(about 5 min; the numbers mean nothing)")
     parser.add_argument("--report-from", metavar="RESULTS_JSON", default=None,
                         help="write report.md and chart.html again from a results.json, running nothing")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the earlier results of the benchmarks not run now (from the --report-to report's "
+                             ".json beside it, else benchmarks/results/results.json): a report built in parts")
     parser.add_argument("--report-to", metavar="PATH", default=None,
                         help="also write the report (markdown) to PATH, "
                              "e.g. docs/benchmark-report.md (the committed one)")
@@ -838,6 +880,8 @@ def main() -> None:
         print("\n".join(results[name]["summary"][-12:]), flush=True)
         print(f"   ({results[name]['seconds']:.0f} s{', FAILED' if results[name]['rc'] else ''})", flush=True)
     total_s = time.monotonic() - began
+    if args.merge:
+        results, total_s = merged(results, total_s, args.report_to)
     write_report(results, meta, total_s, (load_start, os.getloadavg()[0]), args.report_to)
 
 
@@ -847,9 +891,10 @@ def write_report(results: dict, meta: dict, total_s: float, load: tuple, report_
     os.makedirs(RESULTS, exist_ok=True)
     n = meta["num_processes"]
     rows = targets(results, n)
-    with open(os.path.join(RESULTS, "results.json"), "w") as handle:
-        json.dump({"benchmarks": results, "targets": rows, "seconds": total_s, "load": list(load), "meta": meta},
-                  handle, indent=2)
+    saved = {"benchmarks": results, "targets": rows, "seconds": total_s, "load": list(load), "meta": meta}
+    for path in {os.path.join(RESULTS, "results.json"), saved_results_path(report_to)}:
+        with open(path, "w") as handle:
+            json.dump(saved, handle, indent=2)
     report = markdown(results, rows, meta, total_s, load)
     with open(os.path.join(RESULTS, "report.md"), "w") as handle:
         handle.write(report)
