@@ -688,15 +688,17 @@ def run_meta(args: argparse.Namespace) -> dict:
             "num_processes": args.num_processes}
 
 
-def measured_in_parts(results: dict) -> str:
-    """For a report merged from several runs (``--merge``): when each benchmark was measured, and the load then."""
-    times = {entry.get("measured_at") for entry in results.values()}
-    if len(times) <= 1:
+def measured_in_parts(results: dict, meta: dict) -> str:
+    """For a report merged from several runs (``--merge``): the benchmarks kept from earlier runs, when each was
+    measured, and the load then (an entry measured before this run began is an earlier run's)."""
+    began = meta.get("measured_at") or ""
+    kept = {name: entry for name, entry in results.items() if (entry.get("measured_at") or "") < began}
+    if not kept:
         return ""
     parts = [f"{name} at {entry.get('measured_at') or 'an unknown time'}"
              + (f" (load {entry['load'][0]:.1f} to {entry['load'][1]:.1f})" if entry.get("load") else "")
-             for name, entry in results.items()]
-    return " Measured in parts (`--merge`): " + "; ".join(parts) + "."
+             for name, entry in kept.items()]
+    return " Measured in parts (`--merge`); kept from earlier runs: " + "; ".join(parts) + "."
 
 
 def markdown(results: dict, rows: list[dict], meta: dict, total_s: float, load: tuple) -> str:
@@ -711,7 +713,7 @@ def markdown(results: dict, rows: list[dict], meta: dict, total_s: float, load: 
              "Values are medians with (min-max); a shared 2-core machine is noisy, so rerun before drawing conclusions."
              + (" **--quick: one sample of each and few steps, a check that everything runs; "
                 "the numbers mean nothing.**" if meta.get("quick") else "")
-             + measured_in_parts(results),
+             + measured_in_parts(results, meta),
              "", "## Targets", "", "| target | wanted | measured | met? |", "|---|---|---|---|"]
     for row in rows:
         met = "not measured" if row["met"] is None else ("yes" if row["met"] else "**no**")
