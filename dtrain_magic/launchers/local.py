@@ -293,7 +293,7 @@ class LocalJob(RunningJob):
         return grown_world(self._num_processes, bounds, _room(self._job.config))
 
     def _restart(self, failure: Failure, codes: list[int | None], world: int) -> None:
-        from ..worker.preempt import PREEMPTED_EXIT, PREEMPTION_SOURCE
+        from ..worker.preempt import PREEMPTED_EXIT, checkpointed_words
         from ..worker.resume_point import resume_point
 
         preempted = all(code in (None, 0, PREEMPTED_EXIT) for code in codes)
@@ -301,8 +301,7 @@ class LocalJob(RunningJob):
         if not shrink:
             self._restarts_left -= 1
         self._attempt += 1
-        why = (f"every rank checkpointed for a preemption notice ({PREEMPTION_SOURCE})" if preempted
-               else f"rank {failure.rank} failed ({failure.reason})")
+        why = checkpointed_words() if preempted else f"rank {failure.rank} failed ({failure.reason})"
         where = resume_point(self._job.checkpoint_root).words()  # as Spark's restart line says it
         what = (f"continuing on the {world} survivor(s) from {where} (--elastic {self._job.config.elastic})" if shrink
                 else f"restarting every worker from {where} (restart "

@@ -39,6 +39,17 @@ class Preempted(BaseException):
     restarted from that checkpoint. A BaseException, so a loop's ``except Exception`` does not swallow it."""
 
 
+def all_preempted(reasons: list[str]) -> bool:
+    """Do these reported failures (the ranks' error summaries) all say `Preempted`: every rank checkpointed for a
+    notice, no rank failed?"""
+    return bool(reasons) and all(reason.startswith(Preempted.__name__) for reason in reasons)
+
+
+def checkpointed_words(source: str = PREEMPTION_SOURCE) -> str:
+    """What a relaunch line says when every rank checkpointed for a notice (``source``: what the notice was)."""
+    return f"every rank checkpointed for a preemption notice ({source})"
+
+
 class PreemptionNotice:
     """This rank's SIGTERM flag and the ranks' agreement on it (see the module docstring)."""
 

@@ -469,6 +469,14 @@ def test_killed_worker_names_its_rank_and_signal(spark_launcher, shell, mlflow):
     assert_no_spark_job_running(spark_launcher)
 
 
+def ensure_restart_reference(shell) -> None:
+    """RESTART_REFERENCE, set by the checkpoint test; run here when a restart test runs without it (alone)."""
+    if not RESTART_REFERENCE:
+        reference = shell.run(restart_cell("local"))
+        assert reference.error_in_exec is None, reference.error_in_exec
+        RESTART_REFERENCE.update(reference.result.value)
+
+
 def assert_restarted_once_from_step_3(restarted, said: str, mlflow):
     """A RESTART_CELL run with --max-restarts 1 whose rank 1 died once at step 6: the cell's restart line, the resume
     from step 3's checkpoint, the uninterrupted run's weights (1e-6), one MLflow run FINISHED with one restart."""
@@ -489,10 +497,7 @@ def test_max_restarts_resubmits_the_job_and_resumes_from_the_last_checkpoint(spa
     the failed barrier job, sweeps its torchrun processes and submits a new one, which resumes from the newest
     complete checkpoint (step 3) and ends with the uninterrupted run's weights, in the same MLflow run."""
 
-    if not RESTART_REFERENCE:  # (this test alone: the checkpoint test did not run first)
-        reference = shell.run(restart_cell("local"))
-        assert reference.error_in_exec is None, reference.error_in_exec
-        RESTART_REFERENCE.update(reference.result.value)
+    ensure_restart_reference(shell)
     waiting = take_over(spark_launcher)  # the first attempt runs on the waiting workers, the second is fresh
     capsys.readouterr()
     cell = restart_cell("spark", flags="--max-restarts 1", kill=True).replace("os.kill(os.getpid(), signal.SIGKILL)",
@@ -517,10 +522,7 @@ def test_a_sigterm_to_a_rank_checkpoints_every_rank_and_the_restart_loses_no_ste
     attempt left."""
     import torch
 
-    if not RESTART_REFERENCE:  # (this test alone)
-        reference = shell.run(restart_cell("local"))
-        assert reference.error_in_exec is None, reference.error_in_exec
-        RESTART_REFERENCE.update(reference.result.value)
+    ensure_restart_reference(shell)
     capsys.readouterr()
     cell = restart_cell("spark", flags="--max-restarts 1 --preempt-grace 5", kill=True, signal="SIGTERM", pause=0.05)
     result = shell.run(cell)
@@ -855,10 +857,7 @@ def test_cluster_mode_max_restarts_resubmits_after_a_killed_rank_and_ends_with_t
     and submits a new job, which resumes from the step-3 checkpoint and ends with the uninterrupted run's weights;
     nothing of the failed attempt is left running."""
 
-    if not RESTART_REFERENCE:  # (this test alone)
-        reference = shell.run(restart_cell("local"))
-        assert reference.error_in_exec is None, reference.error_in_exec
-        RESTART_REFERENCE.update(reference.result.value)
+    ensure_restart_reference(shell)
     capsys.readouterr()
     # (an executor's working directory is its own: the markers go where every attempt's ranks find them)
     cell = restart_cell("spark", flags=f"--max-restarts 1 --cluster --spark-master {CLUSTER_MASTER}", kill=True)

@@ -20,9 +20,10 @@ from typing import Any, Callable, Mapping
 from ...channel import Output
 from ...elastic import resized_job
 from ...worker import WorkerJob
-from ...worker.preempt import Preempted
+from ...worker.preempt import all_preempted, checkpointed_words
 from ...worker.resume_point import resume_point
 from ..base import Emit, Failure, LaunchState, RunningJob
+from .worker import DRAINING
 
 
 class ElasticRayRun(RunningJob):
@@ -70,9 +71,8 @@ class ElasticRayRun(RunningJob):
                      f"{self._job.config.max_restarts - self._restarts_left}, {self._restarts_left} left)")
         failure = failures[0]
         rank = "a rank" if failure.rank is None else f"rank {failure.rank}"
-        preempted = all(f.reason.startswith(Preempted.__name__) for f in failures)  # (every rank checkpointed)
-        why = ("every rank checkpointed for a preemption notice (Ray is draining a node of the run)" if preempted
-               else f"{rank} failed ({failure.reason})")
+        preempted = all_preempted([f.reason for f in failures])
+        why = checkpointed_words(DRAINING) if preempted else f"{rank} failed ({failure.reason})"
         note = f"{why}; {what}"
         self._emit(Output(None, "stderr", f"dtrain_magic: {note}\n"))
         if world != current:

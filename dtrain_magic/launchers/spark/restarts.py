@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from ...channel import Output
 from ...errors import log_dropped
-from ...worker.preempt import PREEMPTION_SOURCE, Preempted
+from ...worker.preempt import all_preempted, checkpointed_words
 from ...worker.resume_point import resume_point
 from ..base import Emit, Failure, LaunchState, RunningJob
 
@@ -84,15 +84,13 @@ class RestartingJob(RunningJob):
     def _preempted(self, state: LaunchState) -> bool:
         """Did this attempt end because every rank checkpointed for a preemption notice (`worker.preempt`)? Each
         rank then raised `Preempted` (said over the channel) and returned: no rank died, the job ended."""
-        return (state.finished and not state.failures and bool(self._reported)
-                and all(f.reason.startswith(Preempted.__name__) for f in self._reported))
+        return state.finished and not state.failures and all_preempted([f.reason for f in self._reported])
 
     def _restart(self, cause: Failure, preempted: bool) -> str:
         """Stop the failed attempt (nothing of it left running), say so in the cell, launch the next one."""
         attempt = self.restarts - self.restarts_left
         who = f"rank {cause.rank}" if cause.rank is not None else "the job"
-        why = (f"every rank checkpointed for a preemption notice ({PREEMPTION_SOURCE})" if preempted
-               else f"{who} lost ({_short(cause.reason)})")
+        why = checkpointed_words() if preempted else f"{who} lost ({_short(cause.reason)})"
         note = f"{why}: restarting from {resume_point(self._root).words()}, {attempt} of {self.restarts}"
         self._emit(Output(None, "stderr", f"dtrain_magic: {note}\n"))
         try:
