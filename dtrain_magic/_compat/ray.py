@@ -137,6 +137,9 @@ def abortable_trainer_class(controller_env: Mapping[str, str] | None = None) -> 
             try:
                 if self.cancel_requested:
                     abort(self.controller)
+                elif not reach(self.controller, lambda: self.cancel_requested):
+                    # (its abort, or kill, ends it; fit() ends here: a call to it might never be answered)
+                    raise RuntimeError("the run was cancelled before Ray Train's controller started")
                 ray.get(self.controller.run.remote())
                 return ray.get(self.controller.get_result.remote())
             finally:
@@ -145,6 +148,55 @@ def abortable_trainer_class(controller_env: Mapping[str, str] | None = None) -> 
                 self.controller = None
 
     return AbortableTorchTrainer
+
+
+class DriverLostActors(RuntimeError):
+    """This process's Ray driver no longer learns that its actors started (see `reach`)."""
+
+
+# Seen on Ray 2.60 (2 cores, a kernel that had run Ray Data and Spark): the GCS had the run's new controller ALIVE,
+# but this driver was never told, so the controller's `run` call waited in the driver forever, and so did every actor
+# made after it (tasks still ran). Nothing in Ray times out there; the run must say so instead of waiting silently.
+REACH_GRACE_S = 30.0  # how long the GCS may say ALIVE while this driver still cannot call the actor
+
+
+def reach(actor: Any, cancelled: Any = lambda: False, grace_s: float = REACH_GRACE_S) -> bool:
+    """Wait until ``actor`` answers this driver (its creation done, as the driver sees it). False when
+    ``cancelled()`` became true meanwhile. An actor still being created (no free worker process, a busy node) is
+    waited for as long as it takes; one the GCS has had ALIVE for ``grace_s`` while this driver cannot reach it
+    raises `DriverLostActors`."""
+    import time
+
+    import ray
+
+    ref = actor.__ray_ready__.remote()  # Ray's own no-op method of every actor
+    alive_since = None
+    while not ray.wait([ref], timeout=1.0)[0]:
+        if cancelled():
+            return False
+        if _gcs_actor_state(actor) != "ALIVE":
+            alive_since = None
+        elif alive_since is None:
+            alive_since = time.monotonic()
+        elif time.monotonic() - alive_since > grace_s:
+            raise DriverLostActors(
+                f"Ray Train did not start: its run controller started (Ray's GCS has had the actor ALIVE for "
+                f"{grace_s:.0f} s) but "
+                "this kernel's Ray driver was never told, so it cannot call it: the driver no longer learns that "
+                "its actors started (a Ray core fault), and no Ray run can start from this kernel. Restart the "
+                "kernel (its Ray connection with it)")
+    return True
+
+
+def _gcs_actor_state(actor: Any) -> str | None:
+    """The actor's state as the GCS has it ("ALIVE", "PENDING_CREATION", ...), None when unknown."""
+    try:
+        from ray._private import state
+
+        return (state.actors(actor_id=actor._actor_id.hex()) or {}).get("State")
+    except Exception as exc:  # an unknown version, or the GCS busy: no answer (the caller keeps waiting)
+        log_dropped(__name__, "_gcs_actor_state", exc)
+        return None
 
 
 class NoDatasetShards:

@@ -196,6 +196,65 @@ def test_aborting_a_ray_train_controller_after_ray_shut_down_asks_nothing_of_ray
     assert asked == [] and not ray.is_initialized()
 
 
+class _StartingActor:
+    """An actor handle whose ``__ray_ready__`` call answers after ``answers_after`` polls (never: None)."""
+
+    def __init__(self, gcs_states: list, answers_after: int | None = None):
+        self.gcs_states, self.answers_after, self.polls = gcs_states, answers_after, 0
+
+    @property
+    def __ray_ready__(self):
+        return types.SimpleNamespace(remote=lambda: "ready-ref")
+
+
+@pytest.fixture
+def starting(monkeypatch):
+    """`ray_compat.reach` against a `_StartingActor`: ray.wait polls it, the GCS's view comes from its list."""
+    ray = pytest.importorskip("ray")
+
+    def wait(refs, timeout):
+        actor.polls += 1
+        return (refs, []) if actor.answers_after is not None and actor.polls > actor.answers_after else ([], refs)
+
+    def gcs_state(_):
+        states = actor.gcs_states
+        return states[min(actor.polls, len(states)) - 1]
+
+    actor = None
+
+    def make(gcs_states, answers_after=None):
+        nonlocal actor
+        actor = _StartingActor(gcs_states, answers_after)
+        return actor
+
+    monkeypatch.setattr(ray, "wait", wait)
+    monkeypatch.setattr(ray_compat, "_gcs_actor_state", gcs_state)
+    return make
+
+
+def test_a_controller_the_gcs_has_alive_but_this_driver_cannot_reach_is_a_clear_error(starting):
+    """The Ray core fault seen after Ray Data and Spark runs in one kernel: the GCS has the new controller ALIVE,
+    this driver is never told, its calls wait forever. After the grace the run fails, saying so and what to do."""
+    actor = starting(["PENDING_CREATION", "ALIVE"])
+    with pytest.raises(ray_compat.DriverLostActors, match="Ray Train did not start.*Restart the kernel"):
+        ray_compat.reach(actor, grace_s=0.0)
+    assert actor.polls >= 3  # pending first: the grace counts from when the GCS says ALIVE
+
+
+def test_a_controller_still_being_created_is_waited_for_and_a_cancel_ends_the_wait(starting):
+    actor = starting(["PENDING_CREATION"] * 5 + ["ALIVE"], answers_after=6)
+    assert ray_compat.reach(actor, grace_s=0.0) is True  # the GCS said ALIVE once, and the driver heard it
+    actor = starting(["PENDING_CREATION"])
+    assert ray_compat.reach(actor, cancelled=lambda: actor.polls >= 2, grace_s=0.0) is False
+
+
+def test_a_driver_that_lost_its_actors_is_one_failure_in_its_own_words():
+    from dtrain_magic.launchers.ray.diagnostics import failures_from
+
+    [failure] = failures_from(ray_compat.DriverLostActors("Ray Train did not start: ... Restart the kernel"))
+    assert failure.rank is None and failure.reason == "Ray Train did not start: ... Restart the kernel"
+
+
 def test_ipykernel_subshells_only_on_a_known_ipykernel(installed, monkeypatch):
     kernel = types.SimpleNamespace(_supports_kernel_subshells=True)
     installed("ipykernel", "7.4.0")

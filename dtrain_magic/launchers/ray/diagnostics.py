@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..._compat.ray import DriverLostActors
 from ...errors import summary
 from ..base import Failure
 
@@ -17,6 +18,8 @@ def failures_from(error: BaseException) -> list[Failure]:
             failures.append(Failure(rank, _worker_reason(worker_failures[rank])))
         # a rank that died comes first: its peers' errors (gloo's "connection closed by peer") are its consequences
         return sorted(failures, key=lambda failure: not failure.reason.startswith(DIED))
+    if isinstance(error, DriverLostActors):  # what to do is in its message: no type name, no "Ray Train failed"
+        return [Failure(None, str(error))]
     cause = getattr(error, "controller_failure", None) or error
     return [Failure(None, f"Ray Train failed: {summary(cause, limit=300)}")]
 
