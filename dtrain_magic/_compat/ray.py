@@ -42,6 +42,9 @@
   node's workers die at its deadline, as without the notice).
 - `draining_nodes` (``launchers/ray/driver.py``, an ``--elastic`` run's room): ``ray._private.state.state.
   get_draining_nodes()``. **Gated**: unknown, no node counts as draining.
+- `reach` (``abortable_trainer_class``, before the controller's ``run``): ``ray._private.state.actors`` (the GCS's
+  view of the controller actor), to tell an actor still being created from one this driver was never told of
+  (`DriverLostActors`). **Gated**: unknown, the GCS's view counts as "not alive yet" and the run waits, as before.
 
 The rest of Ray Train used (``TorchTrainer``, ``ScalingConfig``, ``RunConfig``, ``FailureConfig``,
 ``ray.train.report`` / ``get_context`` / ``get_checkpoint``) is public.
