@@ -688,11 +688,25 @@ def run_meta(args: argparse.Namespace) -> dict:
             "num_processes": args.num_processes}
 
 
+def kept_from_earlier(results: dict, meta: dict) -> dict:
+    """The benchmarks of a merged report that an earlier run measured (before this run began)."""
+    began = meta.get("measured_at") or ""
+    return {name: entry for name, entry in results.items() if (entry.get("measured_at") or "") < began}
+
+
+def took(results: dict, meta: dict, total_s: float) -> str:
+    """How long the run took; for a merged report, also the time of every benchmark it reports."""
+    kept_s = sum(entry.get("seconds", 0.0) for entry in kept_from_earlier(results, meta).values())
+    if not kept_s:
+        return f"took {total_s / 60:.1f} min"
+    return (f"took {(total_s - kept_s) / 60:.1f} min ({total_s / 60:.1f} min with the benchmarks kept from earlier "
+            "runs)")
+
+
 def measured_in_parts(results: dict, meta: dict) -> str:
     """For a report merged from several runs (``--merge``): the benchmarks kept from earlier runs, when each was
     measured, and the load then (an entry measured before this run began is an earlier run's)."""
-    began = meta.get("measured_at") or ""
-    kept = {name: entry for name, entry in results.items() if (entry.get("measured_at") or "") < began}
+    kept = kept_from_earlier(results, meta)
     if not kept:
         return ""
     parts = [f"{name} at {entry.get('measured_at') or 'an unknown time'}"
@@ -709,7 +723,7 @@ def markdown(results: dict, rows: list[dict], meta: dict, total_s: float, load: 
              "`benchmarks/run_all.py --report-from results.json --report-to PATH`. -->", "",
              f"Machine: {meta.get('cpu_count') or '?'} CPU cores{', GPUs' if meta.get('gpu') else ''}; measured at "
              f"{measured_at}; `{meta.get('command') or 'benchmarks/run_all.py'}` "
-             f"took {total_s / 60:.1f} min; load average {load[0]:.1f} at the start, {load[1]:.1f} at the end. "
+             f"{took(results, meta, total_s)}; load average {load[0]:.1f} at the start, {load[1]:.1f} at the end. "
              "Values are medians with (min-max); a shared 2-core machine is noisy, so rerun before drawing conclusions."
              + (" **--quick: one sample of each and few steps, a check that everything runs; "
                 "the numbers mean nothing.**" if meta.get("quick") else "")
