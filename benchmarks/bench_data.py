@@ -363,11 +363,12 @@ def main() -> None:
                       f"iter_torch_batches {m['raw']:,.0f}, ctx.data {m['ctx.data']:,.0f} ({ray_report['ratio']:.2f}x)",
                       flush=True)
             shutil.rmtree(data, ignore_errors=True)
-        if "rss" in wanted:
+        if "rss" in wanted and "ray" in wanted:
+            report["rss"] = bench_rss_in_a_new_process(args, work)  # (which prints the lines below itself)
+        elif "rss" in wanted:
             print(f"spark dataframe: {args.spark_rows:,} rows, {args.spark_rows * SPARK_ROW_BYTES / 2**30:.2f} GiB as "
                   "tensors; notebook RSS while training on it, every backend:", flush=True)
-            report["rss"] = rss = (bench_rss_in_a_new_process(args, work) if "ray" in wanted
-                                   else bench_rss(args.spark_rows, args.batch_size, work))
+            report["rss"] = rss = bench_rss(args.spark_rows, args.batch_size, work)
             print(f"staging (Spark writes it once as Parquet, {rss['parquet_bytes'] / 2**30:.2f} GiB): "
                   f"{rss['staging_s']:.1f} s; staged again by a later run: {rss['restaged'] or 'never'}; "
                   f"largest RSS growth {rss['max_rss_growth_mb']:.0f} MB", flush=True)

@@ -184,10 +184,9 @@ def reach(actor: Any, cancelled: Any = lambda: False, grace_s: float = REACH_GRA
         elif time.monotonic() - alive_since > grace_s:
             raise DriverLostActors(
                 f"Ray Train did not start: its run controller started (Ray's GCS has had the actor ALIVE for "
-                f"{grace_s:.0f} s) but "
-                "this kernel's Ray driver was never told, so it cannot call it: the driver no longer learns that "
-                "its actors started (a Ray core fault), and no Ray run can start from this kernel. Restart the "
-                "kernel (its Ray connection with it)")
+                f"{grace_s:.0f} s) but this kernel's Ray driver was never told, so it cannot call it: the driver no "
+                "longer learns that its actors started (a Ray core fault), and no Ray run can start from this "
+                "kernel. Restart the kernel (its Ray connection with it)")
     return True
 
 
